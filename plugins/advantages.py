@@ -1,0 +1,3 @@
+"""Built-in plugin: advantages (placeholder, filled in by its owner)."""
+
+from rlite import hookimpl  # noqa: F401

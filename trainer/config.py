@@ -1,0 +1,597 @@
+"""Typed run configuration: dataclasses merged with YAML and ``key=value`` overrides by omegaconf.
+
+Every field carries a docstring right under it (a test checks this). Unknown keys, wrong types and
+unknown plugin names fail in :func:`load_config` with the full key path, the bad value and the valid
+choices. Rules that link fields live in ``__post_init__`` next to the fields.
+
+A *named choice* (:class:`Choice`) selects an implementation registered by a plugin, with optional
+``args`` validated against that implementation's own config dataclass. In YAML it is written either
+as a bare name (``advantage: grpo``) or as ``{name: grpo, args: {norm_by_std: false}}``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DTYPES = ("float32", "bfloat16", "float16")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, always naming the full key path and what to do."""
+
+
+# omegaconf builds the schema from default instances; linked-field rules only make sense on the
+# final merged values, so they are skipped while the schema and layers are being merged.
+_SKIP_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("rlite_skip_config_checks", default=False)
+
+
+def _check_choice(key: str, value: Any, choices: typing.Sequence[Any]) -> None:
+    if _SKIP_CHECKS.get():
+        return
+    if value not in choices:
+        msg = f"{key}: invalid value {value!r}. Valid choices: {', '.join(map(str, choices))}."
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        if close:
+            msg += f" Did you mean {close[0]!r}?"
+        raise ConfigError(msg)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition and not _SKIP_CHECKS.get():
+        raise ConfigError(message)
+
+
+@dataclass
+class Choice:
+    """A named implementation from a plugin registry plus its options."""
+
+    name: str = "none"
+    """Registered name of the implementation (see ``rlite plugins`` for what is available)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Options of the implementation, validated against the config dataclass it registered."""
+
+
+# --------------------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the full weights; the engine receives merged weights."""
+    rank: int = 8
+    """LoRA rank r."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the update is (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input (keep 0.0 for exact on-policy log-probs)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Module names (suffixes) that get adapters."""
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            _check(self.rank > 0, f"model.lora.rank must be positive, got {self.rank}")
+            _check(bool(self.target_modules), "model.lora.target_modules must name at least one module")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str = "???"
+    """Hugging Face model folder (or hub name when a network is available) holding config, weights and tokenizer."""
+    tokenizer: Optional[str] = None
+    """Tokenizer folder; defaults to ``path``."""
+    dtype: str = "float32"
+    """Dtype of the master weights kept by the trainer (one of float32, bfloat16, float16)."""
+    attn_implementation: str = "sdpa"
+    """Attention implementation passed to transformers (sdpa, eager, flash_attention_2)."""
+    gguf_file: Optional[str] = None
+    """GGUF file inside ``path`` to load (dequantized) instead of safetensors weights."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the model folder."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA settings."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model.dtype", self.dtype, DTYPES)
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    """Prompts: a built-in synthetic task, or files."""
+
+    task: Optional[str] = None
+    """Built-in synthetic task (addition, reversal, sorting, word_problems); ignored when ``train_files`` is set."""
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """Options of the synthetic task (for example ``digits: 2``)."""
+    train_files: Optional[str] = None
+    """Training prompts: a .jsonl or .parquet file, or a folder saved by ``datasets.save_to_disk``."""
+    eval_files: Optional[str] = None
+    """Held-out prompts in the same formats; a synthetic task makes its own held-out split."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages."""
+    answer_key: str = "answer"
+    """Column holding the reference answer given to the reward functions."""
+    num_train: int = 2000
+    """Number of synthetic training prompts."""
+    num_eval: int = 64
+    """Number of held-out prompts (synthetic tasks) or the cap on the eval file's rows (0 = all)."""
+    seed: int = 0
+    """Seed of the synthetic task generator and of the prompt shuffling."""
+    chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template (needs one)."""
+    system_prompt: Optional[str] = None
+    """System message prepended when the chat template is used."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are dropped when the data loads (with a logged count)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (deterministically from ``seed``)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.task is not None or self.train_files is not None,
+            "data: set data.task (a built-in synthetic task) or data.train_files (a .jsonl/.parquet file or dataset folder)",
+        )
+        _check(self.max_prompt_tokens > 0, "data.max_prompt_tokens must be positive")
+
+
+# --------------------------------------------------------------------------------------------------
+# rollout
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of samples by the rollout engine."""
+
+    engine: Choice = field(default_factory=lambda: Choice("transformers"))
+    """Rollout engine (transformers on CPU, sglang on GPU)."""
+    prompts_per_step: int = 8
+    """Prompts per training step, over all ranks."""
+    samples_per_prompt: int = 8
+    """Completions sampled per prompt (the group size of GRPO)."""
+    max_new_tokens: int = 16
+    """Maximum completion length in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides its logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    quantization: Choice = field(default_factory=lambda: Choice("none"))
+    """Quantization applied to the weights the engine samples with."""
+    draft: Choice = field(default_factory=lambda: Choice("none"))
+    """Speculative-decoding draft for the engine."""
+    sync_bucket_mb: int = 512
+    """Size of the flattened weight buckets sent to the engine, in MB."""
+    timeout_s: float = 600.0
+    """Timeout of any single engine call (generate, weight update); a hung engine fails loudly."""
+
+    def __post_init__(self) -> None:
+        for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "sync_bucket_mb"):
+            _check(getattr(self, key) > 0, f"rollout.{key} must be positive, got {getattr(self, key)}")
+        _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+
+
+# --------------------------------------------------------------------------------------------------
+# algorithm
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KLConfig:
+    """KL to the reference model."""
+
+    coef: float = 0.0
+    """KL coefficient beta; the reference model is built only when it is non-zero."""
+    estimator: str = "k3"
+    """KL estimator: k1, k2, k3, or a straight-through variant (k1+, k3+: value of the named one, gradient of k2)."""
+    in_reward: bool = False
+    """Apply KL as a per-token reward penalty (PPO style) instead of a loss term (GRPO style)."""
+    adaptive_target: Optional[float] = None
+    """Target KL of the adaptive controller (reward penalty only); None keeps beta fixed."""
+    adaptive_horizon: int = 10000
+    """Horizon of the adaptive KL controller, in samples."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages, losses and their aggregation."""
+
+    advantage: Choice = field(default_factory=lambda: Choice("grpo"))
+    """Advantage estimator."""
+    policy_loss: Choice = field(default_factory=lambda: Choice("ppo_clip"))
+    """Policy loss."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses are averaged over the global batch (token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm)."""
+    loss_agg_horizon: Optional[int] = None
+    """Constant H of seq-mean-token-sum-norm (Dr.GRPO); defaults to ``rollout.max_new_tokens``."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """KL regularisation."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (subtracted from the loss)."""
+    corrections: list[Choice] = field(default_factory=list)
+    """Train/inference mismatch corrections, applied in this order."""
+    minibatches_per_step: int = 1
+    """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
+    epochs_per_step: int = 1
+    """Passes over the rollout batch per training step (PPO epochs)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check(self.minibatches_per_step >= 1, "algorithm.minibatches_per_step must be >= 1")
+        _check(self.epochs_per_step >= 1, "algorithm.epochs_per_step must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------------
+# training and optimizer
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation schedule."""
+
+    steps: int = 100
+    """Number of training steps (one rollout batch each)."""
+    seed: int = 0
+    """Seed of sampling, dropout and initialisation."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass on each rank; gradients accumulate over micro-batches."""
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = no clipping, the norm is still logged)."""
+    lr_schedule: str = "constant"
+    """LR schedule after warm-up: constant, cosine or linear (decay to ``min_lr_ratio`` x lr)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to the peak learning rate."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine and linear schedules, as a fraction of ``lr``."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the output-layer log-prob computation (bounds the [tokens, vocab] memory)."""
+    eval_every: int = 10
+    """Evaluate on the held-out split every this many steps (0 = only at the end)."""
+    eval_max_prompts: int = 64
+    """Cap on held-out prompts per evaluation."""
+    true_on_policy: bool = False
+    """Sample with the trainer's own fixed-shape forward so rollout log-probs equal the trainer's bitwise (slow, CPU)."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 0, "training.steps must be >= 0")
+        _check(self.micro_batch_size >= 1, "training.micro_batch_size must be >= 1")
+        _check(self.lr >= 0, "training.lr must be >= 0")
+        _check(len(self.betas) == 2, f"training.betas must have two values, got {list(self.betas)}")
+        _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _check(self.logprob_chunk_size >= 1, "training.logprob_chunk_size must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------------
+# parallelism
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelismConfig:
+    """Sharding and precision of the training backend."""
+
+    backend: Choice = field(default_factory=lambda: Choice("fsdp2"))
+    """Training backend (fsdp2 built in)."""
+    param_dtype: str = "float32"
+    """Dtype of parameters during forward/backward (FSDP2 MixedPrecisionPolicy.param_dtype)."""
+    reduce_dtype: str = "float32"
+    """Dtype of gradient reduction (MixedPrecisionPolicy.reduce_dtype)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward instead of storing them."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (ZeRO-3 style); False keeps them until backward."""
+
+    def __post_init__(self) -> None:
+        _check_choice("parallelism.param_dtype", self.param_dtype, DTYPES)
+        _check_choice("parallelism.reduce_dtype", self.reduce_dtype, DTYPES)
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoint, logging, plugins
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    every: int = 0
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints (older ones are deleted after a newer one is complete)."""
+    resume: str = "auto"
+    """``auto`` resumes from the latest complete checkpoint in the run folder, ``never`` starts fresh, or a checkpoint path."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+    export_hf: bool = True
+    """Export the final model as a Hugging Face folder (LoRA merged) loadable by plain transformers."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "checkpoint.every must be >= 0")
+        _check(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and output."""
+
+    run_dir: str = "runs/rlite"
+    """Output folder: metrics.jsonl, checkpoints, the exported model and the final plot."""
+    loggers: list[Choice] = field(default_factory=lambda: [Choice("jsonl"), Choice("tensorboard")])
+    """Metric loggers (jsonl, tensorboard when installed, wandb)."""
+    progress_bar: bool = True
+    """Show a live progress bar on rank 0."""
+    plot: bool = True
+    """Write reward and eval accuracy against step as plot.png at the end."""
+    profile: bool = False
+    """Record a torch profiler trace of steps 2-3 into the run folder."""
+
+
+@dataclass
+class PluginsConfig:
+    """Third-party plugin discovery."""
+
+    autoload: bool = True
+    """Load plugins from the ``rlite`` entry-point group (also off if RLITE_DISABLE_PLUGIN_AUTOLOAD is set)."""
+    enable: Optional[list[str]] = None
+    """Load only these entry-point plugins (None = all)."""
+
+
+@dataclass
+class RunConfig:
+    """A complete training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and answers."""
+    rewards: list[Choice] = field(default_factory=lambda: [Choice("exact_match")])
+    """Reward functions; a sample's reward is the weighted sum (weight in ``args.weight``, default 1)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and losses."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Optimisation."""
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """Sharding and precision."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics."""
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    """Plugin discovery."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.rewards), "rewards: list at least one reward function")
+        groups = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        mb = self.algorithm.minibatches_per_step
+        _check(
+            groups % mb == 0 and self.rollout.prompts_per_step % mb == 0,
+            f"algorithm.minibatches_per_step={mb} must divide rollout.prompts_per_step="
+            f"{self.rollout.prompts_per_step} so that every mini-batch holds whole groups",
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------------
+
+# Which registry validates each Choice-valued key (list-valued keys hold several choices).
+CHOICE_KEYS: dict[str, str] = {
+    "algorithm.advantage": "advantage_estimator",
+    "algorithm.policy_loss": "policy_loss",
+    "algorithm.corrections": "mismatch_correction",
+    "rollout.engine": "rollout_engine",
+    "rollout.quantization": "rollout_quantizer",
+    "rollout.draft": "speculative_draft",
+    "parallelism.backend": "training_backend",
+    "rewards": "reward_function",
+    "logging.loggers": "logger",
+}
+OPTIONAL_CHOICE_KEYS = {"rollout.quantization", "rollout.draft"}  # "none" means off
+
+
+def _normalise_choices(node: Any, prefix: str = "") -> Any:
+    """Turn the shorthand ``key: name`` into ``key: {name: name}`` for Choice-valued keys."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if path in CHOICE_KEYS:
+                if isinstance(value, list):
+                    value = [{"name": v} if isinstance(v, str) else v for v in value]
+                elif isinstance(value, str):
+                    value = {"name": value}
+            out[key] = _normalise_choices(value, path)
+        return out
+    return node
+
+
+def _parse_overrides(overrides: typing.Sequence[str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if key in CHOICE_KEYS and not raw.strip().startswith(("[", "{")):
+            key = f"{key}.name" if key not in ("algorithm.corrections", "rewards", "logging.loggers") else key
+        value = OmegaConf.create({"v": OmegaConf.from_dotlist([f"v={raw}"]).v} if raw else {"v": ""}).v
+        value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def _schema_keys(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _explain_omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "?"
+    msg = str(exc).split("\n")[0]
+    text = f"{key}: {msg}"
+    parent_cls = None
+    obj_type = getattr(exc, "object_type", None)
+    if "not in" in msg and obj_type is not None and dataclasses.is_dataclass(obj_type):
+        parent_cls = obj_type
+    if parent_cls is not None:
+        valid = _schema_keys(parent_cls)
+        bad = key.split(".")[-1]
+        text = f"{key}: unknown key {bad!r}. Valid keys here: {', '.join(valid)}."
+        close = difflib.get_close_matches(bad, valid, n=1)
+        if close:
+            text += f" Did you mean {close[0]!r}?"
+    return ConfigError(text)
+
+
+def _validate_choice_args(key: str, choice: Choice, registry) -> Choice:
+    entry = registry.get(choice.name)
+    if entry.config_cls is None:
+        if choice.args:
+            raise ConfigError(
+                f"{key}.args: {registry.kind} {choice.name!r} takes no options, got {sorted(choice.args)}"
+            )
+        return choice
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(entry.config_cls), choice.args)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        inner = _explain_omegaconf_error(exc)
+        raise ConfigError(f"{key}.args.{str(inner)}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{key}.args: {exc}") from None
+    return Choice(choice.name, dataclasses.asdict(obj))
+
+
+def validate_choices(cfg: RunConfig, pm) -> None:
+    """Check every named choice against its registry and validate its args (in place)."""
+    from rlite.plugin_manager import UnknownChoiceError
+
+    for key, kind in CHOICE_KEYS.items():
+        section, _, attr = key.rpartition(".")
+        owner = cfg if not section else _get_path(cfg, section)
+        value = getattr(owner, attr)
+        registry = pm.registry(kind)
+        choices = value if isinstance(value, list) else [value]
+        validated = []
+        for index, choice in enumerate(choices):
+            path = f"{key}[{index}]" if isinstance(value, list) else key
+            if key in OPTIONAL_CHOICE_KEYS and choice.name == "none":
+                validated.append(choice)
+                continue
+            try:
+                validated.append(_validate_choice_args(path, choice, registry))
+            except UnknownChoiceError as exc:
+                msg = str(exc).replace(registry.config_key, path, 1)
+                raise ConfigError(msg) from None
+        setattr(owner, attr, validated if isinstance(value, list) else validated[0])
+    kl_names = pm.registry("kl_estimator").names()
+    if cfg.algorithm.kl.estimator not in kl_names:
+        _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
+
+
+def _get_path(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: typing.Sequence[str] = (),
+    pm=None,
+) -> RunConfig:
+    """Load YAML (optional) plus ``key=value`` overrides into a validated :class:`RunConfig`.
+
+    Overrides beat the YAML. When ``pm`` is None the process-wide plugin manager is used to check
+    named choices; pass ``pm=False`` to skip that check.
+    """
+    token = _SKIP_CHECKS.set(True)
+    try:
+        schema = OmegaConf.structured(RunConfig)
+    finally:
+        _SKIP_CHECKS.reset(token)
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found")
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except Exception as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        layers.append(_normalise_choices(raw))
+    layers.append(_normalise_choices(_parse_overrides(overrides)))
+    try:
+        merged = schema
+        for layer in layers:
+            merged = OmegaConf.merge(merged, layer)
+        cfg: RunConfig = OmegaConf.to_object(merged)  # runs every __post_init__
+    except OmegaConfBaseException as exc:
+        if isinstance(exc.__cause__, ConfigError):
+            raise ConfigError(str(exc.__cause__)) from None
+        raise _explain_omegaconf_error(exc) from None
+    except ConfigError as exc:
+        raise ConfigError(str(exc).split("\n")[0]) from None
+    if pm is None:
+        from rlite.plugin_manager import get_plugin_manager
+
+        pm = get_plugin_manager()
+    if pm is not False:
+        validate_choices(cfg, pm)
+    return cfg
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

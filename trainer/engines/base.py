@@ -1,0 +1,70 @@
+"""The rollout-engine interface that every engine (transformers, SGLang, plugins) implements.
+
+Shaped after SGLang's offline ``Engine``: generation from token ids with ``n`` samples per prompt,
+per-token log-probs of the sampled tokens, finish reasons and the weight version the sample was drawn
+with; weights arrive as flattened buckets (:mod:`rlite.engines.weight_sync`); memory can be released
+while the trainer runs and resumed before the next rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``temperature`` is applied to logits exactly as the trainer applies it."""
+
+    n: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt."""
+
+    prompt_index: int
+    """Index of the prompt in the request."""
+    token_ids: list[int]
+    """Generated tokens, including the stop token if one ended the completion."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the engine's (temperature-scaled) distribution."""
+    finish_reason: str
+    """``stop`` (a stop token was produced) or ``length`` (max_new_tokens reached)."""
+    weight_version: int
+    """Version of the weights the engine sampled with."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine."""
+
+    weight_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; results are grouped by prompt, in order."""
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | None, version: int) -> None:
+        """Load new weights (Hugging Face names) and start sampling with ``version``."""
+
+    def release_memory(self) -> None:
+        """Free weights/KV cache memory while the trainer runs (no-op where meaningless)."""
+
+    def resume_memory(self) -> None:
+        """Re-acquire memory before the next rollout."""
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its resources."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed, timed out, or reported a wrong weight version/checksum."""

@@ -1,0 +1,250 @@
+"""The plugin author's contract: every hook rlite calls, grouped by stage.
+
+A plugin is any module or object with functions decorated by :data:`rlite.hookimpl` whose names
+match the specs below. Built-ins (``rlite.plugins.*``) and third-party packages (entry-point group
+``rlite``) go through exactly the same path. An implementation may accept fewer arguments than the
+spec lists (pluggy passes only the ones it names), so hooks can gain arguments without breaking
+plugins.
+
+Two kinds of hooks:
+
+* **Registration hooks** (``register_*``) are called once, when the plugin manager is built. Each
+  receives a ``register`` callback and calls it once per implementation it provides::
+
+      register(name, implementation, config_cls=None)
+
+  ``config_cls`` is an optional dataclass of options for that implementation; the YAML's ``args``
+  for the choice are validated against it when the config loads, and the implementation receives
+  an instance of it. Names must be unique across all plugins of a kind.
+
+* **Lifecycle hooks** (``on_*``, ``after_*``, ``before_*``) are called by the training loop on
+  every rank unless the docstring says otherwise. Their return values are ignored unless stated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from rlite.config import RunConfig
+    from rlite.engines.base import RolloutEngine
+    from rlite.rollout import RolloutBatch
+
+PROJECT_NAME = "rlite"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+Register = Callable[..., None]
+"""``register(name: str, implementation: object, config_cls: type | None = None) -> None``."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Registration: named choices that YAML selects
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators, selected by ``algorithm.advantage.name``.
+
+    :param register: call ``register(name, fn, config_cls)`` for each estimator. ``fn(batch, cfg)``
+        takes an :class:`rlite.algorithms.AdvantageInput` and the estimator's config instance and
+        returns ``(advantages, returns)``, both float tensors of shape ``[B, T]`` that are zero
+        where ``batch.response_mask`` is zero.
+    """
+
+
+@hookspec
+def register_policy_losses(register: Register) -> None:
+    """Register policy losses, selected by ``algorithm.policy_loss.name``.
+
+    :param register: call ``register(name, fn, config_cls)``. ``fn(logprobs, old_logprobs,
+        advantages, response_mask, cfg)`` takes ``[B, T]`` tensors (``logprobs`` carries the
+        gradient) and returns ``(per_token_loss, token_metrics)``: a ``[B, T]`` loss to minimise
+        before aggregation, and a dict of ``[B, T]`` per-token metric values (for example a 0/1
+        clip indicator) that the trainer averages over the response tokens of the whole batch.
+    """
+
+
+@hookspec
+def register_kl_estimators(register: Register) -> None:
+    """Register estimators of KL(pi_theta || pi_ref), selected by ``algorithm.kl.estimator``.
+
+    :param register: call ``register(name, fn)``. ``fn(logprobs, ref_logprobs)`` takes two
+        ``[B, T]`` tensors and returns the per-token estimate ``[B, T]`` (its gradient flows through
+        ``logprobs``).
+    """
+
+
+@hookspec
+def register_mismatch_corrections(register: Register) -> None:
+    """Register train/inference mismatch corrections, listed in ``algorithm.corrections``.
+
+    :param register: call ``register(name, fn, config_cls)``. ``fn(old_logprobs,
+        rollout_logprobs, response_mask, cfg)`` returns ``(weights, mask, metrics)``: a ``[B, T]``
+        detached weight multiplying the per-token policy loss (or ``None`` for no weighting), the
+        ``[B, T]`` mask of tokens kept, and a dict of scalar metrics. Corrections compose in the
+        order listed: weights multiply and masks intersect.
+    """
+
+
+@hookspec
+def register_rollout_quantizers(register: Register) -> None:
+    """Register rollout-weight quantizers, selected by ``rollout.quantization.name``.
+
+    :param register: call ``register(name, quantizer, config_cls)``. ``quantizer(name, tensor,
+        cfg)`` is applied to each weight at sync time and returns the tensor the engine should
+        load (already dequantized for engines that cannot run the quantized format).
+    """
+
+
+@hookspec
+def register_speculative_drafts(register: Register) -> None:
+    """Register speculative-decoding drafts, selected by ``rollout.draft.name``.
+
+    :param register: call ``register(name, factory, config_cls)``. ``factory(engine_kwargs, cfg)``
+        returns the extra keyword arguments the rollout engine needs to run with this draft.
+    """
+
+
+@hookspec
+def register_training_backends(register: Register) -> None:
+    """Register training backends, selected by ``parallelism.backend.name``.
+
+    :param register: call ``register(name, factory, config_cls)``. ``factory(config, cfg)`` returns
+        an object with the :class:`rlite.actor.TrainingBackend` interface (build the model, compute
+        log-probs, step, stream weights, save and load state).
+    """
+
+
+@hookspec
+def register_rollout_engines(register: Register) -> None:
+    """Register rollout engines, selected by ``rollout.engine.name``.
+
+    :param register: call ``register(name, factory, config_cls)``. ``factory(model_dir, tokenizer,
+        rollout_config, cfg)`` returns a :class:`rlite.engines.base.RolloutEngine`.
+    """
+
+
+@hookspec
+def register_reward_functions(register: Register) -> None:
+    """Register reward functions, selected by ``rewards[*].name``.
+
+    :param register: call ``register(name, fn, config_cls)``. ``fn(completion, sample, cfg)``
+        receives the decoded completion text and the data row (a dict with at least ``prompt``
+        and, for verifiable tasks, ``answer``) and returns a float.
+    """
+
+
+@hookspec
+def register_loggers(register: Register) -> None:
+    """Register metric loggers, listed in ``logging.loggers``.
+
+    :param register: call ``register(name, factory, config_cls)``. ``factory(run_dir, config, cfg)``
+        returns an object with ``log(step: int, metrics: dict[str, float])`` and ``close()``.
+        Loggers are built on rank 0 only.
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Lifecycle: called by the training loop, in this order within a step
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_run_start(config: RunConfig, run_dir: Path) -> None:
+    """Called once on every rank after the model, engine and data are built, before step 1.
+
+    :param config: the validated run configuration.
+    :param run_dir: the output folder of the run (checkpoints, metrics, plots).
+    """
+
+
+@hookspec
+def after_rollout(step: int, batch: RolloutBatch) -> None:
+    """Called after generation, before rewards. The batch may be modified in place.
+
+    :param step: the 1-based training step.
+    :param batch: the generated samples of this rank (token ids, rollout log-probs, finish reasons).
+    """
+
+
+@hookspec
+def after_rewards(step: int, batch: RolloutBatch) -> None:
+    """Called after ``batch.scores`` are filled in, before advantages. May modify the scores.
+
+    :param step: the 1-based training step.
+    :param batch: the samples with their scalar rewards in ``batch.scores``.
+    """
+
+
+@hookspec
+def before_optimizer_step(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Called after gradients are accumulated and clipped, just before ``optimizer.step()``.
+
+    :param step: the 1-based training step.
+    :param model: the training model (FSDP2-sharded).
+    :param optimizer: its optimizer; gradients are in ``param.grad``.
+    """
+
+
+@hookspec
+def after_optimizer_step(step: int, model: torch.nn.Module, metrics: dict[str, float]) -> None:
+    """Called after the optimizer and LR scheduler stepped.
+
+    :param step: the 1-based training step.
+    :param model: the training model with its new weights.
+    :param metrics: this step's training metrics so far (loss, grad norm, ...); may be extended.
+    """
+
+
+@hookspec
+def after_weight_sync(step: int, weight_version: int, engine: RolloutEngine) -> None:
+    """Called after the rollout engine received and acknowledged new weights.
+
+    :param step: the 1-based training step.
+    :param weight_version: the version the engine now samples with.
+    :param engine: the rollout engine.
+    """
+
+
+@hookspec
+def on_checkpoint_save(step: int, path: Path) -> None:
+    """Called on every rank after a checkpoint is completely written and published.
+
+    :param step: the step the checkpoint holds.
+    :param path: the checkpoint folder.
+    """
+
+
+@hookspec
+def on_checkpoint_load(step: int, path: Path) -> None:
+    """Called on every rank after a checkpoint was loaded to resume a run.
+
+    :param step: the step the run resumes after.
+    :param path: the checkpoint folder it was loaded from.
+    """
+
+
+@hookspec
+def on_metrics(step: int, metrics: dict[str, float]) -> None:
+    """Called on rank 0 with the final metrics of a step (after evaluation if one ran).
+
+    :param step: the 1-based training step.
+    :param metrics: flat ``name -> value`` mapping, names like ``actor/pg_loss``.
+    """
+
+
+@hookspec
+def on_run_end(config: RunConfig, summary: dict[str, Any]) -> None:
+    """Called once on every rank when training finishes normally.
+
+    :param config: the run configuration.
+    :param summary: final numbers of the run (steps, last reward, eval accuracy, time breakdown).
+    """

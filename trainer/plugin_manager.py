@@ -1,0 +1,245 @@
+"""Plugin manager: built-ins, entry-point plugins, and the registries of named choices.
+
+Built-in plugins are the modules in :data:`DEFAULT_PLUGINS`; they are registered with ``pm.register``
+exactly like a third-party plugin. Third-party plugins come from the ``rlite`` entry-point group.
+Discovery of third-party plugins is off when the environment variable ``RLITE_DISABLE_PLUGIN_AUTOLOAD``
+is set (to anything but ``0``/empty) or when ``plugins.autoload: false`` in the config;
+``RLITE_PLUGINS=name1,name2`` / ``plugins.enable`` restrict it to the named entry points.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from rlite import hookspecs
+
+DEFAULT_PLUGINS: list[str] = [
+    "rlite.plugins.advantages",
+    "rlite.plugins.policy_losses",
+    "rlite.plugins.kl",
+    "rlite.plugins.corrections",
+    "rlite.plugins.quantizers",
+    "rlite.plugins.drafts",
+    "rlite.plugins.backends",
+    "rlite.plugins.engines",
+    "rlite.plugins.rewards",
+    "rlite.plugins.loggers",
+]
+
+ENTRY_POINT_GROUP = "rlite"
+
+# kind -> (registration hook name, config key that selects it)
+REGISTRY_KINDS: dict[str, tuple[str, str]] = {
+    "advantage_estimator": ("register_advantage_estimators", "algorithm.advantage"),
+    "policy_loss": ("register_policy_losses", "algorithm.policy_loss"),
+    "kl_estimator": ("register_kl_estimators", "algorithm.kl.estimator"),
+    "mismatch_correction": ("register_mismatch_corrections", "algorithm.corrections"),
+    "rollout_quantizer": ("register_rollout_quantizers", "rollout.quantization"),
+    "speculative_draft": ("register_speculative_drafts", "rollout.draft"),
+    "training_backend": ("register_training_backends", "parallelism.backend"),
+    "rollout_engine": ("register_rollout_engines", "rollout.engine"),
+    "reward_function": ("register_reward_functions", "rewards"),
+    "logger": ("register_loggers", "logging.loggers"),
+}
+
+
+class PluginError(Exception):
+    """A plugin registered something invalid (duplicate name, bad config class)."""
+
+
+class UnknownChoiceError(KeyError):
+    """A name that no plugin registered."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+@dataclass
+class Registered:
+    """One registered implementation."""
+
+    name: str
+    implementation: Any
+    config_cls: type | None
+    plugin: str
+
+
+@dataclass
+class Registry:
+    """The implementations of one kind, by name."""
+
+    kind: str
+    config_key: str
+    entries: dict[str, Registered] = field(default_factory=dict)
+
+    def add(self, name: str, implementation: Any, config_cls: type | None, plugin: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {plugin!r} registered a {self.kind} with invalid name {name!r}")
+        if name in self.entries:
+            other = self.entries[name].plugin
+            raise PluginError(
+                f"{self.kind} {name!r} is registered twice: by plugin {other!r} and by plugin {plugin!r}; "
+                "rename one of them"
+            )
+        if config_cls is not None and not hasattr(config_cls, "__dataclass_fields__"):
+            raise PluginError(f"plugin {plugin!r}: config_cls of {self.kind} {name!r} must be a dataclass")
+        self.entries[name] = Registered(name, implementation, config_cls, plugin)
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def get(self, name: str) -> Registered:
+        if name not in self.entries:
+            raise UnknownChoiceError(unknown_choice_message(self.config_key, name, self.names(), self.kind))
+        return self.entries[name]
+
+
+def unknown_choice_message(key: str, value: Any, choices: list[str], what: str = "value") -> str:
+    msg = f"{key}: unknown {what} {value!r}. Valid choices: {', '.join(choices) if choices else '(none)'}."
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    if close:
+        msg += f" Did you mean {close[0]!r}?"
+    return msg
+
+
+@dataclass
+class PluginInfo:
+    """What ``rlite plugins`` shows about one plugin."""
+
+    name: str
+    distribution: str
+    version: str
+    hooks: list[str]
+    error: str | None = None
+
+
+class RlitePluginManager(pluggy.PluginManager):
+    """A pluggy manager that also keeps the registries and a record of where plugins came from."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self.origins: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
+        self.failed: list[PluginInfo] = []
+        self._registries: dict[str, Registry] | None = None
+
+    # -- registries ---------------------------------------------------------------------------
+    @property
+    def registries(self) -> dict[str, Registry]:
+        if self._registries is None:
+            self._registries = self._collect_registries()
+        return self._registries
+
+    def registry(self, kind: str) -> Registry:
+        return self.registries[kind]
+
+    def _collect_registries(self) -> dict[str, Registry]:
+        registries = {}
+        for kind, (hook_name, key) in REGISTRY_KINDS.items():
+            registry = Registry(kind, key)
+            caller = getattr(self.hook, hook_name)
+            # Call each implementation separately so every entry knows which plugin made it.
+            for impl in reversed(caller.get_hookimpls()):
+                plugin_name = impl.plugin_name
+
+                def register(name, implementation, config_cls=None, _plugin=plugin_name, _reg=registry):
+                    _reg.add(name, implementation, config_cls, _plugin)
+
+                impl.function(register=register)
+            registries[kind] = registry
+        return registries
+
+    def invalidate(self) -> None:
+        """Forget the collected registries (call after registering or removing a plugin)."""
+        self._registries = None
+
+    def register(self, plugin, name=None):  # noqa: D401 - pluggy signature
+        result = super().register(plugin, name)
+        self.invalidate()
+        return result
+
+    def unregister(self, plugin=None, name=None):
+        result = super().unregister(plugin, name)
+        self.invalidate()
+        return result
+
+    # -- introspection ------------------------------------------------------------------------
+    def plugin_infos(self) -> list[PluginInfo]:
+        infos = []
+        for name, plugin in self.list_name_plugin():
+            if plugin is None:
+                continue
+            hooks = sorted(h.name for h in self.get_hookcallers(plugin) or [])
+            dist, version = self.origins.get(name, ("(registered at run time)", ""))
+            infos.append(PluginInfo(name, dist, version, hooks))
+        return infos + list(self.failed)
+
+
+def _autoload_enabled(config_autoload: bool | None) -> bool:
+    env = os.environ.get("RLITE_DISABLE_PLUGIN_AUTOLOAD", "")
+    if env not in ("", "0"):
+        return False
+    return True if config_autoload is None else bool(config_autoload)
+
+
+def load_entry_point_plugins(pm: RlitePluginManager, only: list[str] | None = None) -> None:
+    """Register every plugin of the ``rlite`` entry-point group; record failures, never raise."""
+    env_only = os.environ.get("RLITE_PLUGINS")
+    if env_only is not None:
+        only = [n.strip() for n in env_only.split(",") if n.strip()]
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if only is not None and ep.name not in only:
+            continue
+        dist = ep.dist.name if ep.dist is not None else "(unknown distribution)"
+        version = ep.dist.version if ep.dist is not None else ""
+        if pm.has_plugin(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+        except Exception as exc:  # a broken plugin must not take the trainer down
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            pm.failed.append(
+                PluginInfo(ep.name, dist, version, [], error=f"failed to load {ep.value!r}: {detail}")
+            )
+            continue
+        pm.origins[ep.name] = (dist, version)
+
+
+def build_plugin_manager(autoload: bool | None = None, only: list[str] | None = None) -> RlitePluginManager:
+    """Build the manager: built-ins, then entry-point plugins (unless disabled), then check_pending."""
+    pm = RlitePluginManager()
+    from rlite import __version__
+
+    for module_name in DEFAULT_PLUGINS:
+        pm.register(importlib.import_module(module_name), name=module_name)
+        pm.origins[module_name] = ("rlite (built-in)", __version__)
+    if _autoload_enabled(autoload):
+        load_entry_point_plugins(pm, only)
+    pm.check_pending()
+    return pm
+
+
+_DEFAULT_PM: RlitePluginManager | None = None
+
+
+def get_plugin_manager() -> RlitePluginManager:
+    """The process-wide manager with default discovery (built lazily, then cached)."""
+    global _DEFAULT_PM
+    if _DEFAULT_PM is None:
+        _DEFAULT_PM = build_plugin_manager()
+    return _DEFAULT_PM
+
+
+def set_plugin_manager(pm: RlitePluginManager | None) -> None:
+    """Replace the process-wide manager (used by the CLI after reading ``plugins.*`` config, and tests)."""
+    global _DEFAULT_PM
+    _DEFAULT_PM = pm
