@@ -1,0 +1,1 @@
+"""Rollout engines and the weight-sync protocol that feeds them."""

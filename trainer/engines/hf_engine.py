@@ -1,0 +1,211 @@
+"""Rollout engine on transformers ``generate`` with a KV cache (CPU, or any device torch runs on).
+
+Log-probs of sampled tokens are ``log_softmax(logits / temperature)`` of the raw logits, the same
+formula the trainer uses (top-k/top-p only restrict which tokens can be drawn). Sampling is seeded
+per call, so a resumed run samples exactly what an uninterrupted one would.
+
+``true_on_policy=True`` replaces ``generate`` by a sampler that calls the model's plain forward on a
+fixed ``[B, P + T]`` buffer each step (no KV cache). The trainer scores the same buffer layout, so the
+rollout log-probs equal the trainer's bit for bit (``../docs/mismatch.md``). It costs T full forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from rlite.engines.base import Completion, EngineError, SamplingParams
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack prompts into ``[B, P]`` ids and mask, padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: the first real token is position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus to -inf (for drawing only, not for log-probs)."""
+    if top_k and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) > top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class TransformersEngine:
+    """A colocated rollout engine around a transformers causal LM."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        pad_token_id: int,
+        eos_token_ids: Iterable[int],
+        true_on_policy: bool = False,
+    ) -> None:
+        self.model = model.eval()
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
+        self.true_on_policy = true_on_policy
+        self.weight_version = 0
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=dtype, attn_implementation=kwargs.pop("attn_implementation", "sdpa")
+        )
+        return cls(model, **kwargs)
+
+    # -- generation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if not prompts:
+            return []
+        expanded = [p for p in prompts for _ in range(params.n)]  # groups stay contiguous
+        ids, mask = left_pad(expanded, self.pad_token_id)
+        stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if self.true_on_policy:
+                tokens, logprobs = self._sample_fixed_shape(ids, mask, params, stop_ids)
+            else:
+                tokens, logprobs = self._sample_generate(ids, mask, params, stop_ids)
+        return self._to_completions(tokens, logprobs, params, stop_ids)
+
+    def _sample_generate(self, ids, mask, params: SamplingParams, stop_ids):
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=not params.greedy,
+            temperature=params.temperature if not params.greedy else None,
+            top_k=params.top_k if (params.top_k and not params.greedy) else None,
+            top_p=params.top_p if (params.top_p < 1.0 and not params.greedy) else None,
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0,
+            eos_token_id=stop_ids or None,
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            use_cache=True,
+        )
+        tokens = out.sequences[:, ids.shape[1] :]
+        logits = torch.stack(out.logits, dim=1).float()  # raw logits, [B, T, V]
+        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        logprobs = logprobs.gather(-1, tokens[..., None]).squeeze(-1)
+        return tokens, logprobs
+
+    def _sample_fixed_shape(self, ids, mask, params: SamplingParams, stop_ids):
+        """Sample with full forwards over a fixed [B, P+T] buffer (bitwise equal to the trainer)."""
+        batch, prompt_len = ids.shape
+        total = prompt_len + params.max_new_tokens
+        buffer = torch.full((batch, total), self.pad_token_id, dtype=torch.long)
+        buffer[:, :prompt_len] = ids
+        full_mask = torch.cat([mask, torch.ones(batch, params.max_new_tokens, dtype=torch.long)], dim=1)
+        positions = position_ids_from_mask(full_mask)
+        logprobs = torch.zeros(batch, params.max_new_tokens)
+        done = torch.zeros(batch, dtype=torch.bool)
+        for t in range(params.max_new_tokens):
+            logits = self.model(input_ids=buffer, attention_mask=full_mask, position_ids=positions).logits
+            step_logits = logits[:, prompt_len - 1 + t].float() / params.temperature
+            step_logprobs = torch.log_softmax(step_logits, dim=-1)
+            if params.greedy:
+                nxt = step_logits.argmax(-1)
+            else:
+                probs = filter_logits(step_logits, params.top_k, params.top_p).softmax(-1)
+                nxt = torch.multinomial(probs, 1).squeeze(1)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
+            buffer[:, prompt_len + t] = nxt
+            logprobs[:, t] = step_logprobs.gather(-1, nxt[:, None]).squeeze(1)
+            if stop_ids:
+                done |= torch.isin(nxt, torch.tensor(stop_ids))
+            if bool(done.all()):
+                break
+        return buffer[:, prompt_len:], logprobs
+
+    def _to_completions(self, tokens, logprobs, params: SamplingParams, stop_ids) -> list[Completion]:
+        completions = []
+        stop_set = set(stop_ids)
+        for row in range(tokens.shape[0]):
+            row_tokens = tokens[row].tolist()
+            length, reason = len(row_tokens), "length"
+            for pos, tok in enumerate(row_tokens):
+                if tok in stop_set:
+                    length, reason = pos + 1, "stop"
+                    break
+            completions.append(
+                Completion(
+                    prompt_index=row // params.n,
+                    token_ids=row_tokens[:length],
+                    logprobs=logprobs[row, :length].tolist(),
+                    finish_reason=reason,
+                    weight_version=self.weight_version,
+                )
+            )
+        return completions
+
+    # -- weights ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors, version: int, *, complete: bool = True) -> None:
+        """Copy tensors (Hugging Face names) into the model and switch to ``version``.
+
+        With ``complete=True`` every parameter of the engine model must be among the tensors: a sync
+        that silently leaves some weights stale (a LoRA run syncing only the base, a renamed module)
+        is an error, not a warning.
+        """
+        params = dict(self.model.named_parameters())
+        seen = set()
+        for name, tensor in named_tensors or []:
+            if name not in params:
+                # tied weights appear under one name only in named_parameters()
+                if name == "lm_head.weight" and "lm_head.weight" not in params:
+                    continue
+                raise EngineError(f"weight sync: engine model has no parameter named {name!r}")
+            target = params[name]
+            if target.shape != tensor.shape:
+                raise EngineError(
+                    f"weight sync: {name} has shape {tuple(tensor.shape)}, engine expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            seen.add(name)
+        if complete:
+            missing = sorted(set(params) - seen)
+            if missing:
+                raise EngineError(
+                    f"weight sync v{version} left {len(missing)} engine parameters stale, e.g. {missing[:3]}"
+                )
+        self.weight_version = int(version)
+
+    def named_weights(self):
+        return list(self.model.named_parameters())
+
+    def release_memory(self) -> None:
+        """Nothing to free on CPU; the KV cache lives only inside ``generate``."""
+
+    def resume_memory(self) -> None:
+        """See :meth:`release_memory`."""
+
+    def shutdown(self) -> None:
+        self.model = None

@@ -1,0 +1,122 @@
+"""A tiny byte-level tokenizer and a tiny random Qwen2 model, built offline for tests and the quickstart.
+
+The tokenizer is a byte-level BPE with no merges: every byte is one token, spelled through the
+GPT-2/Qwen2 byte-to-unicode map, plus three special tokens (``<|endoftext|>`` as pad, ``<|im_start|>``
+and ``<|im_end|>`` as eos) and a ChatML chat template. Vocabulary: 256 bytes + 3 specials = 259.
+
+A byte-level BPE (rather than a character-level WordLevel) is what survives ``save_pretrained`` and
+``AutoTokenizer.from_pretrained`` exactly: transformers rebuilds a ``model_type=qwen2`` folder's
+tokenizer from ``tokenizer.json``, and a WordLevel one silently loses ``\\n`` on that path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML, as used by Qwen2: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 map from each byte to a printable unicode character (bytes that are printable map to themselves)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codepoints = printable[:]
+    shift = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codepoints.append(256 + shift)
+            shift += 1
+    return {byte: chr(cp) for byte, cp in zip(printable, codepoints)}
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the 259-token byte-level tokenizer with ChatML specials and chat template.
+
+    Ids 0-255 are the bytes in order, then ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos).
+    """
+    byte_map = bytes_to_unicode()
+    vocab = {byte_map[byte]: byte for byte in range(256)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model_dir(
+    path: str | Path,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a tiny randomly initialised ``Qwen2ForCausalLM`` plus the byte tokenizer into ``path``.
+
+    ``vocab_size`` defaults to the tokenizer's length (259). With the defaults the model has about
+    0.1M parameters and loads with plain ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained``.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_byte_tokenizer()
+    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # A private generator keeps the caller's global RNG untouched and the weights a pure function of seed.
+    fork_devices: list[int] = []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
