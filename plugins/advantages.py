@@ -1,3 +1,469 @@
-"""Built-in plugin: advantages (placeholder, filled in by its owner)."""
+"""Built-in advantage estimators: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae.
 
-from rlite import hookimpl  # noqa: F401
+Every estimator maps an :class:`rlite.algorithms.AdvantageInput` (outcome rewards ``R_i``, group ids,
+response mask ``m``, optional per-token rewards and critic values) to ``(advantages, returns)`` of
+shape ``[B, T]``, zero where ``m = 0``. All run under ``torch.no_grad``; group statistics are taken in
+float64 and cast back to the dtype of the scores (float32 for integer scores).
+
+Group-relative (outcome) estimators, ``g(i)`` the group of response ``i``, ``n_g`` its size,
+``mu_g`` its mean reward and ``sigma_g`` its Bessel (n-1) standard deviation::
+
+    grpo      A_i = (R_i - mu_g) / (sigma + eps)      sigma = sigma_g (std_scope="group")
+                                                      or the Bessel std of all R (std_scope="batch", TRL)
+    dr_grpo   A_i = R_i - mu_g                         (Dr.GRPO: no std division)
+    rloo      A_i = R_i - (1/(n_g - 1)) sum_{j in g, j != i} R_j  =  n_g/(n_g - 1) (R_i - mu_g)
+
+    A_{i,t} = A_i * m_{i,t};  returns = advantages.
+
+``eps`` is added *outside* the square root (verl, slime: 1e-6; TRL: 1e-4). A group whose rewards
+are all equal gets exactly 0. Singleton groups (``n_g = 1``) have no baseline; ``singleton`` picks
+what they get: ``"zero"`` (default; slime, TRL, verl's vectorised RLOO: no comparison, no signal, and
+no raw-reward-scaled term mixed into otherwise normalised advantages) or ``"raw"`` (verl's GRPO and
+loop RLOO: baseline 0 and, in grpo with group scope, sigma = 1, so ``A = R / (1 + eps)``).
+
+Return-based estimators use per-token rewards ``r_{i,t} = token_rewards_{i,t} * m_{i,t} +
+[t = last token with m = 1] * R_i`` (the outcome sits on the last response token, as in verl) and the
+scan :func:`discounted_cumsum` ``y_t = x_t + d * y_{t+1}`` run over the *mask = 1 subsequence*:
+masked interior tokens (tool / observation spans) are transparent — their reward is dropped, the
+running sum passes through unchanged and their output is 0 (verl 0.9.1; verl<=0.8 reset the carry,
+slime does not skip them)::
+
+    reinforce_pp           G_{i,t} = sum_{s >= t, m=1} gamma^(#mask-1 tokens in (t, s]) r_{i,s}
+                           A = masked_whiten(G) over all mask-1 tokens of the batch; returns = G
+    reinforce_pp_baseline  the same with R_i replaced by R_i - b_g, b_g = mu_g (singleton: see above)
+    gae                    delta_t = r_t + gamma * V_next(t) - V_t,  A_t = delta_t + gamma*lam*A_next(t)
+                           returns = A + V (before whitening), A = masked_whiten(A) if ``whiten``
+
+``V_next(t)`` is the value at the next mask-1 token after ``t`` (0 after the last one: no
+bootstrapping of truncated responses, like verl and slime), so a tool span is skipped for the values
+too, exactly as verl's loop carries ``nextvalues`` through masked tokens. Whitening is
+``(x - mean) / sqrt(var + 1e-8)`` with masked mean and Bessel variance over the batch passed in
+(:func:`rlite.algorithms.masked_whiten`).
+
+Departure from verl in ``reinforce_pp_baseline``: verl sums the per-token rewards into the score
+*before* the group baseline (a per-sequence constant); here they enter as a return-to-go, so
+``reinforce_pp_baseline`` is ``reinforce_pp`` with a group-mean baseline on the outcome. Without
+per-token rewards the two agree.
+
+The scan (ALGORITHMS.md §1.6): reverse time so ``S_k = x_k + d S_{k-1}``; split into chunks of
+``C`` (128); inside a chunk ``S_local = x_chunk @ M`` with ``M[a, b] = d^(b-a)`` for ``b >= a``;
+the chunk ends ``S_end[n] = S_local[n, C-1] + d^C S_end[n-1]`` are the same recurrence with discount
+``d^C`` over ``T/C`` values and are computed by the same function (recursively); finally
+``S[n, k] = S_local[n, k] + d^(k+1) S_end[n-1]``. Transparency is implemented by compacting each
+row's mask-1 tokens to the left (a scatter), scanning with a constant discount, and scattering back,
+which is exact and keeps ``M`` shared by all rows (slime's chunked scan has no mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from rlite import hookimpl
+from rlite.algorithms import AdvantageInput, masked_whiten
+from rlite.config import ConfigError
+
+SINGLETON_MODES = ("zero", "raw")
+STD_SCOPES = ("group", "batch")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: invalid value {value!r}. Valid choices: {', '.join(choices)}.")
+
+
+def _check_unit_interval(key: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{key} must be in [0, 1], got {value}")
+
+
+# --------------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GRPOConfig:
+    """Options of ``grpo``."""
+
+    norm_by_std: bool = True
+    """Divide by the reward std (False gives Dr.GRPO's mean-only advantage)."""
+    std_scope: str = "group"
+    """Std of the group (GRPO, verl, slime) or of all rewards in the batch (TRL scale_rewards="batch")."""
+    epsilon: float = 1e-6
+    """Added to the std outside the square root (verl/slime 1e-6, TRL 1e-4)."""
+    singleton: str = "zero"
+    """Advantage of a response alone in its group: zero (slime, TRL) or raw = R/(1+eps) (verl)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("std_scope", self.std_scope, STD_SCOPES)
+        _check_choice("singleton", self.singleton, SINGLETON_MODES)
+        if self.epsilon < 0:
+            raise ConfigError(f"epsilon must be >= 0, got {self.epsilon}")
+
+
+@dataclass
+class DrGRPOConfig:
+    """Options of ``dr_grpo``."""
+
+    singleton: str = "zero"
+    """Advantage of a response alone in its group: zero, or raw = R (baseline 0, as verl)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("singleton", self.singleton, SINGLETON_MODES)
+
+
+@dataclass
+class RLOOConfig:
+    """Options of ``rloo``."""
+
+    singleton: str = "zero"
+    """Advantage of a response alone in its group: zero (verl vectorised) or raw = R (verl loop)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("singleton", self.singleton, SINGLETON_MODES)
+
+
+@dataclass
+class ReinforcePPConfig:
+    """Options of ``reinforce_pp``."""
+
+    gamma: float = 1.0
+    """Discount of the return over response tokens."""
+    whiten: bool = True
+    """Whiten the returns over all response tokens of the batch (the paper's global normalisation)."""
+
+    def __post_init__(self) -> None:
+        _check_unit_interval("gamma", self.gamma)
+
+
+@dataclass
+class ReinforcePPBaselineConfig:
+    """Options of ``reinforce_pp_baseline``."""
+
+    gamma: float = 1.0
+    """Discount of the return over response tokens."""
+    whiten: bool = True
+    """Whiten over all response tokens of the batch."""
+    singleton: str = "zero"
+    """Outcome of a response alone in its group: zero, or raw = R (baseline 0, as verl)."""
+
+    def __post_init__(self) -> None:
+        _check_unit_interval("gamma", self.gamma)
+        _check_choice("singleton", self.singleton, SINGLETON_MODES)
+
+
+@dataclass
+class GAEConfig:
+    """Options of ``gae``."""
+
+    gamma: float = 1.0
+    """Discount factor (verl default 1.0)."""
+    lam: float = 1.0
+    """GAE lambda (verl default 1.0; 0.95 is the classic PPO value)."""
+    whiten: bool = True
+    """Whiten the advantages over the batch (verl always does); returns are taken before whitening."""
+
+    def __post_init__(self) -> None:
+        _check_unit_interval("gamma", self.gamma)
+        _check_unit_interval("lam", self.lam)
+
+
+# --------------------------------------------------------------------------------------------------
+# group statistics
+# --------------------------------------------------------------------------------------------------
+
+
+def group_mean_std(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per response: its group's mean, Bessel std (0 for a singleton) and size, in float64.
+
+    Group ids may be any integers in any order (groups need not be contiguous).
+    """
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    x = scores.double()
+    n = counts.double()
+    # Shift by the group minimum so that a constant group has a mean equal to its reward bit for
+    # bit, and its centred rewards (hence its advantages) are exactly 0.
+    shift = torch.full_like(n, float("inf")).scatter_reduce(0, inverse, x, reduce="amin")[inverse]
+    mean_shifted = torch.zeros_like(n).index_add_(0, inverse, x - shift) / n
+    mean = mean_shifted[inverse] + shift
+    deviation = x - mean
+    sq = torch.zeros_like(n).index_add_(0, inverse, deviation.square())
+    std = (sq / (n - 1).clamp(min=1)).sqrt()
+    return mean, std[inverse], counts[inverse]
+
+
+def _batch_std(x: torch.Tensor) -> torch.Tensor:
+    """Bessel std of all entries; 0 for fewer than two."""
+    if x.numel() < 2:
+        return x.new_zeros(())
+    return x.std(unbiased=True)
+
+
+def _out_dtype(scores: torch.Tensor) -> torch.dtype:
+    return scores.dtype if scores.is_floating_point() else torch.float32
+
+
+def _broadcast(per_response: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return per_response.to(dtype)[:, None] * mask.to(dtype)
+
+
+def _group_baseline(scores: torch.Tensor, group_ids: torch.Tensor, singleton: str) -> torch.Tensor:
+    """``R_i - mu_g`` in float64, with the singleton rule applied."""
+    mean, _, count = group_mean_std(scores, group_ids)
+    x = scores.double()
+    centered = x - mean
+    single = count == 1
+    return torch.where(single, x if singleton == "raw" else torch.zeros_like(x), centered)
+
+
+@torch.no_grad()
+def grpo_advantages(batch: AdvantageInput, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage ``(R_i - mu_g) / (sigma + eps)`` broadcast over the response tokens."""
+    x = batch.scores.double()
+    mean, std, count = group_mean_std(batch.scores, batch.group_ids)
+    single = count == 1
+    raw = cfg.singleton == "raw"
+    centered = torch.where(single & raw, x, x - mean)
+    if cfg.norm_by_std:
+        if cfg.std_scope == "group":
+            sigma = torch.where(single & raw, torch.ones_like(std), std)
+        else:
+            sigma = _batch_std(x).expand_as(x)
+        # centred == 0 guards epsilon = 0 on a constant group (0 / 0).
+        advantage = torch.where(centered == 0, torch.zeros_like(x), centered / (sigma + cfg.epsilon))
+    else:
+        advantage = centered
+    if not raw:
+        advantage = torch.where(single, torch.zeros_like(advantage), advantage)
+    out = _broadcast(advantage, batch.response_mask, _out_dtype(batch.scores))
+    return out, out.clone()
+
+
+@torch.no_grad()
+def dr_grpo_advantages(batch: AdvantageInput, cfg: DrGRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr.GRPO: ``R_i - mu_g`` (no std division) broadcast over the response tokens."""
+    advantage = _group_baseline(batch.scores, batch.group_ids, cfg.singleton)
+    out = _broadcast(advantage, batch.response_mask, _out_dtype(batch.scores))
+    return out, out.clone()
+
+
+@torch.no_grad()
+def rloo_advantages(batch: AdvantageInput, cfg: RLOOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: ``R_i`` minus the mean reward of the *other* responses of its group."""
+    x = batch.scores.double()
+    mean, _, count = group_mean_std(batch.scores, batch.group_ids)
+    n = count.double()
+    single = count == 1
+    fallback = x if cfg.singleton == "raw" else torch.zeros_like(x)
+    # R_i - (n mu - R_i)/(n - 1) rewritten as n/(n - 1) (R_i - mu): exactly 0 on a constant group.
+    advantage = torch.where(single, fallback, n / (n - 1).clamp(min=1) * (x - mean))
+    out = _broadcast(advantage, batch.response_mask, _out_dtype(batch.scores))
+    return out, out.clone()
+
+
+# --------------------------------------------------------------------------------------------------
+# the scan
+# --------------------------------------------------------------------------------------------------
+
+
+def _reverse_scan(x: torch.Tensor, discount: float, chunk: int) -> torch.Tensor:
+    """``y_t = x_t + discount * y_{t+1}`` along the last dim of ``x`` [B, L], with ``y_L = 0``.
+
+    In-chunk sums are one matmul with ``M[a, b] = d^(a-b)`` for ``a >= b`` (the time-reversed form of
+    ALGORITHMS.md §1.6, so no flips); chunk starts obey the same recurrence with discount ``d^C`` and
+    are computed recursively; each chunk then adds ``d^(C-k)`` times the next chunk's start.
+    """
+    batch, length = x.shape
+    if length == 0:
+        return x.clone()
+    width = min(chunk, length)
+    n_chunks = -(-length // width)
+    pad = n_chunks * width - length
+    chunks = (F.pad(x, (0, pad)) if pad else x).reshape(batch, n_chunks, width)
+    k = torch.arange(width, device=x.device)
+    gap = k[:, None] - k[None, :]
+    base = torch.tensor(discount, dtype=torch.float64, device=x.device)
+    powers = torch.where(gap >= 0, base.pow(gap.clamp(min=0)), torch.zeros((), dtype=torch.float64))
+    out = chunks @ powers.to(x.dtype)
+    if n_chunks > 1:
+        starts = _reverse_scan(out[..., 0], discount**width, chunk)
+        next_start = F.pad(starts[:, 1:], (0, 1))
+        out.addcmul_(next_start[..., None], base.pow(width - k).to(x.dtype))
+    out = out.reshape(batch, n_chunks * width)
+    return out[:, :length] if pad else out
+
+
+def _keep_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(like, dtype=torch.bool) if mask is None else mask.bool()
+
+
+class _Packing:
+    """Moves each row's mask-1 tokens to the left (and back), so that masked tokens are skipped.
+
+    Rows that are already left-aligned (no 0 -> 1 step anywhere, the usual right-padded batch) are
+    only truncated; otherwise a token's slot is the number of mask-1 tokens before it.
+    """
+
+    def __init__(self, mask: torch.Tensor | None, like: torch.Tensor) -> None:
+        self.keep = _keep_mask(mask, like)
+        self.weight = self.keep.to(like.dtype)
+        self.length = like.shape[1]
+        self.width = int(self.weight.sum(-1).max()) if self.keep.numel() else 0
+        aligned = self.length < 2 or not bool((self.keep[:, 1:] > self.keep[:, :-1]).any())
+        self.slot: torch.Tensor | None = None
+        if not aligned:
+            count = self.keep.to(torch.int32).cumsum(-1, dtype=torch.int32)
+            self.slot = (count - 1).clamp_(min=0).long()
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> [B, width]: the mask-1 entries of each row, left-aligned, zero-padded."""
+        kept = x * self.weight
+        if self.slot is None:
+            return kept[:, : self.width]
+        # Masked tokens add their 0 to the slot of the previous kept token, which leaves it exact.
+        return x.new_zeros(x.shape[0], self.length).scatter_add(1, self.slot, kept)[:, : self.width]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[B, width] -> [B, T], zero at masked tokens."""
+        if self.slot is None:
+            return F.pad(packed, (0, self.length - self.width)) if self.width < self.length else packed
+        if self.width == 0:
+            return packed.new_zeros(self.keep.shape)
+        return packed.gather(1, self.slot.clamp(max=self.width - 1)).mul_(self.weight)
+
+
+def discounted_cumsum(
+    x: torch.Tensor, mask: torch.Tensor | None = None, discount: float = 1.0, chunk: int = 128
+) -> torch.Tensor:
+    """Chunked scan ``y_t = x_t + discount * y_{t+1}`` over the mask-1 tokens of each row of ``x``.
+
+    Masked tokens are transparent: their ``x`` is ignored, the running sum passes through unchanged
+    and their output is 0. Differentiable. Sequential depth ``log_chunk(T)``, ``O(T * chunk)`` work.
+
+    :param x: [B, T] values (rewards, TD errors).
+    :param mask: [B, T] 0/1 (or bool); None means all ones.
+    :param discount: the factor ``d`` (gamma for returns, gamma * lambda for GAE).
+    :param chunk: chunk length ``C`` of the matrix form.
+    """
+    packing = _Packing(mask, x)
+    return packing.unpack(_reverse_scan(packing.pack(x), discount, chunk))
+
+
+def discounted_cumsum_loop(
+    x: torch.Tensor, mask: torch.Tensor | None = None, discount: float = 1.0
+) -> torch.Tensor:
+    """Reference for :func:`discounted_cumsum`: the plain per-token backward loop (verl's RF++ loop)."""
+    keep = _keep_mask(mask, x)
+    out = torch.zeros_like(x)
+    carry = torch.zeros_like(x[:, 0])
+    for t in reversed(range(x.shape[1])):
+        carry = torch.where(keep[:, t], x[:, t] + discount * carry, carry)
+        out[:, t] = torch.where(keep[:, t], carry, torch.zeros_like(carry))
+    return out
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    gamma: float,
+    lam: float,
+    chunk: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation by the chunked scan (no whitening).
+
+    ``delta_t = r_t + gamma V_next(t) - V_t``, ``A_t = delta_t + gamma lam A_next(t)``, where "next" is
+    the next mask-1 token (0 after the last). Returns ``(A * m, (A + V) * m)``.
+    """
+    packing = _Packing(mask, values)
+    packed_values = packing.pack(values)
+    delta = packing.pack(rewards).sub_(packed_values)
+    delta[:, :-1].add_(packed_values[:, 1:], alpha=gamma)  # the value after the last token is 0
+    advantages = packing.unpack(_reverse_scan(delta, gamma * lam, chunk))
+    return advantages, (advantages + values).mul_(packing.weight)
+
+
+def gae_loop(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`gae`: verl's per-token loop, carrying value and advantage through masked tokens."""
+    m = _keep_mask(mask, rewards).to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    last = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * last
+        next_value = values[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        last = candidate * m[:, t] + (1 - m[:, t]) * last
+        advantages[:, t] = last
+    advantages = advantages * m
+    return advantages, (advantages + values) * m
+
+
+# --------------------------------------------------------------------------------------------------
+# return-based estimators
+# --------------------------------------------------------------------------------------------------
+
+
+def per_token_rewards(
+    outcome: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``token_rewards * m`` plus the outcome ``R_i`` on the last mask-1 token of each row."""
+    dtype = token_rewards.dtype if token_rewards is not None else _out_dtype(outcome)
+    m = mask.to(dtype)
+    rewards = token_rewards * m if token_rewards is not None else torch.zeros_like(m)
+    last = m.shape[1] - 1 - m.flip(-1).argmax(-1)
+    has_tokens = (m.sum(-1) > 0).to(dtype)
+    return rewards.scatter_add(1, last[:, None], (outcome.to(dtype) * has_tokens)[:, None])
+
+
+def _reinforce_pp(batch: AdvantageInput, outcome: torch.Tensor, gamma: float, whiten: bool):
+    rewards = per_token_rewards(outcome, batch.response_mask, batch.token_rewards)
+    returns = discounted_cumsum(rewards, batch.response_mask, gamma)
+    advantages = masked_whiten(returns, batch.response_mask) if whiten else returns.clone()
+    return advantages, returns
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(
+    batch: AdvantageInput, cfg: ReinforcePPConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return of the per-token rewards, whitened over the batch."""
+    return _reinforce_pp(batch, batch.scores, cfg.gamma, cfg.whiten)
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(
+    batch: AdvantageInput, cfg: ReinforcePPBaselineConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: REINFORCE++ with the group mean subtracted from the outcome reward."""
+    outcome = _group_baseline(batch.scores, batch.group_ids, cfg.singleton).to(_out_dtype(batch.scores))
+    return _reinforce_pp(batch, outcome, cfg.gamma, cfg.whiten)
+
+
+@torch.no_grad()
+def gae_advantages(batch: AdvantageInput, cfg: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's GAE with a critic; returns before whitening, advantages optionally whitened."""
+    if batch.values is None:
+        raise ValueError(
+            "algorithm.advantage=gae needs critic values, but batch.values is None; "
+            "use a critic-free estimator (grpo, rloo, reinforce_pp, ...) or provide values"
+        )
+    rewards = per_token_rewards(batch.scores, batch.response_mask, batch.token_rewards).to(batch.values.dtype)
+    advantages, returns = gae(rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
+    if cfg.whiten:
+        advantages = masked_whiten(advantages, batch.response_mask)
+    return advantages, returns
+
+
+@hookimpl
+def register_advantage_estimators(register) -> None:
+    register("grpo", grpo_advantages, GRPOConfig)
+    register("dr_grpo", dr_grpo_advantages, DrGRPOConfig)
+    register("rloo", rloo_advantages, RLOOConfig)
+    register("reinforce_pp", reinforce_pp_advantages, ReinforcePPConfig)
+    register("reinforce_pp_baseline", reinforce_pp_baseline_advantages, ReinforcePPBaselineConfig)
+    register("gae", gae_advantages, GAEConfig)

@@ -1,3 +1,119 @@
-"""Built-in plugin: kl (placeholder, filled in by its owner)."""
+"""Built-in KL estimators (k1, k2, k3, low_var_kl, k1+, k3+), the adaptive KL controller and KL-in-reward.
 
-from rlite import hookimpl  # noqa: F401
+Per sampled token, with ``d = lp - ref`` (Schulman, "Approximating KL divergence", 2020), estimating
+KL(pi_theta || pi_ref) from samples of pi_theta::
+
+    k1 = d                       unbiased, can be negative; E[grad k1] = 0 on-policy
+    k2 = d^2 / 2                 biased, >= 0; E[grad k2] = grad KL(pi || pi_ref)
+    k3 = exp(-d) - 1 + d         unbiased, >= 0, low variance (GRPO paper); computed as expm1(-d) + d
+    low_var_kl = clamp(exp(x) - x - 1, -10, 10),  x = clamp(-d, -20, 20)   (verl's "low_var_kl"/"k3")
+    k1+, k3+ = k2 - sg(k2) + sg(k1 or k3)    value of k1/k3, gradient of k2 (verl's "+" variants)
+
+``k3`` here is exact and unclamped (slime's k3, TRL); verl clamps its "k3" exactly like
+``low_var_kl``, whose gradient is 0 wherever a clamp is active. As a loss term, E[grad k3] is the
+gradient of the *forward* KL(pi_ref || pi) and E[grad k1] = 0, which is why the straight-through
+variants exist. No estimator multiplies by an importance ratio for off-policy samples (TRL's
+bias correction, slime's ``--use-unbiased-kl``): the trainer's estimators see only lp and ref.
+
+KL as a reward penalty (PPO / REINFORCE++ style, verl ``apply_kl_penalty``): per-token rewards
+``-beta * kl * m`` added to the outcome (:func:`kl_reward_penalty`, no gradient), with beta fixed or
+driven by :class:`AdaptiveKLController` (Ziegler et al. 2019)::
+
+    e = clip(KL / target - 1, -0.2, 0.2),   beta <- beta * (1 + e * n / horizon)
+
+where KL is the batch mean of per-sequence masked means (:func:`mean_sequence_kl`) and ``n`` the
+number of samples since the last update.
+"""
+
+from __future__ import annotations
+
+import torch
+from rlite import hookimpl
+
+
+def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``lp - ref``."""
+    return logprobs - ref_logprobs
+
+
+def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``(lp - ref)^2 / 2``."""
+    return 0.5 * (logprobs - ref_logprobs).square()
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``exp(ref - lp) - 1 - (ref - lp)``, exact (no clamp)."""
+    d = logprobs - ref_logprobs
+    return torch.expm1(-d) + d
+
+
+def kl_low_var(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """verl's ``low_var_kl``: k3 with the log-ratio clamped to +-20 and the value to [-10, 10]."""
+    x = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    return (torch.expm1(x) - x).clamp(-10.0, 10.0)
+
+
+def _straight_through(
+    value: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor
+) -> torch.Tensor:
+    k2 = kl_k2(logprobs, ref_logprobs)
+    return k2 - k2.detach() + value.detach()
+
+
+def kl_k1_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Value of k1, gradient of k2."""
+    return _straight_through(kl_k1(logprobs, ref_logprobs), logprobs, ref_logprobs)
+
+
+def kl_k3_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Value of k3, gradient of k2."""
+    return _straight_through(kl_k3(logprobs, ref_logprobs), logprobs, ref_logprobs)
+
+
+def kl_reward_penalty(kl: torch.Tensor, coef: float, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards ``-coef * kl * mask`` (detached) to add to ``AdvantageInput.token_rewards``."""
+    return -coef * kl.detach() * mask.to(kl.dtype)
+
+
+def mean_sequence_kl(kl: torch.Tensor, mask: torch.Tensor) -> float:
+    """The controller's KL: mean over sequences with at least one token of their masked mean KL."""
+    m = mask.to(kl.dtype)
+    count = m.sum(-1)
+    has_tokens = count > 0
+    if not bool(has_tokens.any()):
+        return 0.0
+    per_sequence = (kl.detach() * m).sum(-1)[has_tokens] / count[has_tokens]
+    return float(per_sequence.mean())
+
+
+class AdaptiveKLController:
+    """Ziegler et al.'s proportional controller of the KL coefficient towards a target KL."""
+
+    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be positive, got target={target}, horizon={horizon}")
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Move the coefficient after observing ``current_kl`` over ``n_steps`` samples; returns it."""
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+@hookimpl
+def register_kl_estimators(register) -> None:
+    register("k1", kl_k1)
+    register("k2", kl_k2)
+    register("k3", kl_k3)
+    register("low_var_kl", kl_low_var)
+    register("k1+", kl_k1_plus)
+    register("k3+", kl_k3_plus)

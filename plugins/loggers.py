@@ -1,3 +1,109 @@
-"""Built-in plugin: loggers (placeholder, filled in by its owner)."""
+"""Built-in metric loggers: ``jsonl`` (always works), ``tensorboard`` and ``wandb`` (when installed).
 
-from rlite import hookimpl  # noqa: F401
+A logger factory is ``factory(run_dir, config, cfg) -> logger`` with ``log(step, metrics)`` and
+``close()``; it returns None when its package is missing, which the loop reports once and skips.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlite import hookimpl
+
+log = logging.getLogger(__name__)
+
+
+class JsonlLogger:
+    """One JSON object per step in ``<run_dir>/metrics.jsonl``; appends when a run resumes."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.handle = open(path, "a")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step}
+        row.update({k: (v if isinstance(v, (int, str)) or math.isfinite(v) else None) for k, v in metrics.items()})
+        self.handle.write(json.dumps(row) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+@dataclass
+class JsonlConfig:
+    filename: str = "metrics.jsonl"
+    """File name inside the run folder."""
+
+
+def make_jsonl(run_dir, config, cfg: JsonlConfig):
+    return JsonlLogger(Path(run_dir) / cfg.filename)
+
+
+class TensorBoardLogger:
+    def __init__(self, logdir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def make_tensorboard(run_dir, config, cfg=None):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        log.info("tensorboard is not installed (pip install rlite[tensorboard]); skipping that logger")
+        return None
+    return TensorBoardLogger(Path(run_dir) / "tensorboard")
+
+
+@dataclass
+class WandbConfig:
+    project: str = "rlite"
+    """W&B project."""
+    mode: str = "offline"
+    """W&B mode: online, offline or disabled."""
+
+
+class WandbLogger:
+    def __init__(self, run_dir, config, cfg: WandbConfig) -> None:
+        import dataclasses
+
+        import wandb
+
+        self.run = wandb.init(project=cfg.project, mode=cfg.mode, dir=str(run_dir), config=dataclasses.asdict(config))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_wandb(run_dir, config, cfg: WandbConfig):
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        log.warning("logging.loggers lists wandb but it is not installed: pip install rlite[wandb]")
+        return None
+    return WandbLogger(run_dir, config, cfg)
+
+
+@hookimpl
+def register_loggers(register):
+    register("jsonl", make_jsonl, JsonlConfig)
+    register("tensorboard", make_tensorboard)
+    register("wandb", make_wandb, WandbConfig)

@@ -1,3 +1,218 @@
-"""Built-in plugin: policy_losses (placeholder, filled in by its owner)."""
+"""Built-in policy losses: ppo_clip, gspo, cispo.
 
-from rlite import hookimpl  # noqa: F401
+Each loss maps ``(logprobs, old_logprobs, advantages, response_mask, cfg)`` ([B, T]; only ``logprobs``
+carries a gradient, the others are detached here) to ``(per_token_loss, token_metrics)``. The
+per-token loss is to be *minimised*, is 0 where the mask is 0, and is aggregated by the trainer with
+:func:`rlite.algorithms.aggregate_loss` after multiplying by any mismatch-correction weights. Metrics
+are per-token [B, T] values (0 at masked tokens) that the trainer averages over response tokens,
+named as verl logs them: ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``.
+
+Notation: ``lp`` current log-prob, ``old`` pi_old's, ``A`` advantage, ``sg`` stop-gradient.
+
+ppo_clip (PPO, DAPO clip-higher, dual-clip PPO)::
+
+    log r = clamp(lp - old, -c_log, c_log)        (c_log = log_ratio_clamp, 20 like verl; None = off)
+    l1 = -A r,  l2 = -A clip(r, 1 - clip_low, 1 + clip_high),  l = max(l1, l2)
+    dual clip (dual_clip_c = c, off by default):  l = min(l, -c A) where A < 0
+    pg_clipfrac = [l2 > l1],  pg_clipfrac_lower = [A < 0 and max(l1, l2) > -c A],  ppo_kl = old - lp
+
+    Defaults depart from verl: dual clip is *off* (slime and TRL default; verl always applies c = 3),
+    so ``dual_clip_c: 3.0`` reproduces verl; ``log_ratio_clamp: null`` reproduces slime and TRL. With
+    the clamp the gradient is 0 once |lp - old| > 20 (the token is far outside any clip range, so
+    this only removes a huge, meaningless gradient). ``ppo_kl`` is the unclamped k1 of KL(pi_old||pi).
+
+gspo (GSPO, in verl's GSPO-token form)::
+
+    log s_{i,t} = lp_t - sg(lp_t) + sg( (1/|o_i|) sum_t m (lp - old) ),  clamped above at 10 (verl)
+    l = max(-A s, -A clip(s, 1 - 3e-4, 1 + 4e-4))          (no dual clip)
+
+    The value of s_{i,t} is the sequence ratio s_i for every token and d s_{i,t} / d lp_t = s_i, so
+    with ``seq-mean-token-mean`` aggregation and a per-sequence advantage the gradient is exactly the
+    paper's sequence-level one, d s_i / d lp_t = s_i / |o_i|. With the default token-mean
+    aggregation each sequence is weighted by its length instead (verl 0.9.1 behaviour; verl<=0.8 and
+    the paper use seq-mean-token-mean).
+
+cispo (MiniMax-M1)::
+
+    w = clip(r, 1 - eps_low, 1 + eps_high)   (mode "bounded": verl, slime)
+    w = min(r, eps_high)                     (mode "absolute": TRL's loss_type="cispo", eps_high a cap)
+    l = -sg(w) A lp,   pg_clipfrac = [w != r],   log r clamped to +-20 like verl
+
+    Every token keeps the gradient -w A grad(lp); the loss *value* contains lp and is not comparable
+    with PPO loss values. Defaults eps_low = 1.0 (no lower bound, as the paper does) and eps_high = 4.0
+    (cap 5, TRL's recommended absolute cap); verl and slime default to their PPO ranges (0.2, 0.2 / 0.28).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from rlite import hookimpl
+from rlite.algorithms import masked_mean
+from rlite.config import ConfigError
+
+CISPO_MODES = ("bounded", "absolute")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class PPOClipConfig:
+    """Options of ``ppo_clip``."""
+
+    clip_low: float = 0.2
+    """Lower clip range: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.2
+    """Upper clip range: the ratio is clipped above at 1 + clip_high (DAPO clip-higher uses 0.28)."""
+    dual_clip_c: Optional[float] = None
+    """Dual-clip constant c > 1 capping the loss of negative-advantage tokens at -c*A (verl: 3.0); None = off."""
+    log_ratio_clamp: Optional[float] = 20.0
+    """Clamp lp - old to +-this before exp (verl: 20); None = no clamp (slime, TRL)."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.clip_low < 1, f"clip_low must be in [0, 1), got {self.clip_low}")
+        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        _check(
+            self.dual_clip_c is None or self.dual_clip_c > 1,
+            f"dual_clip_c must be > 1, got {self.dual_clip_c}",
+        )
+        _check(
+            self.log_ratio_clamp is None or self.log_ratio_clamp > 0,
+            f"log_ratio_clamp must be positive or null, got {self.log_ratio_clamp}",
+        )
+
+
+@dataclass
+class GSPOConfig:
+    """Options of ``gspo``."""
+
+    clip_low: float = 3e-4
+    """Lower clip range of the sequence ratio (paper: 3e-4)."""
+    clip_high: float = 4e-4
+    """Upper clip range of the sequence ratio (paper: 4e-4)."""
+    log_ratio_max: Optional[float] = 10.0
+    """Upper clamp of log s before exp (verl: 10); None = off."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.clip_low < 1, f"clip_low must be in [0, 1), got {self.clip_low}")
+        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+
+
+@dataclass
+class CISPOConfig:
+    """Options of ``cispo``."""
+
+    eps_low: float = 1.0
+    """Bounded mode: the IS weight is clipped below at 1 - eps_low (>= 1 means no lower bound, as the paper)."""
+    eps_high: float = 4.0
+    """Bounded mode: clipped above at 1 + eps_high. Absolute mode: clipped above at eps_high itself (TRL)."""
+    mode: str = "bounded"
+    """bounded: clip(r, 1-eps_low, 1+eps_high) (verl, slime); absolute: min(r, eps_high) (TRL)."""
+    log_ratio_clamp: Optional[float] = 20.0
+    """Clamp lp - old to +-this before exp (verl: 20); None = no clamp."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in CISPO_MODES:
+            raise ConfigError(f"mode: invalid value {self.mode!r}. Valid choices: {', '.join(CISPO_MODES)}.")
+        _check(self.eps_low >= 0, f"eps_low must be >= 0, got {self.eps_low}")
+        _check(self.eps_high > 0, f"eps_high must be > 0, got {self.eps_high}")
+
+
+def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    log_ratio = logprobs - old_logprobs.detach()
+    return log_ratio if clamp is None else log_ratio.clamp(-clamp, clamp)
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped loss ``max(-A r, -A clip(r, 1-lo, 1+hi))``, optionally dual-clipped.
+
+    Returns ``(loss, clipped, dual_clipped)``: the per-token loss and two boolean indicators, the
+    clipped branch strictly winning and the dual clip being active.
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if dual_clip_c is None:
+        return loss, clip_active, torch.zeros_like(clip_active)
+    cap = -advantages * dual_clip_c
+    negative = advantages < 0
+    dual_active = negative & (loss > cap)
+    return torch.where(negative, torch.minimum(loss, cap), loss), clip_active, dual_active
+
+
+def _finish(
+    loss: torch.Tensor, response_mask: torch.Tensor, metrics: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    m = response_mask.to(loss.dtype)
+    return loss * m, {name: value.detach().to(loss.dtype) * m for name, value in metrics.items()}
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: PPOClipConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with clip-higher and optional dual clip (see the module docstring)."""
+    ratio = _log_ratio(logprobs, old_logprobs, cfg.log_ratio_clamp).exp()
+    loss, clipped, dual = clipped_surrogate(
+        ratio, advantages.detach(), cfg.clip_low, cfg.clip_high, cfg.dual_clip_c
+    )
+    return _finish(
+        loss,
+        response_mask,
+        {"pg_clipfrac": clipped, "pg_clipfrac_lower": dual, "ppo_kl": old_logprobs - logprobs},
+    )
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: GSPOConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token: the clipped surrogate on the sequence ratio, gradient routed per token."""
+    sequence_log_ratio = masked_mean(logprobs.detach() - old_logprobs.detach(), response_mask, dim=-1)
+    log_ratio = logprobs - logprobs.detach() + sequence_log_ratio[:, None]
+    if cfg.log_ratio_max is not None:
+        log_ratio = log_ratio.clamp(max=cfg.log_ratio_max)
+    loss, clipped, _ = clipped_surrogate(log_ratio.exp(), advantages.detach(), cfg.clip_low, cfg.clip_high)
+    return _finish(loss, response_mask, {"pg_clipfrac": clipped, "ppo_kl": old_logprobs - logprobs})
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: CISPOConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: REINFORCE weighted by the detached, clipped IS ratio ``-sg(w) A lp``."""
+    ratio = _log_ratio(logprobs, old_logprobs, cfg.log_ratio_clamp).exp().detach()
+    if cfg.mode == "bounded":
+        weight = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    else:
+        weight = ratio.clamp(max=cfg.eps_high)
+    loss = -weight * advantages.detach() * logprobs
+    return _finish(loss, response_mask, {"pg_clipfrac": weight != ratio, "ppo_kl": old_logprobs - logprobs})
+
+
+@hookimpl
+def register_policy_losses(register) -> None:
+    register("ppo_clip", ppo_clip_loss, PPOClipConfig)
+    register("gspo", gspo_loss, GSPOConfig)
+    register("cispo", cispo_loss, CISPOConfig)

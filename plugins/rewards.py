@@ -1,3 +1,228 @@
-"""Built-in plugin: rewards (placeholder, filled in by its owner)."""
+"""Built-in plugin: reward functions (``rewards[*].name``).
 
-from rlite import hookimpl  # noqa: F401
+Every function has the signature ``fn(completion, sample, cfg) -> float``: the decoded completion,
+the data row (with ``"answer"``) and the function's config instance. Every config has
+``weight: float = 1.0``, the function's weight in the sum over ``rewards``.
+
+* ``exact_match``: 1.0 when the completion, cut at the first end-of-turn text and stripped of
+  whitespace, equals ``str(answer)``; else 0.0.
+* ``numeric``: 1.0 when the last (or first) number in the completion is within ``tolerance`` of the
+  answer read as a number; else 0.0.
+* ``math_verify``: 1.0 when the ``math-verify`` package judges the completion's final expression
+  equal to the answer (LaTeX or plain); needs ``pip install rlite[math]``.
+* ``python``: any function ``package.module:attr`` called as ``fn(completion, sample, **kwargs)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlite import hookimpl
+from rlite.config import ConfigError
+
+END_TEXTS = ["<|im_end|>", "<|endoftext|>"]
+"""End-of-turn texts that may be left in a decoded completion; everything from the first one is cut."""
+
+# A number, with an optional sign when the minus does not follow a word character (so "12-5" reads
+# as 12 and 5, while "is -5" reads as -5), optional thousands separators, and optional decimals.
+NUMBER_RE = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+
+
+def cut_at_end_texts(text: str, end_texts: list[str]) -> str:
+    """``text`` up to the first occurrence of any of ``end_texts``."""
+    for end in end_texts:
+        position = text.find(end)
+        if position != -1:
+            text = text[:position]
+    return text
+
+
+def find_numbers(text: str) -> list[float]:
+    """Every number in ``text``, in order (``"1,234.5"`` -> 1234.5)."""
+    return [float(match.replace(",", "")) for match in NUMBER_RE.findall(text)]
+
+
+# --------------------------------------------------------------------------------------------------
+# exact_match
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExactMatchConfig:
+    """Options of ``exact_match``."""
+
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+    strip: bool = True
+    """Strip surrounding whitespace from the completion and the answer before comparing."""
+    end_texts: list[str] = field(default_factory=lambda: list(END_TEXTS))
+    """The completion is cut at the first of these texts (end-of-turn markers kept by the decoder)."""
+    case_sensitive: bool = True
+    """Compare with case; False lower-cases both sides."""
+
+
+def exact_match(completion: str, sample: dict, cfg: ExactMatchConfig) -> float:
+    """1.0 when the cleaned completion equals the answer string, else 0.0."""
+    predicted = cut_at_end_texts(completion, cfg.end_texts)
+    answer = str(sample["answer"])
+    if cfg.strip:
+        predicted, answer = predicted.strip(), answer.strip()
+    if not cfg.case_sensitive:
+        predicted, answer = predicted.lower(), answer.lower()
+    return 1.0 if predicted == answer else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# numeric
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NumericConfig:
+    """Options of ``numeric``."""
+
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+    tolerance: float = 1e-6
+    """Largest absolute difference between the number found and the answer that still scores 1."""
+    position: str = "last"
+    """Which number of the completion is its answer: ``last`` or ``first``."""
+    end_texts: list[str] = field(default_factory=lambda: list(END_TEXTS))
+    """The completion is cut at the first of these texts before numbers are read."""
+
+    def __post_init__(self) -> None:
+        if self.position not in ("last", "first"):
+            raise ConfigError(f"position: invalid value {self.position!r}. Valid choices: last, first.")
+        if self.tolerance < 0:
+            raise ConfigError(f"tolerance must be >= 0, got {self.tolerance}")
+
+
+def _answer_number(answer: Any) -> float:
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        return float(answer)
+    text = str(answer).strip()
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        numbers = find_numbers(text)  # for answers like "#### 42" or "$42"
+        if not numbers:
+            raise ValueError(f"the answer {text!r:.100} holds no number") from None
+        return numbers[-1]
+
+
+def numeric(completion: str, sample: dict, cfg: NumericConfig) -> float:
+    """1.0 when the completion's last (or first) number is within ``tolerance`` of the answer."""
+    target = _answer_number(sample["answer"])
+    found = find_numbers(cut_at_end_texts(completion, cfg.end_texts))
+    if not found:
+        return 0.0
+    predicted = found[-1] if cfg.position == "last" else found[0]
+    return 1.0 if abs(predicted - target) <= cfg.tolerance else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# math_verify
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MathVerifyConfig:
+    """Options of ``math_verify`` (needs the optional ``math-verify`` package)."""
+
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+    end_texts: list[str] = field(default_factory=lambda: list(END_TEXTS))
+    """The completion is cut at the first of these texts before it is parsed."""
+
+    def __post_init__(self) -> None:
+        if importlib.util.find_spec("math_verify") is None:
+            raise ConfigError(
+                "the math_verify reward needs the math-verify package: pip install 'rlite[math]'"
+            )
+
+
+class _DropTimeoutNotice(logging.Filter):
+    """math-verify warns that its own timeout is off; the reward runner enforces one instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_NOTICE_FILTER = _DropTimeoutNotice()
+
+
+def math_verify(completion: str, sample: dict, cfg: MathVerifyConfig) -> float:
+    """1.0 when math-verify finds the completion's answer equal to the reference, else 0.0."""
+    from math_verify import parse, verify
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_NOTICE_FILTER)  # idempotent: a filter is added once
+    # math-verify's own timeouts use SIGALRM, which only works on the main thread; the runner's
+    # per-call timeout covers them.
+    answer = str(sample["answer"])
+    gold = parse(answer, parsing_timeout=None)
+    if not gold:
+        gold = parse(f"${answer}$", parsing_timeout=None)
+    predicted = parse(cut_at_end_texts(completion, cfg.end_texts), parsing_timeout=None)
+    if not gold or not predicted:
+        return 0.0
+    return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# python
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_function(path: str) -> Callable[..., Any]:
+    """Import ``package.module:attr`` (``attr`` may be dotted) and check that it is callable."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"function: {path!r} must look like 'package.module:function'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"function: cannot import module {module_name!r} of {path!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"function: {path!r}: {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"function: {path!r} is a {type(target).__name__}, not a callable")
+    return target
+
+
+@dataclass
+class PythonRewardConfig:
+    """Options of ``python``: a reward function of your own, imported by path."""
+
+    function: str = ""
+    """``package.module:function``, called as ``function(completion, sample, **kwargs)`` and returning a float."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the function."""
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+
+    def __post_init__(self) -> None:
+        if not self.function:
+            raise ConfigError("function: set it to 'package.module:function'")
+        resolve_function(self.function)
+
+
+def python(completion: str, sample: dict, cfg: PythonRewardConfig) -> float:
+    """Call the configured function."""
+    return resolve_function(cfg.function)(completion, sample, **cfg.kwargs)
+
+
+@hookimpl
+def register_reward_functions(register) -> None:
+    register("exact_match", exact_match, ExactMatchConfig)
+    register("numeric", numeric, NumericConfig)
+    register("math_verify", math_verify, MathVerifyConfig)
+    register("python", python, PythonRewardConfig)

@@ -88,3 +88,35 @@ def aggregate_loss(
             raise ValueError("seq-mean-token-sum-norm needs a positive horizon H")
         return per_seq_sum.sum() / (max(global_sequences, 1.0) * horizon) * dp_size
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked entries: ``sum(m (x - mean)^2) / (n - 1)`` (Bessel) or ``/ n``.
+
+    ``n = sum(mask)``. Departs from verl's ``masked_var``, which raises when ``n <= 1``: here the
+    variance of fewer than two entries is 0, so whitening such a batch yields zeros instead of
+    stopping a run.
+    """
+    mask = mask.to(x.dtype)
+    n = mask.sum()
+    centered = (x - masked_mean(x, mask)) * mask
+    denom = n - 1 if unbiased else n
+    return (centered.square().sum() / denom.clamp(min=1)) * (n > 1)
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with the masked mean and Bessel variance (verl's whitening).
+
+    ``eps`` sits *inside* the square root (as in verl's ``masked_whiten``). The statistics use the
+    masked entries only; the result is returned for every position and multiplied by ``mask``, so
+    it is 0 where the mask is 0 (verl leaves artefacts there). ``shift_mean=False`` adds the mean
+    back, which only rescales.
+    """
+    mask = mask.to(x.dtype)
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -188,6 +188,8 @@ class RolloutConfig:
     """Size of the flattened weight buckets sent to the engine, in MB."""
     timeout_s: float = 600.0
     """Timeout of any single engine call (generate, weight update); a hung engine fails loudly."""
+    true_on_policy: bool = False
+    """Sample with the trainer's own fixed-shape forward so rollout log-probs equal the trainer's bitwise (slow; transformers engine)."""
 
     def __post_init__(self) -> None:
         for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "sync_bucket_mb"):
@@ -235,6 +237,8 @@ class AlgorithmConfig:
     """Entropy bonus coefficient (subtracted from the loss)."""
     corrections: list[Choice] = field(default_factory=list)
     """Train/inference mismatch corrections, applied in this order."""
+    old_logprob_mode: str = "decoupled"
+    """pi_old of the PPO ratio: ``decoupled`` recomputes it with the trainer, ``bypass`` uses the engine's log-probs."""
     minibatches_per_step: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     epochs_per_step: int = 1
@@ -242,6 +246,7 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice("algorithm.old_logprob_mode", self.old_logprob_mode, ("decoupled", "bypass"))
         _check(self.minibatches_per_step >= 1, "algorithm.minibatches_per_step must be >= 1")
         _check(self.epochs_per_step >= 1, "algorithm.epochs_per_step must be >= 1")
 
@@ -283,8 +288,6 @@ class TrainingConfig:
     """Evaluate on the held-out split every this many steps (0 = only at the end)."""
     eval_max_prompts: int = 64
     """Cap on held-out prompts per evaluation."""
-    true_on_policy: bool = False
-    """Sample with the trainer's own fixed-shape forward so rollout log-probs equal the trainer's bitwise (slow, CPU)."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "training.steps must be >= 0")
@@ -383,6 +386,8 @@ class RunConfig:
     """Prompts and answers."""
     rewards: list[Choice] = field(default_factory=lambda: [Choice("exact_match")])
     """Reward functions; a sample's reward is the weighted sum (weight in ``args.weight``, default 1)."""
+    reward_timeout_s: float = 10.0
+    """Timeout of one reward-function call; a call that times out or raises scores 0 and is counted."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -465,6 +470,27 @@ def _parse_overrides(overrides: typing.Sequence[str]) -> dict[str, Any]:
     return tree
 
 
+def _drop_renamed_choice_args(earlier: dict[str, Any], later: dict[str, Any]) -> None:
+    """When ``later`` picks a different implementation for a choice, forget ``earlier``'s args for it.
+
+    Layers merge key by key, so without this ``algorithm.advantage=rloo`` on top of a YAML with
+    ``advantage: {name: grpo, args: {...}}`` would validate grpo's options against rloo.
+    """
+    for key in CHOICE_KEYS:
+        old, new = _dict_at(earlier, key), _dict_at(later, key)
+        if old is not None and new is not None and "name" in new and new["name"] != old.get("name"):
+            old.pop("args", None)
+
+
+def _dict_at(tree: dict[str, Any], dotted: str) -> dict[str, Any] | None:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node if isinstance(node, dict) else None
+
+
 def _schema_keys(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
@@ -473,6 +499,8 @@ def _explain_omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
     key = getattr(exc, "full_key", None) or "?"
     msg = str(exc).split("\n")[0]
     text = f"{key}: {msg}"
+    if isinstance(exc, MissingMandatoryValue):
+        text = f"{key}: missing value; set it in the YAML file or with {key}=..."
     parent_cls = None
     obj_type = getattr(exc, "object_type", None)
     if "not in" in msg and obj_type is not None and dataclasses.is_dataclass(obj_type):
@@ -501,7 +529,7 @@ def _validate_choice_args(key: str, choice: Choice, registry) -> Choice:
     except OmegaConfBaseException as exc:
         inner = _explain_omegaconf_error(exc)
         raise ConfigError(f"{key}.args.{str(inner)}") from None
-    except ConfigError as exc:
+    except (ValueError, TypeError) as exc:  # a plugin's own __post_init__ check (ConfigError included)
         raise ConfigError(f"{key}.args: {exc}") from None
     return Choice(choice.name, dataclasses.asdict(obj))
 
@@ -569,6 +597,9 @@ def load_config(
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         layers.append(_normalise_choices(raw))
     layers.append(_normalise_choices(_parse_overrides(overrides)))
+    for index, later in enumerate(layers[1:], start=1):
+        for earlier in layers[:index]:
+            _drop_renamed_choice_args(earlier, later)
     try:
         merged = schema
         for layer in layers:

@@ -117,9 +117,11 @@ def register_speculative_drafts(register: Register) -> None:
 def register_training_backends(register: Register) -> None:
     """Register training backends, selected by ``parallelism.backend.name``.
 
-    :param register: call ``register(name, factory, config_cls)``. ``factory(config, cfg)`` returns
-        an object with the :class:`rlite.actor.TrainingBackend` interface (build the model, compute
-        log-probs, step, stream weights, save and load state).
+    :param register: call ``register(name, factory, config_cls)``. ``factory(config, cfg, device,
+        total_optimizer_steps)`` receives the run config, the backend's own config instance, the
+        rank's torch device and the number of optimizer steps of the run, and returns an object with
+        the :class:`rlite.actor.TrainingBackend` interface (``model``, ``optimizer``, ``scheduler``,
+        ``clip_and_step()``).
     """
 
 
@@ -127,8 +129,10 @@ def register_training_backends(register: Register) -> None:
 def register_rollout_engines(register: Register) -> None:
     """Register rollout engines, selected by ``rollout.engine.name``.
 
-    :param register: call ``register(name, factory, config_cls)``. ``factory(model_dir, tokenizer,
-        rollout_config, cfg)`` returns a :class:`rlite.engines.base.RolloutEngine`.
+    :param register: call ``register(name, factory, config_cls)``. ``factory(model_config,
+        tokenizer, rollout_config, cfg)`` receives the ``model`` and ``rollout`` config sections, the
+        tokenizer and the engine's own config instance, and returns a
+        :class:`rlite.engines.base.RolloutEngine` (its weights are overwritten by the first sync).
     """
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
-
 from rlite import hookspecs
 
 DEFAULT_PLUGINS: list[str] = [
@@ -171,6 +170,20 @@ class RlitePluginManager(pluggy.PluginManager):
         self.invalidate()
         return result
 
+    def check_pending(self) -> None:
+        """pluggy's typo check, with the message naming the plugin as registered (and its distribution)."""
+        try:
+            super().check_pending()
+        except pluggy.PluginValidationError as exc:
+            name = self.get_name(exc.plugin) or repr(exc.plugin)
+            dist, version = self.origins.get(name, ("(registered at run time)", ""))
+            where = f"{dist} {version}".strip()
+            raise pluggy.PluginValidationError(
+                exc.plugin,
+                f"plugin {name!r} ({where}): {str(exc).split(' in plugin ')[0]}; "
+                "hook names are listed in rlite.hookspecs",
+            ) from None
+
     # -- introspection ------------------------------------------------------------------------
     def plugin_infos(self) -> list[PluginInfo]:
         infos = []
@@ -243,3 +256,10 @@ def set_plugin_manager(pm: RlitePluginManager | None) -> None:
     """Replace the process-wide manager (used by the CLI after reading ``plugins.*`` config, and tests)."""
     global _DEFAULT_PM
     _DEFAULT_PM = pm
+
+
+def resolve_choice(registry: Registry, choice) -> tuple[Any, Any]:
+    """The implementation named by a config ``Choice`` and an instance of its config (or None)."""
+    entry = registry.get(choice.name)
+    cfg = entry.config_cls(**choice.args) if entry.config_cls is not None else None
+    return entry.implementation, cfg

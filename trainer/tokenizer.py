@@ -5,15 +5,17 @@ GPT-2/Qwen2 byte-to-unicode map, plus three special tokens (``<|endoftext|>`` as
 and ``<|im_end|>`` as eos) and a ChatML chat template. Vocabulary: 256 bytes + 3 specials = 259.
 
 A byte-level BPE (rather than a character-level WordLevel) is what survives ``save_pretrained`` and
-``AutoTokenizer.from_pretrained`` exactly: transformers rebuilds a ``model_type=qwen2`` folder's
-tokenizer from ``tokenizer.json``, and a WordLevel one silently loses ``\\n`` on that path.
+``AutoTokenizer.from_pretrained`` exactly: transformers rebuilds the tokenizer of a ``model_type=qwen2``
+folder as a ``Qwen2Tokenizer`` (a WordLevel one silently loses ``\\n`` on that path). So the pipeline
+here is the one ``Qwen2Tokenizer`` builds (NFC normaliser, Qwen2 split regex, byte-level), which
+makes the tokenizer in memory and the reloaded one encode every string identically.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
@@ -23,11 +25,15 @@ SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 """ChatML, as used by Qwen2: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
+
+# The pre-tokenisation split of Qwen2 (GPT-4 style, single digits). With no merges it does not change
+# the ids, but matching it keeps offsets and any future merges identical after a reload.
+QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -55,7 +61,13 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     byte_map = bytes_to_unicode()
     vocab = {byte_map[byte]: byte for byte in range(256)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer = PreTrainedTokenizerFast(

@@ -1,0 +1,210 @@
+"""The ``rlite`` command: ``train``, ``config`` and ``plugins``.
+
+Also runs as ``python -m rlite ...`` and ``torchrun --nproc_per_node N -m rlite train ...``.
+Configuration and plugin problems print one line on stderr and exit with status 2; nothing heavy
+(transformers, datasets) is imported before ``train`` needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rlite import __version__
+from rlite.config import ConfigError, RunConfig, config_to_yaml, load_config
+from rlite.plugin_manager import (
+    REGISTRY_KINDS,
+    PluginError,
+    RlitePluginManager,
+    build_plugin_manager,
+    set_plugin_manager,
+)
+
+EXIT_USAGE = 2
+
+OVERRIDES_HELP = "key.path=value overrides applied on top of the YAML file, e.g. training.steps=10"
+
+
+class CommandError(Exception):
+    """A problem the user can fix; printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlite",
+        description="Reinforcement-learning post-training of LLMs (GRPO, PPO and relatives).",
+    )
+    parser.add_argument("--version", action="version", version=f"rlite {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train = commands.add_parser(
+        "train",
+        help="run a training job from a YAML config",
+        description="Run a training job. Under torchrun every rank runs this command.",
+    )
+    train.add_argument("config", metavar="CONFIG", help="YAML config file")
+    train.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    train.set_defaults(func=cmd_train)
+
+    config = commands.add_parser(
+        "config",
+        help="print the resolved config (YAML + overrides + defaults) as YAML",
+        description="Load and validate a config exactly as `rlite train` would, and print it with every default filled in.",
+    )
+    config.add_argument("config", metavar="CONFIG", help="YAML config file")
+    config.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    config.set_defaults(func=cmd_config)
+
+    plugins = commands.add_parser(
+        "plugins",
+        help="list installed plugins, what they register and which hooks they implement",
+        description="List built-in and third-party plugins (entry-point group `rlite`), the names "
+        "each registers per kind, the lifecycle hooks each implements, and plugins that failed to load.",
+    )
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rlite`` console script; returns the process exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    try:
+        return args.func(args)
+    except (ConfigError, CommandError, PluginError) as exc:
+        print(f"rlite {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("rlite: interrupted", file=sys.stderr)
+        return 130
+
+
+# --------------------------------------------------------------------------------------------------
+# train / config
+# --------------------------------------------------------------------------------------------------
+
+
+def load_run_config(path: str, overrides: Sequence[str]) -> tuple[RunConfig, RlitePluginManager]:
+    """Read the ``plugins`` section, build the plugin manager it asks for, then validate against it.
+
+    Named choices can only be checked once the third-party plugins are known, and which plugins load
+    is itself configured, so the config is read twice: first without the registry check.
+    """
+    discovery = load_config(path, overrides, pm=False).plugins
+    pm = build_manager(autoload=discovery.autoload, only=discovery.enable)
+    cfg = load_config(path, overrides, pm=pm)
+    return cfg, pm
+
+
+def build_manager(autoload: bool | None = None, only: list[str] | None = None) -> RlitePluginManager:
+    """``build_plugin_manager`` with a hook-name typo turned into a one-line error."""
+    import pluggy
+
+    try:
+        return build_plugin_manager(autoload=autoload, only=only)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError("; ".join(str(exc).splitlines())) from None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg, pm = load_run_config(args.config, args.overrides)
+    set_plugin_manager(pm)
+    from rlite.loop import run_training  # heavy (torch, transformers): only when training
+
+    run_training(cfg)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    cfg, _ = load_run_config(args.config, args.overrides)
+    sys.stdout.write(config_to_yaml(cfg))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# plugins
+# --------------------------------------------------------------------------------------------------
+
+
+def describe_plugins(pm: RlitePluginManager) -> dict[str, Any]:
+    """What ``rlite plugins`` reports, as plain data (also the ``--json`` output).
+
+    ``plugins`` lists every plugin with ``registers`` (kind -> names) and ``lifecycle_hooks``;
+    plugins that failed to import carry an ``error``. ``errors`` holds problems of the registries
+    as a whole, such as one name registered by two plugins.
+    """
+    registered: dict[str, dict[str, list[str]]] = {}
+    errors: list[str] = []
+    try:
+        for kind, registry in pm.registries.items():
+            for entry in registry.entries.values():
+                registered.setdefault(entry.plugin, {}).setdefault(kind, []).append(entry.name)
+    except Exception as exc:  # a broken registration hook must not hide the rest of the report
+        errors.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc))
+    registration_hooks = {hook for hook, _ in REGISTRY_KINDS.values()}
+    plugins = []
+    for info in pm.plugin_infos():
+        plugins.append(
+            {
+                "name": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "registers": {kind: sorted(names) for kind, names in registered.get(info.name, {}).items()},
+                "lifecycle_hooks": [hook for hook in info.hooks if hook not in registration_hooks],
+                "error": info.error,
+            }
+        )
+    return {"plugins": plugins, "errors": errors}
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    report = describe_plugins(build_manager())
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_plugin_tables(report)
+    for error in report["errors"]:
+        print(f"rlite plugins: error: {error}", file=sys.stderr)
+    return 1 if report["errors"] else 0
+
+
+def print_plugin_tables(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    loaded = [p for p in report["plugins"] if p["error"] is None]
+    failed = [p for p in report["plugins"] if p["error"] is not None]
+
+    table = Table(title="rlite plugins", title_justify="left", show_lines=True)
+    table.add_column("plugin", style="bold", overflow="fold")
+    table.add_column("distribution", overflow="fold")
+    table.add_column("registers", overflow="fold")
+    table.add_column("lifecycle hooks", overflow="fold")
+    for plugin in loaded:
+        registers = "\n".join(f"{kind}: {', '.join(names)}" for kind, names in plugin["registers"].items())
+        table.add_row(
+            plugin["name"],
+            f"{plugin['distribution']} {plugin['version']}".strip(),
+            registers or "-",
+            "\n".join(plugin["lifecycle_hooks"]) or "-",
+        )
+    console.print(table)
+
+    if failed:
+        broken = Table(title="plugins that failed to load", title_justify="left", show_lines=True)
+        broken.add_column("plugin", style="bold red", overflow="fold")
+        broken.add_column("distribution", overflow="fold")
+        broken.add_column("error", overflow="fold")
+        for plugin in failed:
+            broken.add_row(
+                plugin["name"], f"{plugin['distribution']} {plugin['version']}".strip(), plugin["error"]
+            )
+        console.print(broken)

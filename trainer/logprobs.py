@@ -1,0 +1,134 @@
+"""Per-token log-probs and entropy of a causal LM, without keeping [tokens, vocab] logits for backward.
+
+:class:`PolicyModel` wraps a Hugging Face causal LM so that FSDP2's root unit owns the whole forward:
+the decoder produces hidden states, then only the *response* positions go through the output layer,
+in chunks of ``chunk_size`` tokens under activation checkpointing. Each chunk computes
+
+    z = (h @ W^T) / temperature        (float32)
+    log p(y) = z_y - logsumexp(z)
+    H = logsumexp(z) - sum softmax(z) * z
+
+so the backward pass re-computes one chunk's logits at a time instead of storing all of them.
+Temperature is the sampling temperature: the engine draws from softmax(z) with the same division.
+
+``exact_layout=True`` instead calls the output layer on every position and ``log_softmax`` on the
+full logits, exactly as the transformers engine's fixed-shape sampler does, so that the trainer's
+numbers equal the engine's bit for bit (true on-policy mode).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_logprob_entropy(hidden, weight, bias, targets, temperature: float, with_entropy: bool):
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    logits = logits.float() / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` from hidden states ``[N, H]``."""
+    outputs_lp, outputs_ent = [], []
+    use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for start in range(0, hidden.shape[0], chunk_size):
+        args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
+        if use_ckpt:
+            lp, ent = checkpoint(
+                _chunk_logprob_entropy, *args, temperature, with_entropy, use_reentrant=False
+            )
+        else:
+            lp, ent = _chunk_logprob_entropy(*args, temperature, with_entropy)
+        outputs_lp.append(lp)
+        outputs_ent.append(ent)
+    if not outputs_lp:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(outputs_lp), torch.cat(outputs_ent)
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers ``*ForCausalLM`` inside a plain or peft-wrapped model."""
+    if hasattr(model, "get_base_model"):  # peft
+        return model.get_base_model()
+    return model
+
+
+class PolicyModel(nn.Module):
+    """A causal LM whose forward returns response-token log-probs (and entropy) directly.
+
+    ``forward(input_ids, attention_mask, position_ids, response_start, response_mask)`` scores the
+    tokens ``input_ids[:, response_start:]``: position ``response_start - 1 + t`` predicts response
+    token ``t``. Returns ``[B, T]`` log-probs and entropies, zero where ``response_mask`` is 0.
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        return causal_lm_of(self.lm)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_start: int,
+        response_mask: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        with_entropy: bool = False,
+        exact_layout: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lm = self.causal_lm
+        hidden = lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        head = lm.get_output_embeddings()
+        targets = input_ids[:, response_start:]
+        batch, width = targets.shape
+        if exact_layout:
+            logits = head(hidden).float()
+            logprobs_all = torch.log_softmax(logits[:, response_start - 1 : -1] / temperature, dim=-1)
+            logprobs = logprobs_all.gather(-1, targets[..., None]).squeeze(-1)
+            entropy = torch.zeros_like(logprobs)
+            if with_entropy:
+                entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
+            mask = response_mask.to(logprobs.dtype)
+            return logprobs * mask, entropy * mask
+        h = hidden[:, response_start - 1 : response_start - 1 + width]
+        selected = response_mask.bool()
+        lp_flat, ent_flat = chunked_logprobs(
+            h[selected],
+            head.weight,
+            targets[selected],
+            bias=getattr(head, "bias", None),
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
+        logprobs = hidden.new_zeros(batch, width, dtype=torch.float32)
+        entropy = hidden.new_zeros(batch, width, dtype=torch.float32)
+        logprobs = logprobs.masked_scatter(selected, lp_flat)
+        entropy = entropy.masked_scatter(selected, ent_flat)
+        return logprobs, entropy

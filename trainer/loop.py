@@ -1,0 +1,492 @@
+"""The training loop: rollout, rewards, log-probs, advantages, corrections, update, weight sync.
+
+``train()`` reads top to bottom as one step of RL; every piece of complexity lives in a function
+named for what it does. ``run_training(config)`` builds the pieces and calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlite.algorithms import AdvantageInput
+from rlite.config import RunConfig, config_to_yaml
+from rlite.distributed import DistContext, all_gather_objects, all_reduce_sum, init_distributed, shutdown_distributed
+from rlite.engines.base import SamplingParams
+from rlite.metrics import ProgressBar, StepTimer, plot_run, print_summary
+from rlite.plugin_manager import get_plugin_manager, resolve_choice
+from rlite.rollout import RolloutBatch, build_rollout_batch, pad_to_width
+from rlite.update import ForwardSpec, LossSpec, score_logprobs, update_policy
+
+log = logging.getLogger("rlite")
+
+
+@dataclass
+class Run:
+    """Everything ``train()`` works with, built once by :func:`build_run`."""
+
+    config: RunConfig
+    ctx: DistContext
+    pm: Any
+    run_dir: Path
+    tokenizer: Any
+    train_prompts: Any
+    eval_prompts: Any
+    sampler: Any
+    backend: Any
+    reference: Any
+    engine: Any
+    rewards: Any
+    advantage: tuple[Any, Any]
+    loss: LossSpec
+    forward: ForwardSpec
+    corrections: list
+    loggers: list = field(default_factory=list)
+    timer: StepTimer = field(default_factory=StepTimer)
+    start_step: int = 0
+
+
+# --------------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------------
+
+
+def train(run: Run) -> dict[str, Any]:
+    cfg, ctx, pm, timer = run.config, run.ctx, run.pm, run.timer
+    progress = ProgressBar(cfg.training.steps, run.start_step, cfg.logging.progress_bar and ctx.is_main)
+    pm.hook.on_run_start(config=cfg, run_dir=run.run_dir)
+    last_metrics: dict[str, float] = {}
+    for step in range(run.start_step + 1, cfg.training.steps + 1):
+        step_start = time.perf_counter()
+        # 1. rollout: this rank's prompts, n samples each, from the engine's current weights
+        with timer.phase("generation"):
+            batch = generate_rollouts(run, next(run.sampler), step)
+        pm.hook.after_rollout(step=step, batch=batch)
+
+        # 2. rewards (isolated: a failing reward function scores 0 and is counted)
+        with timer.phase("reward"):
+            reward_stats = score_batch(run, batch)
+        pm.hook.after_rewards(step=step, batch=batch)
+
+        # 3. pi_old and pi_ref log-probs, KL-in-reward, corrections, advantages
+        with timer.phase("logprobs"):
+            prepare_training_targets(run, batch)
+
+        # 4. policy update (mini-batches x micro-batches, global loss normalisation)
+        with timer.phase("train"):
+            train_metrics, train_logprobs = update_policy(
+                run.backend,
+                batch,
+                run.forward,
+                run.loss,
+                minibatches=cfg.algorithm.minibatches_per_step,
+                epochs=cfg.algorithm.epochs_per_step,
+                dp_size=ctx.world_size,
+                before_step=lambda: pm.hook.before_optimizer_step(
+                    step=step, model=run.backend.model, optimizer=run.backend.optimizer
+                ),
+            )
+        pm.hook.after_optimizer_step(step=step, model=run.backend.model, metrics=train_metrics)
+
+        # 5. the engine samples the next batch from exactly these weights
+        with timer.phase("weight_sync"):
+            sync_weights_to_engine(run, version=step)
+        pm.hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
+
+        # 6. metrics, evaluation, checkpoint
+        metrics = step_metrics(run, batch, train_logprobs, reward_stats)
+        metrics.update(train_metrics)
+        if cfg.training.eval_every and step % cfg.training.eval_every == 0 or step == cfg.training.steps:
+            with timer.phase("eval"):
+                metrics.update(evaluate(run, step))
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or (
+            step == cfg.training.steps and cfg.checkpoint.save_final
+        ):
+            with timer.phase("checkpoint"):
+                save_run_checkpoint(run, step)
+        metrics.update(timer.step_metrics())
+        generated = float(all_reduce_sum(batch.response_mask.sum().reshape(1))[0])
+        metrics["perf/tokens_per_s"] = generated / max(time.perf_counter() - step_start, 1e-9)
+        log_metrics(run, step, metrics)
+        progress.update(step, metrics)
+        last_metrics = metrics
+    progress.close()
+    return finish_run(run, last_metrics)
+
+
+# --------------------------------------------------------------------------------------------------
+# step pieces
+# --------------------------------------------------------------------------------------------------
+
+
+def sampling_params(cfg: RunConfig, *, seed: int, n: int | None = None, greedy: bool = False) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        n=r.samples_per_prompt if n is None else n,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        greedy=greedy,
+        seed=seed,
+    )
+
+
+def generate_rollouts(run: Run, prompts: list, step: int) -> RolloutBatch:
+    cfg = run.config
+    seed = hash_seed(cfg.training.seed, step, run.ctx.rank)
+    params = sampling_params(cfg, seed=seed)
+    run.engine.resume_memory()
+    completions = run.engine.generate([p.prompt_ids for p in prompts], params)
+    stale = {c.weight_version for c in completions} - {run.engine.weight_version}
+    if stale or run.engine.weight_version != step - 1:
+        raise RuntimeError(
+            f"step {step}: the engine sampled with weight version(s) {sorted(stale) or run.engine.weight_version}, "
+            f"expected {step - 1}: a weight sync was lost"
+        )
+    per_rank = cfg.rollout.prompts_per_step // run.ctx.world_size
+    batch = build_rollout_batch(
+        [p.prompt_ids for p in prompts],
+        completions,
+        [p.row for p in prompts],
+        group_offset=run.ctx.rank * per_rank,
+        pad_token_id=run.tokenizer.pad_token_id,
+        fixed_width=cfg.rollout.max_new_tokens if cfg.rollout.true_on_policy else None,
+    )
+    batch.completion_texts = run.tokenizer.batch_decode(
+        [c.token_ids for c in completions], skip_special_tokens=True
+    )
+    return batch
+
+
+def score_batch(run: Run, batch: RolloutBatch) -> dict[str, float]:
+    scores, stats = run.rewards.score(batch.completion_texts, batch.samples)
+    batch.scores = torch.tensor(scores, dtype=torch.float32)
+    return stats
+
+
+def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
+    """Fill ``batch.extras``: old/ref log-probs, loss mask, IS weights, advantages."""
+    cfg = run.config
+    algo = cfg.algorithm
+    one_step_on_policy = algo.minibatches_per_step == 1 and algo.epochs_per_step == 1
+    need_old = not one_step_on_policy or bool(run.corrections) or algo.kl.in_reward
+    if need_old:
+        batch.extras["old_logprobs"] = score_logprobs(run.backend.model, batch, run.forward)
+    if run.reference is not None:
+        batch.extras["ref_logprobs"] = score_logprobs(run.reference, batch, run.forward)
+    token_rewards = None
+    if algo.kl.in_reward and run.reference is not None:
+        kl = run.loss.kl_fn(batch.extras["old_logprobs"], batch.extras["ref_logprobs"]).detach()
+        token_rewards = -algo.kl.coef * kl * batch.response_mask
+        batch.extras["kl_in_reward"] = kl
+    batch.extras["loss_mask"] = batch.response_mask.clone()
+    if run.corrections:
+        from rlite.mismatch import compose_corrections
+
+        weights, mask, corr_metrics = compose_corrections(
+            run.corrections, batch.extras["old_logprobs"], batch.rollout_logprobs, batch.response_mask
+        )
+        batch.extras["loss_mask"] = mask
+        if weights is not None:
+            batch.extras["is_weights"] = weights
+        batch.extras["_correction_metrics"] = corr_metrics
+    batch.extras["advantages"] = compute_advantages(run, batch, token_rewards)
+
+
+def compute_advantages(run: Run, batch: RolloutBatch, token_rewards: torch.Tensor | None) -> torch.Tensor:
+    """Run the estimator on the *global* batch (gathered from all ranks), keep this rank's rows.
+
+    Estimators that normalise over the batch (GRPO batch std, REINFORCE++ whitening) therefore give
+    the same advantages at every world size.
+    """
+    local_width = batch.response_mask.shape[1]
+    parts = all_gather_objects(
+        (batch.scores, batch.group_ids, batch.response_mask, token_rewards, run.ctx.rank)
+    )
+    width = max(p[2].shape[1] for p in parts)
+    estimator, estimator_cfg = run.advantage
+    gathered = AdvantageInput(
+        scores=torch.cat([p[0] for p in parts]),
+        group_ids=torch.cat([p[1] for p in parts]),
+        response_mask=torch.cat([pad_to_width(p[2], width) for p in parts]),
+        token_rewards=None
+        if token_rewards is None
+        else torch.cat([pad_to_width(p[3], width) for p in parts]),
+    )
+    advantages, _returns = estimator(gathered, estimator_cfg)
+    start = sum(len(p[0]) for p in parts[: run.ctx.rank])
+    return advantages[start : start + len(batch), :local_width].float()
+
+
+def sync_weights_to_engine(run: Run, version: int) -> None:
+    """Stream the full (LoRA-merged) weights into the engine; the engine must report ``version``."""
+    from rlite.engines.weight_sync import iter_full_tensors
+
+    run.engine.release_memory()
+    named = iter_full_tensors(run.backend.model.lm, lora_merge=run.backend.lora)
+    run.engine.update_weights(named, version)
+    if run.engine.weight_version != version:
+        raise RuntimeError(f"weight sync: engine reports version {run.engine.weight_version}, expected {version}")
+
+
+def step_metrics(run: Run, batch: RolloutBatch, train_logprobs: torch.Tensor, reward_stats) -> dict[str, float]:
+    from rlite.mismatch import mismatch_metrics
+
+    mask = batch.response_mask
+    old = batch.extras.get("old_logprobs", train_logprobs)
+    local = {
+        "reward/mean": batch.scores.sum().item(),
+        "reward/accuracy": (batch.scores > 0).float().sum().item(),
+        "response/length": mask.sum().item(),
+        "response/truncated": float(sum(r == "length" for r in batch.finish_reasons)),
+        "count": float(len(batch)),
+    }
+    totals = dict(zip(local, all_reduce_sum(torch.tensor(list(local.values()))).tolist()))
+    count = totals.pop("count")
+    metrics = {k: v / count for k, v in totals.items()}
+    scores = torch.cat(all_gather_objects(batch.scores))
+    metrics["reward/std"] = scores.std().item() if len(scores) > 1 else 0.0
+    adv = batch.extras["advantages"]
+    metrics["advantage/mean"] = (adv * mask).sum().item() / max(mask.sum().item(), 1)
+    metrics["advantage/zero_variance_groups"] = zero_variance_fraction(batch)
+    metrics.update(mismatch_metrics(old, batch.rollout_logprobs, mask))
+    metrics.update(batch.extras.get("_correction_metrics", {}))
+    metrics.update({k: float(v) for k, v in reward_stats.items()})
+    return metrics
+
+
+def zero_variance_fraction(batch: RolloutBatch) -> float:
+    groups = {}
+    for gid, score in zip(batch.group_ids.tolist(), batch.scores.tolist()):
+        groups.setdefault(gid, []).append(score)
+    flat = sum(1 for s in groups.values() if max(s) == min(s))
+    totals = all_reduce_sum(torch.tensor([float(flat), float(len(groups))]))
+    return float(totals[0] / totals[1])
+
+
+@torch.no_grad()
+def evaluate(run: Run, step: int) -> dict[str, float]:
+    """Greedy and sampled accuracy on this rank's share of the held-out prompts."""
+    if not run.eval_prompts:
+        return {}
+    cfg, ctx = run.config, run.ctx
+    items = list(run.eval_prompts)[: cfg.training.eval_max_prompts][ctx.rank :: ctx.world_size]
+    out = {}
+    for mode, greedy in (("greedy", True), ("sampled", False)):
+        params = sampling_params(cfg, seed=hash_seed(cfg.training.seed, step, ctx.rank, 7), n=1, greedy=greedy)
+        completions = run.engine.generate([p.prompt_ids for p in items], params) if items else []
+        texts = run.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        scores, _ = run.rewards.score(texts, [p.row for p in items]) if items else ([], {})
+        totals = all_reduce_sum(torch.tensor([float(sum(s > 0 for s in scores)), float(sum(scores)), float(len(scores))]))
+        n = max(float(totals[2]), 1.0)
+        out[f"eval/{mode}_accuracy"] = float(totals[0]) / n
+        out[f"eval/{mode}_reward"] = float(totals[1]) / n
+    return out
+
+
+def log_metrics(run: Run, step: int, metrics: dict[str, float]) -> None:
+    if run.ctx.is_main:
+        for logger in run.loggers:
+            logger.log(step, metrics)
+        run.pm.hook.on_metrics(step=step, metrics=metrics)
+
+
+def hash_seed(*parts: int) -> int:
+    """A deterministic 31-bit seed from integers (same on every run and resume)."""
+    value = 0x9E3779B1
+    for part in parts:
+        value = (value * 1000003) ^ (int(part) & 0xFFFFFFFF)
+        value &= 0xFFFFFFFFFFFF
+    return value % (2**31 - 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoint and end of run
+# --------------------------------------------------------------------------------------------------
+
+
+def trainer_state(run: Run) -> dict[str, Any]:
+    return {"scheduler": run.backend.scheduler.state_dict(), "sampler": run.sampler.state_dict()}
+
+
+def save_run_checkpoint(run: Run, step: int) -> Path:
+    from rlite.checkpoint import save_checkpoint
+
+    path = save_checkpoint(
+        run.run_dir,
+        step,
+        run.backend.model,
+        run.backend.optimizer,
+        trainer_state(run),
+        rank=run.ctx.rank,
+        keep_last=run.config.checkpoint.keep_last,
+    )
+    run.pm.hook.on_checkpoint_save(step=step, path=path)
+    return path
+
+
+def maybe_resume(run: Run) -> int:
+    from rlite.checkpoint import find_resume_checkpoint, load_checkpoint
+
+    path = find_resume_checkpoint(run.run_dir, run.config.checkpoint.resume)
+    if path is None:
+        return 0
+    state = load_checkpoint(path, run.backend.model, run.backend.optimizer, rank=run.ctx.rank)
+    run.backend.scheduler.load_state_dict(state["scheduler"])
+    run.sampler.load_state_dict(state["sampler"])
+    step = int(state["step"])
+    if run.ctx.is_main:
+        log.info("resumed from %s (step %d)", path, step)
+    run.pm.hook.on_checkpoint_load(step=step, path=path)
+    return step
+
+
+def finish_run(run: Run, last: dict[str, float]) -> dict[str, Any]:
+    cfg = run.config
+    if cfg.checkpoint.export_hf:
+        from rlite.export import export_hf
+
+        export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main)
+    summary = {
+        "steps": cfg.training.steps,
+        "final_reward": last.get("reward/mean", math.nan),
+        "eval_greedy_accuracy": last.get("eval/greedy_accuracy", math.nan),
+        "eval_sampled_accuracy": last.get("eval/sampled_accuracy", math.nan),
+        "run_dir": str(run.run_dir),
+    }
+    if run.ctx.is_main:
+        for logger in run.loggers:
+            logger.close()
+        metrics_file = run.run_dir / "metrics.jsonl"
+        if cfg.logging.plot and metrics_file.is_file():
+            first = _first_eval(metrics_file)
+            if first is not None:
+                summary["eval_greedy_accuracy_first"] = first
+            plot = plot_run(metrics_file, run.run_dir / "plot.png")
+            summary["plot"] = str(plot)
+        print_summary(summary, dict(run.timer.total))
+    summary["time_breakdown"] = dict(run.timer.total)
+    run.pm.hook.on_run_end(config=cfg, summary=summary)
+    return summary
+
+
+def _first_eval(metrics_file: Path) -> float | None:
+    from rlite.metrics import read_metrics
+
+    for row in read_metrics(metrics_file):
+        if "eval/greedy_accuracy" in row:
+            return row["eval/greedy_accuracy"]
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# building a run
+# --------------------------------------------------------------------------------------------------
+
+
+def build_run(cfg: RunConfig) -> Run:
+    from rlite.data import PromptSampler, load_prompt_splits
+    from rlite.mismatch import build_corrections
+    from rlite.rewards import build_reward_runner
+
+    ctx = init_distributed()
+    torch.manual_seed(cfg.training.seed)
+    pm = get_plugin_manager()
+    run_dir = Path(cfg.logging.run_dir)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    tokenizer = load_tokenizer(cfg)
+    train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
+    sampler = PromptSampler(
+        train_prompts.items, cfg.rollout.prompts_per_step, ctx.rank, ctx.world_size, cfg.data.seed, cfg.data.shuffle
+    )
+    algo = cfg.algorithm
+    total_opt_steps = cfg.training.steps * algo.minibatches_per_step * algo.epochs_per_step
+    make_backend, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
+    backend = make_backend(cfg, backend_cfg, ctx.device, total_opt_steps)
+    reference = None
+    if algo.kl.coef != 0.0:
+        from rlite.actor import build_policy
+
+        reference = build_policy(cfg.model, cfg.parallelism, ctx.device, trainable=False)
+    make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
+    engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
+    policy_loss, policy_cfg = resolve_choice(pm.registry("policy_loss"), algo.policy_loss)
+    kl_fn = pm.registry("kl_estimator").get(algo.kl.estimator).implementation
+    run = Run(
+        config=cfg,
+        ctx=ctx,
+        pm=pm,
+        run_dir=run_dir,
+        tokenizer=tokenizer,
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        sampler=sampler,
+        backend=backend,
+        reference=reference,
+        engine=engine,
+        rewards=build_reward_runner(cfg.rewards, pm.registry("reward_function")),
+        advantage=resolve_choice(pm.registry("advantage_estimator"), algo.advantage),
+        loss=LossSpec(
+            policy_loss=policy_loss,
+            policy_cfg=policy_cfg,
+            agg_mode=algo.loss_agg_mode,
+            horizon=float(algo.loss_agg_horizon or cfg.rollout.max_new_tokens),
+            kl_fn=kl_fn,
+            kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef,
+            entropy_coef=algo.entropy_coef,
+        ),
+        forward=ForwardSpec(
+            micro_batch_size=cfg.training.micro_batch_size,
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.training.logprob_chunk_size,
+            exact_layout=cfg.rollout.true_on_policy,
+        ),
+        corrections=build_corrections(algo.corrections, pm.registry("mismatch_correction")),
+    )
+    run.start_step = maybe_resume(run)
+    if ctx.is_main:
+        run.loggers = build_loggers(run)
+    sync_weights_to_engine(run, version=run.start_step)
+    return run
+
+
+def load_tokenizer(cfg: RunConfig):
+    from transformers import AutoTokenizer
+
+    source = cfg.model.tokenizer or cfg.model.path
+    kwargs = {"gguf_file": cfg.model.gguf_file} if cfg.model.gguf_file and not cfg.model.tokenizer else {}
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_loggers(run: Run) -> list:
+    loggers = []
+    registry = run.pm.registry("logger")
+    for choice in run.config.logging.loggers:
+        factory, logger_cfg = resolve_choice(registry, choice)
+        logger = factory(run.run_dir, run.config, logger_cfg)
+        if logger is not None:
+            loggers.append(logger)
+    return loggers
+
+
+def run_training(cfg: RunConfig) -> dict[str, Any]:
+    """Build everything from the config, train, and tear down."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run = build_run(cfg)
+    try:
+        return train(run)
+    finally:
+        run.engine.shutdown()
+        shutdown_distributed(run.ctx)

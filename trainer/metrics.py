@@ -1,0 +1,129 @@
+"""Step timing, the live progress bar, the final plot and the one-screen summary (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+BREAKDOWN = ("generation", "reward", "logprobs", "train", "weight_sync", "eval", "checkpoint")
+
+
+class StepTimer:
+    """Wall time per phase of a step; ``timer.phase("generation")`` as a context manager."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.total: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.current[name] += elapsed
+            self.total[name] += elapsed
+
+    def step_metrics(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.current.items()}
+        out["time/step"] = sum(self.current.values())
+        self.current = defaultdict(float)
+        return out
+
+
+class ProgressBar:
+    """A rich progress bar: step, reward, accuracy, tokens/s, ETA. Silent when disabled."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]rlite"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("reward {task.fields[reward]}  acc {task.fields[acc]}  {task.fields[tps]} tok/s"),
+            TimeRemainingColumn(),
+            transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, reward="-", acc="-", tps="-")
+        self.progress.start()
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        fields = {}
+        if "reward/mean" in metrics:
+            fields["reward"] = f"{metrics['reward/mean']:.3f}"
+        if "eval/greedy_accuracy" in metrics:
+            fields["acc"] = f"{metrics['eval/greedy_accuracy']:.3f}"
+        if "perf/tokens_per_s" in metrics:
+            fields["tps"] = f"{metrics['perf/tokens_per_s']:.0f}"
+        self.progress.update(self.task, completed=step, **fields)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path) as handle:
+        for line in handle:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def plot_run(metrics_file: str | Path, out_png: str | Path) -> Path | None:
+    """Reward and held-out accuracy against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_file)
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in rows if "reward/mean" in r]
+    ax.plot(steps, [r["reward/mean"] for r in rows if "reward/mean" in r], label="train reward (sampled)", alpha=0.7)
+    for key, label in (("eval/greedy_accuracy", "eval accuracy (greedy)"), ("eval/sampled_accuracy", "eval accuracy (sampled)")):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:
+    """The one-screen end-of-run summary, including where the time went."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="rlite run summary", show_header=False)
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    total = sum(breakdown.values()) or 1.0
+    times = Table(title="time breakdown")
+    times.add_column("phase")
+    times.add_column("seconds", justify="right")
+    times.add_column("share", justify="right")
+    for name, seconds in sorted(breakdown.items(), key=lambda kv: -kv[1]):
+        times.add_row(name, f"{seconds:.2f}", f"{100 * seconds / total:.1f}%")
+    console.print(times)

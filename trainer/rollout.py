@@ -1,0 +1,150 @@
+"""The batch of samples one rank trains on, and the tensors the model sees.
+
+Layout: prompts left-padded to width P, responses right-padded to width T, so that response token
+``t`` of every row sits at column ``P + t`` and is predicted by column ``P - 1 + t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlite.engines.base import Completion
+from rlite.engines.hf_engine import left_pad, position_ids_from_mask
+
+
+@dataclass
+class RolloutBatch:
+    """Samples of one step on one rank; tensors have B rows (groups contiguous)."""
+
+    prompt_ids: torch.Tensor
+    """[B, P] left-padded prompt tokens."""
+    prompt_mask: torch.Tensor
+    """[B, P] 1 for real prompt tokens."""
+    response_ids: torch.Tensor
+    """[B, T] generated tokens, right-padded."""
+    response_mask: torch.Tensor
+    """[B, T] 1 for tokens that count in the loss."""
+    rollout_logprobs: torch.Tensor
+    """[B, T] log-probs reported by the engine."""
+    group_ids: torch.Tensor
+    """[B] global prompt slot of each sample: equal ids form a GRPO group."""
+    finish_reasons: list[str]
+    """``stop`` or ``length`` per sample."""
+    samples: list[dict[str, Any]]
+    """The data row of each sample's prompt (answer, metadata)."""
+    completion_texts: list[str] = field(default_factory=list)
+    """Decoded completions (filled before rewards)."""
+    scores: torch.Tensor | None = None
+    """[B] scalar rewards (filled by the reward step)."""
+    weight_versions: list[int] = field(default_factory=list)
+    """Weight version each sample was drawn with."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-step tensors filled by the loop: old_logprobs, ref_logprobs, advantages, ..."""
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+    def select(self, rows: slice | list[int]) -> RolloutBatch:
+        """A view of some rows (micro-/mini-batches)."""
+        index = list(range(len(self)))[rows] if isinstance(rows, slice) else list(rows)
+        idx = torch.tensor(index, dtype=torch.long)
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[idx],
+            prompt_mask=self.prompt_mask[idx],
+            response_ids=self.response_ids[idx],
+            response_mask=self.response_mask[idx],
+            rollout_logprobs=self.rollout_logprobs[idx],
+            group_ids=self.group_ids[idx],
+            finish_reasons=[self.finish_reasons[i] for i in index],
+            samples=[self.samples[i] for i in index],
+            completion_texts=[self.completion_texts[i] for i in index] if self.completion_texts else [],
+            scores=None if self.scores is None else self.scores[idx],
+            weight_versions=[self.weight_versions[i] for i in index] if self.weight_versions else [],
+            extras={k: v[idx] for k, v in self.extras.items()},
+        )
+
+
+def build_rollout_batch(
+    prompts: list[list[int]],
+    completions: list[Completion],
+    samples: list[dict[str, Any]],
+    group_offset: int,
+    pad_token_id: int,
+    fixed_width: int | None = None,
+) -> RolloutBatch:
+    """Pack engine completions (grouped by prompt) into padded tensors.
+
+    ``fixed_width`` pads responses to exactly that many columns (true on-policy layout).
+    """
+    prompt_rows = [prompts[c.prompt_index] for c in completions]
+    prompt_ids, prompt_mask = left_pad(prompt_rows, pad_token_id)
+    width = fixed_width or max(1, max(len(c.token_ids) for c in completions))
+    response_ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(completions), width), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((len(completions), width), dtype=torch.float32)
+    for row, comp in enumerate(completions):
+        n = len(comp.token_ids)
+        if n:
+            response_ids[row, :n] = torch.tensor(comp.token_ids, dtype=torch.long)
+            response_mask[row, :n] = 1.0
+            rollout_logprobs[row, :n] = torch.tensor(comp.logprobs, dtype=torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        rollout_logprobs=rollout_logprobs,
+        group_ids=torch.tensor([group_offset + c.prompt_index for c in completions], dtype=torch.long),
+        finish_reasons=[c.finish_reason for c in completions],
+        samples=[samples[c.prompt_index] for c in completions],
+        weight_versions=[c.weight_version for c in completions],
+    )
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_start: int
+    response_mask: torch.Tensor
+
+
+def model_inputs(batch: RolloutBatch, *, exact_layout: bool = False) -> ModelInputs:
+    """Concatenate prompt and response; trim all-padding columns unless ``exact_layout``.
+
+    In the exact layout every response column is attended (as in the engine's fixed-shape sampler);
+    causal attention makes columns after a token irrelevant to its log-prob.
+    """
+    prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
+    response_ids, response_mask = batch.response_ids, batch.response_mask
+    if exact_layout:
+        attn_response = torch.ones_like(response_ids)
+    else:
+        first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else 0
+        prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+        width = max(1, int(response_mask.sum(-1).max().item()))
+        response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
+        attn_response = response_mask.long()
+    attention_mask = torch.cat([prompt_mask.long(), attn_response.long()], dim=1)
+    return ModelInputs(
+        input_ids=torch.cat([prompt_ids, response_ids], dim=1),
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        response_start=prompt_ids.shape[1],
+        response_mask=response_mask,
+    )
+
+
+def pad_to_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad a [b, t] tensor with zeros to ``width`` columns."""
+    if x.shape[1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))

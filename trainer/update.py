@@ -1,0 +1,145 @@
+"""Scoring a batch (old / reference log-probs) and the policy update over mini- and micro-batches.
+
+Normalisation is global (``rlite.algorithms.aggregate_loss``): before the first micro-batch of a
+mini-batch, the response-token and sequence counts are summed over all data-parallel ranks, so the
+gradient equals that of the whole mini-batch whatever the split into ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlite.algorithms import aggregate_loss
+from rlite.distributed import all_reduce_sum
+from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
+
+
+@dataclass
+class ForwardSpec:
+    """How the trainer runs the policy forward."""
+
+    micro_batch_size: int
+    temperature: float
+    chunk_size: int
+    exact_layout: bool
+
+
+@dataclass
+class LossSpec:
+    """The loss of one step: the policy loss plugin plus KL and entropy terms."""
+
+    policy_loss: Callable
+    policy_cfg: Any
+    agg_mode: str
+    horizon: float | None
+    kl_fn: Callable | None
+    kl_coef: float
+    entropy_coef: float
+
+
+def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
+    return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+
+
+def split_minibatches(batch: RolloutBatch, count: int) -> list[RolloutBatch]:
+    size = len(batch) // count
+    return [batch.select(slice(i * size, (i + 1) * size)) for i in range(count)]
+
+
+def forward_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, with_entropy: bool = False):
+    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    logprobs, entropy = model(
+        inputs.input_ids,
+        inputs.attention_mask,
+        inputs.position_ids,
+        inputs.response_start,
+        inputs.response_mask,
+        temperature=spec.temperature,
+        chunk_size=spec.chunk_size,
+        with_entropy=with_entropy,
+        exact_layout=spec.exact_layout,
+    )
+    width = batch.response_ids.shape[1]
+    return pad_to_width(logprobs, width), pad_to_width(entropy, width)
+
+
+@torch.no_grad()
+def score_logprobs(model, batch: RolloutBatch, spec: ForwardSpec) -> torch.Tensor:
+    """Log-probs ``[B, T]`` of the batch's responses under ``model`` (no gradient)."""
+    parts = [forward_logprobs(model, mb, spec)[0] for mb in micro_batches(batch, spec.micro_batch_size)]
+    return torch.cat(parts, dim=0) * batch.response_mask
+
+
+def update_policy(
+    backend,
+    batch: RolloutBatch,
+    fwd: ForwardSpec,
+    loss: LossSpec,
+    *,
+    minibatches: int,
+    epochs: int,
+    dp_size: int,
+    before_step: Callable[[], None] | None = None,
+) -> tuple[dict[str, float], torch.Tensor]:
+    """Train on the batch; return averaged metrics and the log-probs seen by the first forward.
+
+    ``batch.extras`` must hold ``advantages`` and ``loss_mask``; ``old_logprobs`` is optional: when it
+    is absent (one optimizer step per rollout, no corrections) the first forward's detached log-probs
+    are pi_old, so the ratio is exactly 1 by construction. Optional: ``ref_logprobs``, ``is_weights``.
+    """
+    model = backend.model
+    model.train()
+    sums: dict[str, float] = defaultdict(float)
+    first_pass_logprobs = torch.zeros_like(batch.response_mask)
+    optimizer_steps = 0
+    for epoch in range(epochs):
+        offset = 0
+        for mini in split_minibatches(batch, minibatches):
+            mask_all = mini.extras["loss_mask"]
+            totals = all_reduce_sum(torch.tensor([mask_all.sum().item(), float(len(mini))]))
+            n_tok, n_seq = float(totals[0]), float(totals[1])
+            step_sums: dict[str, float] = defaultdict(float)
+            for mb in micro_batches(mini, fwd.micro_batch_size):
+                mask = mb.extras["loss_mask"]
+                need_entropy = True
+                logprobs, entropy = forward_logprobs(model, mb, fwd, with_entropy=need_entropy)
+                if epoch == 0:
+                    first_pass_logprobs[offset : offset + len(mb)] = logprobs.detach()
+                offset += len(mb)
+                old = mb.extras.get("old_logprobs", logprobs.detach())
+                per_token, token_metrics = loss.policy_loss(
+                    logprobs, old, mb.extras["advantages"], mask, loss.policy_cfg
+                )
+                if "is_weights" in mb.extras:
+                    per_token = per_token * mb.extras["is_weights"]
+                agg = dict(global_tokens=n_tok, global_sequences=n_seq, dp_size=dp_size, horizon=loss.horizon)
+                pg_loss = aggregate_loss(per_token, mask, loss.agg_mode, **agg)
+                total = pg_loss
+                if loss.kl_fn is not None and loss.kl_coef != 0.0:
+                    kl = loss.kl_fn(logprobs, mb.extras["ref_logprobs"])
+                    kl_loss = aggregate_loss(kl, mask, loss.agg_mode, **agg)
+                    total = total + loss.kl_coef * kl_loss
+                    step_sums["actor/kl_loss"] += kl_loss.item()
+                entropy_loss = aggregate_loss(entropy, mask, loss.agg_mode, **agg)
+                if loss.entropy_coef != 0.0:
+                    total = total - loss.entropy_coef * entropy_loss
+                total.backward()
+                step_sums["actor/pg_loss"] += pg_loss.item()
+                step_sums["actor/entropy"] += (entropy.detach() * mask).sum().item() / max(n_tok, 1.0) * dp_size
+                for name, values in token_metrics.items():
+                    step_sums[f"actor/{name}"] += (values.detach().float() * mask).sum().item() / max(n_tok, 1.0) * dp_size
+            grad_norm = backend.clip_and_step(before_step)
+            optimizer_steps += 1
+            # every summed value above is this rank's share x dp_size: average over ranks
+            reduced = all_reduce_sum(torch.tensor(list(step_sums.values()), dtype=torch.float64)) / dp_size
+            for (name, _), value in zip(step_sums.items(), reduced.tolist()):
+                sums[name] += value
+            sums["actor/grad_norm"] += grad_norm
+            sums["actor/lr"] += backend.scheduler.get_last_lr()[0]
+    metrics = {name: value / optimizer_steps for name, value in sums.items()}
+    return metrics, first_pass_logprobs
