@@ -28,6 +28,7 @@ number of samples since the last update.
 from __future__ import annotations
 
 import torch
+
 from rlite import hookimpl
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
 from rlite import hookimpl
 from rlite.algorithms import masked_mean
 from rlite.config import ConfigError

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+
 from rlite import hookimpl
 from rlite.config import ConfigError, RunConfig, load_config
 from rlite.plugin_manager import build_plugin_manager

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+import pluggy
 
 from rlite import __version__
 from rlite.config import ConfigError, RunConfig, config_to_yaml, load_config
@@ -26,10 +29,6 @@ from rlite.plugin_manager import (
 EXIT_USAGE = 2
 
 OVERRIDES_HELP = "key.path=value overrides applied on top of the YAML file, e.g. training.steps=10"
-
-
-class CommandError(Exception):
-    """A problem the user can fix; printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     try:
         return args.func(args)
-    except (ConfigError, CommandError, PluginError) as exc:
+    except (ConfigError, PluginError) as exc:  # problems the user fixes: one line, no traceback
         print(f"rlite {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -105,8 +104,6 @@ def load_run_config(path: str, overrides: Sequence[str]) -> tuple[RunConfig, Rli
 
 def build_manager(autoload: bool | None = None, only: list[str] | None = None) -> RlitePluginManager:
     """``build_plugin_manager`` with a hook-name typo turned into a one-line error."""
-    import pluggy
-
     try:
         return build_plugin_manager(autoload=autoload, only=only)
     except pluggy.PluginValidationError as exc:
@@ -179,7 +176,8 @@ def print_plugin_tables(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    # Piped output is not cut at rich's default of 80 columns (COLUMNS still wins).
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
     loaded = [p for p in report["plugins"] if p["error"] is None]
     failed = [p for p in report["plugins"] if p["error"] is not None]
 

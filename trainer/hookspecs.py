@@ -240,7 +240,8 @@ def on_checkpoint_load(step: int, path: Path) -> None:
 def on_metrics(step: int, metrics: dict[str, float]) -> None:
     """Called on rank 0 with the final metrics of a step (after evaluation if one ran).
 
-    :param step: the 1-based training step.
+    :param step: the 1-based training step; 0 for the baseline evaluation of a fresh run, before
+        the first step.
     :param metrics: flat ``name -> value`` mapping, names like ``actor/pg_loss``.
     """
 

@@ -62,6 +62,9 @@ def train(run: Run) -> dict[str, Any]:
     progress = ProgressBar(cfg.training.steps, run.start_step, cfg.logging.progress_bar and ctx.is_main)
     pm.hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
+    if run.start_step == 0 and run.eval_prompts:
+        with timer.phase("eval"):
+            log_metrics(run, 0, evaluate(run, 0))  # the baseline the run is measured against
     for step in range(run.start_step + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
         # 1. rollout: this rank's prompts, n samples each, from the engine's current weights
@@ -177,7 +180,9 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
     algo = cfg.algorithm
     one_step_on_policy = algo.minibatches_per_step == 1 and algo.epochs_per_step == 1
     need_old = not one_step_on_policy or bool(run.corrections) or algo.kl.in_reward
-    if need_old:
+    if algo.old_logprob_mode == "bypass":
+        batch.extras["old_logprobs"] = batch.rollout_logprobs.clone()
+    elif need_old:
         batch.extras["old_logprobs"] = score_logprobs(run.backend.model, batch, run.forward)
     if run.reference is not None:
         batch.extras["ref_logprobs"] = score_logprobs(run.reference, batch, run.forward)
@@ -433,7 +438,7 @@ def build_run(cfg: RunConfig) -> Run:
         backend=backend,
         reference=reference,
         engine=engine,
-        rewards=build_reward_runner(cfg.rewards, pm.registry("reward_function")),
+        rewards=build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s),
         advantage=resolve_choice(pm.registry("advantage_estimator"), algo.advantage),
         loss=LossSpec(
             policy_loss=policy_loss,

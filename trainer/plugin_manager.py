@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+
 from rlite import hookspecs
 
 DEFAULT_PLUGINS: list[str] = [

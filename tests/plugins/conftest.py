@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from rlite import hookimpl
 
 
@@ -64,3 +65,9 @@ class LifecycleRecorder:
 @pytest.fixture
 def lifecycle_recorder() -> LifecycleRecorder:
     return LifecycleRecorder()
+
+
+@pytest.fixture(scope="session")
+def lifecycle_recorder_class() -> type[LifecycleRecorder]:
+    """For module-scoped fixtures that need their own recorders."""
+    return LifecycleRecorder

@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from rlite import hookspecs
 from rlite.plugin_manager import build_plugin_manager
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from rlite import hookimpl, hookspecs
 from rlite.config import RunConfig, load_config
 

@@ -6,6 +6,7 @@ import json
 
 import pluggy
 import pytest
+
 from rlite import hookimpl
 from rlite.cli import load_run_config, main
 from rlite.config import ConfigError

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rlite.config import ConfigError
 from rlite.mismatch import compose_corrections
 from rlite.plugin_manager import RlitePluginManager

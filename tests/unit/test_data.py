@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from rlite.config import DataConfig
 from rlite.data import PromptSampler, format_prompt, load_prompt_splits
 from rlite.tokenizer import build_byte_tokenizer

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rlite.mismatch import (
     build_corrections,
     compose_corrections,

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+
 from rlite.plugin_manager import RlitePluginManager
 from rlite.plugins import quantizers as Q
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from omegaconf import OmegaConf
+
 from rlite.config import Choice, ConfigError
 from rlite.plugin_manager import RlitePluginManager, UnknownChoiceError
 from rlite.plugins import rewards as builtin

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlite.tasks import TASKS, make_task, task_arg_names
 
 ALL_TASKS = sorted(TASKS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rlite.tokenizer import IM_END, IM_START, PAD_TOKEN, build_byte_tokenizer, build_tiny_model_dir
 
 TEXTS = [

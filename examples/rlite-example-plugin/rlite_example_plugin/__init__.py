@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
 from rlite import hookimpl
 
 calls: Counter[str] = Counter()

@@ -1,0 +1,406 @@
+"""The transformers rollout engine in its own spawned process, fed weights through shared memory.
+
+Colocated with the trainer, like :class:`~rlite.engines.hf_engine.TransformersEngine`, and with the
+same interface, but isolated: a crash or hang of the engine cannot take the trainer down, and every
+call has a timeout. The process is started with ``multiprocessing.get_context("spawn")`` and talks
+over one pipe.
+
+Weights (``update_weights``) go through the shared-bucket protocol of
+:mod:`rlite.engines.weight_sync`: the first sync allocates the buckets in shared memory and sends
+their handles; the engine then **replaces each parameter's storage by a view into the shared bucket**
+(``param.data = view``), so from then on the engine samples straight from the buffers the trainer
+writes. A later sync costs the trainer's ``copy_`` into the buckets plus a checksum on each side and
+a few small messages; nothing is serialized or copied in the engine. (A parameter whose dtype or
+device differs from the tensor sent is copied instead.) While a sync is in progress, or after one
+failed, the engine refuses to generate until a sync completes.
+
+Failures surface as :class:`~rlite.engines.base.EngineError` naming what happened: a process that
+died (with its exit code), a call that timed out (the process is then killed), a version or checksum
+mismatch, or the engine's own traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlite.engines.base import Completion, EngineError, SamplingParams
+from rlite.engines.weight_sync import SharedBucketReceiver, SharedBucketSender, SyncStats
+
+_DIRECT_SEND_BYTES = 16 << 10
+"""Messages up to this size fit in the pipe's buffer and are written directly; larger ones are written
+from a helper thread, so a child that stopped reading cannot block the trainer past the timeout."""
+
+
+class _PipeChannel:
+    """The trainer's end of the pipe: every receive has a timeout and notices a dead process."""
+
+    def __init__(self, conn: Connection, process: mp.process.BaseProcess) -> None:
+        self.conn = conn
+        self.process = process
+        self.broken: str | None = None
+        self.timeout_hint = 600.0
+        """How long a large write may block (the engine's call timeout)."""
+
+    def send(self, message: Any) -> None:
+        self._check()
+        data = bytes(ForkingPickler.dumps(message))
+        try:
+            if len(data) <= _DIRECT_SEND_BYTES:
+                self.conn.send_bytes(data)
+                return
+            errors: list[BaseException] = []
+
+            def write() -> None:
+                try:
+                    self.conn.send_bytes(data)
+                except BaseException as e:  # noqa: BLE001 (re-raised below)
+                    errors.append(e)
+
+            writer = threading.Thread(target=write, daemon=True)
+            writer.start()
+            writer.join(self.timeout_hint)
+            if writer.is_alive():
+                self._fail(f"did not read a {len(data)}-byte message within {self.timeout_hint:g} s")
+            if errors:
+                raise errors[0]
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
+            self.process.join(timeout=5.0)
+            self._fail(f"died ({self._exit_text()}) while being sent a message: {e!r}")
+
+    def recv(self, timeout_s: float) -> Any:
+        self._check()
+        ready = wait([self.conn, self.process.sentinel], timeout=timeout_s)
+        if self.conn in ready:
+            try:
+                return pickle.loads(self.conn.recv_bytes())
+            except (EOFError, ConnectionResetError, OSError):
+                pass  # fall through: the process closed its end
+        if ready or not self.process.is_alive():
+            self.process.join(timeout=5.0)
+            self._fail(f"died ({self._exit_text()})")
+        self._fail(f"did not answer within the timeout of {timeout_s:g} s (killed)")
+
+    def _exit_text(self) -> str:
+        code = self.process.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"exit code {code}, killed by signal {-code}"
+        return f"exit code {code}"
+
+    def _fail(self, what: str) -> None:
+        self.broken = f"engine process {self.process.pid} {what}"
+        _stop_process(self.process, self.conn, grace_s=0.0)
+        raise EngineError(self.broken)
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise EngineError(f"engine process is gone: {self.broken}")
+
+
+def _stop_process(process: mp.process.BaseProcess, conn: Connection, grace_s: float = 5.0) -> None:
+    """Ask, then terminate, then kill; always returns with the process reaped and the pipe closed."""
+    if process.is_alive() and grace_s > 0:
+        try:
+            conn.send_bytes(ForkingPickler.dumps(("shutdown",)))
+        except (OSError, EOFError, ValueError):
+            pass
+        process.join(grace_s)
+    if process.is_alive():
+        process.terminate()
+        process.join(2.0)
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
+class ProcessEngine:
+    """A :class:`~rlite.engines.hf_engine.TransformersEngine` in a spawned process (same interface)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        pad_token_id: int,
+        eos_token_ids: Iterable[int],
+        timeout_s: float = 600.0,
+        true_on_policy: bool = False,
+        dtype: torch.dtype = torch.float32,
+        attn_implementation: str = "sdpa",
+        gguf_file: str | None = None,
+        bucket_mb: int = 512,
+        start_timeout_s: float | None = None,
+        num_threads: int = 1,
+        verify_checksums: bool = True,
+        engine_factory: Callable[..., Any] | None = None,
+        factory_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Start the engine process and wait (``start_timeout_s``, default ``timeout_s``) until it is ready.
+
+        ``engine_factory(**factory_kwargs)`` replaces the transformers engine built from ``model_dir``
+        in the child (for tests and benchmarks); it must be a module-level function and return an object
+        with ``model`` (an ``nn.Module``), ``weight_version`` and the engine methods.
+        """
+        if engine_factory is None:
+            engine_factory = build_transformers_engine
+            factory_kwargs = dict(
+                model_dir=str(model_dir),
+                pad_token_id=int(pad_token_id),
+                eos_token_ids=[int(t) for t in eos_token_ids],
+                true_on_policy=true_on_policy,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                gguf_file=gguf_file,
+            )
+        self.timeout_s = float(timeout_s)
+        self.weight_version = 0
+        self.last_sync: SyncStats | None = None
+        ctx = mp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(
+            target=_serve,
+            args=(child_conn, engine_factory, factory_kwargs or {}, num_threads, verify_checksums),
+            name="rlite-engine",
+            daemon=True,
+        )
+        self._process.start()
+        child_conn.close()
+        self._finalizer = weakref.finalize(self, _stop_process, self._process, parent_conn)
+        self._channel = _PipeChannel(parent_conn, self._process)
+        self._sender = SharedBucketSender(
+            self._channel, bucket_bytes=int(bucket_mb) << 20, timeout_s=self.timeout_s
+        )
+        status, detail = self._channel.recv(
+            start_timeout_s if start_timeout_s is not None else self.timeout_s
+        )
+        if status != "ready":
+            self.shutdown()
+            raise EngineError(f"engine process failed to start:\n{detail}")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    # -- the engine interface -----------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self._call("generate", prompts, asdict(params))
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None, version: int
+    ) -> SyncStats:
+        """Hand ``(name, tensor)`` pairs over through the shared buckets and switch to ``version``."""
+        self._sender.timeout_s = self._channel.timeout_hint = self.timeout_s
+        self.weight_version = -1  # until the engine confirms the new version
+        self.last_sync = self._sender.sync(named_tensors or (), version)
+        self.weight_version = int(version)
+        return self.last_sync
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Copies of the engine's parameters (for checks; costs a copy of the model)."""
+        return self._call("named_weights")
+
+    def release_memory(self) -> None:
+        self._call("release_memory")
+
+    def resume_memory(self) -> None:
+        self._call("resume_memory")
+
+    def shutdown(self) -> None:
+        """Stop the process (ask, terminate, kill) and release the shared buckets; idempotent."""
+        self._finalizer()
+        self._channel.broken = self._channel.broken or "shut down"
+        self._sender.reset()
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _call(self, op: str, *args: Any) -> Any:
+        self._channel.timeout_hint = self.timeout_s
+        try:
+            self._channel.send((op, *args))
+            reply = self._channel.recv(self.timeout_s)
+        except EngineError as e:
+            raise EngineError(f"{op}: {e}") from None
+        status, value = reply
+        if status == "error":
+            raise EngineError(f"engine process failed in {op}:\n{value}")
+        return value
+
+
+# --------------------------------------------------------------------------------------------------
+# the child process
+# --------------------------------------------------------------------------------------------------
+
+
+def build_transformers_engine(
+    *,
+    model_dir: str,
+    pad_token_id: int,
+    eos_token_ids: list[int],
+    true_on_policy: bool,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    gguf_file: str | None,
+):
+    """The engine the child runs by default: a TransformersEngine on the model folder."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from rlite.engines.hf_engine import TransformersEngine
+
+    hf_logging.disable_progress_bar()
+
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation)
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    return TransformersEngine(
+        model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, true_on_policy=true_on_policy
+    )
+
+
+class _ViewLoader:
+    """Points the model's parameters at the bucket views (or copies where dtype/device differ)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = dict(model.named_parameters())
+        self.seen: set[str] = set()
+
+    @torch.no_grad()
+    def load(self, views: list[tuple[str, torch.Tensor]]) -> None:
+        for name, view in views:
+            param = self.params.get(name)
+            if param is None:
+                if name == "lm_head.weight":  # tied to the embedding: named_parameters() lists it once
+                    continue
+                raise EngineError(f"engine model has no parameter named {name!r}")
+            if param.shape != view.shape:
+                raise EngineError(
+                    f"{name} has shape {tuple(view.shape)}, engine expects {tuple(param.shape)}"
+                )
+            if param.dtype == view.dtype and param.device == view.device:
+                if param.data_ptr() != view.data_ptr():
+                    param.data = view  # zero-copy from now on: the trainer writes, we read
+            else:
+                param.copy_(view)
+            self.seen.add(name)
+
+    def check_complete(self, version: int) -> None:
+        missing = sorted(set(self.params) - self.seen)
+        self.seen = set()
+        if missing:
+            raise EngineError(
+                f"weight sync v{version} left {len(missing)} engine parameters stale, e.g. {missing[:3]}"
+            )
+
+
+class _EngineServer:
+    """Answers the trainer's messages inside the engine process."""
+
+    def __init__(self, engine: Any, verify_checksums: bool) -> None:
+        self.engine = engine
+        self.receiver = SharedBucketReceiver(verify_checksums=verify_checksums)
+        self.loader = _ViewLoader(engine.model)
+        self.weights_valid = True
+        self.invalid_reason = ""
+
+    def handle(self, message: tuple) -> tuple | None:
+        op, *args = message
+        if op == "bucket":
+            meta, handle = args
+            try:
+                self.loader.load(self.receiver.receive(meta, handle))
+            except Exception as e:
+                return ("ack", meta.index, meta.version, False, f"{type(e).__name__}: {e}")
+            return ("ack", meta.index, meta.version, True, "")
+        if op == "begin_sync":
+            (version,) = args
+            self.receiver.begin(version)
+            self.loader.seen = set()
+            self.weights_valid, self.invalid_reason = False, f"weight sync v{version} did not complete"
+            return ("ack", "begin_sync", version, True, "")
+        if op == "end_sync":
+            version, n_buckets = args
+            try:
+                self.receiver.end(version, n_buckets)
+                self.loader.check_complete(version)
+            except Exception as e:
+                return ("ack", "end_sync", version, False, f"{type(e).__name__}: {e}")
+            self.engine.weight_version = int(version)
+            self.weights_valid = True
+            return ("ack", "end_sync", version, True, "")
+        if op == "abort_sync":
+            (version,) = args
+            self.receiver.version = None
+            self.weights_valid, self.invalid_reason = False, f"weight sync v{version} failed"
+            return ("ack", "abort_sync", version, True, "")
+        if op == "_debug_hang":  # test hook: stop answering
+            time.sleep(float(args[0]))
+            return None
+        try:
+            return ("ok", self.call(op, *args))
+        except Exception:
+            return ("error", traceback.format_exc())
+
+    def call(self, op: str, *args: Any) -> Any:
+        if op == "generate":
+            if not self.weights_valid:
+                raise EngineError(
+                    f"refusing to generate with incomplete weights: {self.invalid_reason}; sync again"
+                )
+            prompts, params = args
+            return self.engine.generate(prompts, SamplingParams(**params))
+        if op == "named_weights":
+            return [(name, p.detach().clone()) for name, p in self.engine.model.named_parameters()]
+        if op == "shared_weights":  # which parameters live in shared memory (zero-copy check)
+            return [n for n, p in self.engine.model.named_parameters() if p.untyped_storage().is_shared()]
+        if op == "release_memory":
+            return self.engine.release_memory()
+        if op == "resume_memory":
+            return self.engine.resume_memory()
+        if op == "ping":
+            return os.getpid()
+        raise EngineError(f"unknown engine operation {op!r}")
+
+
+def _serve(
+    conn: Connection,
+    engine_factory: Callable[..., Any],
+    factory_kwargs: dict[str, Any],
+    num_threads: int,
+    verify_checksums: bool,
+) -> None:
+    """Entry point of the engine process: build the engine, then answer messages until told to stop."""
+    torch.set_num_threads(num_threads)
+    try:
+        server = _EngineServer(engine_factory(**factory_kwargs), verify_checksums)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the trainer is gone
+        if message[0] == "shutdown":
+            return
+        reply = server.handle(message)
+        if reply is not None:
+            conn.send(reply)

@@ -1,0 +1,142 @@
+"""Helpers for tests of rlite and of rlite plugins: tiny models, tiny configs, fixed batches.
+
+Functions that run in spawned worker processes live here (not in test files) so that ``spawn`` can
+import them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlite.config import RunConfig, load_config
+
+
+def tiny_config(model_dir: str | Path, run_dir: str | Path, *overrides: str, pm=None) -> RunConfig:
+    """A run of a tiny model on the addition task: a few seconds per step on one CPU thread."""
+    base = [
+        f"model.path={model_dir}",
+        "data.task=addition",
+        "data.num_train=64",
+        "data.num_eval=8",
+        "training.steps=2",
+        "training.micro_batch_size=8",
+        "training.lr=1e-3",
+        "training.eval_every=0",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=4",
+        f"logging.run_dir={run_dir}",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+        "logging.loggers=[jsonl]",
+        "checkpoint.resume=never",
+        "checkpoint.save_final=false",
+        "checkpoint.export_hf=false",
+    ]
+    return load_config(None, base + list(overrides), pm=pm)
+
+
+def fixed_batch(num_prompts: int, samples: int, prompt_len: int, max_len: int, vocab: int, seed: int = 0):
+    """A deterministic RolloutBatch with ragged prompts and responses and scores with spread."""
+    from rlite.engines.base import Completion
+    from rlite.rollout import build_rollout_batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, vocab - 3, (int(torch.randint(2, prompt_len + 1, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(num_prompts)
+    ]
+    completions = []
+    for p in range(num_prompts):
+        for _ in range(samples):
+            length = int(torch.randint(1, max_len + 1, (1,), generator=g))
+            ids = torch.randint(3, vocab - 3, (length,), generator=g).tolist()
+            completions.append(Completion(p, ids, [0.0] * length, "length", 0))
+    batch = build_rollout_batch(prompts, completions, [{"answer": ""}] * num_prompts, 0, pad_token_id=0)
+    batch.scores = torch.randint(0, 3, (len(completions),), generator=g).float()
+    return batch
+
+
+def fixed_batch_update(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    model_dir: str,
+    out_file: str,
+    micro_batch_size: int,
+    agg_mode: str,
+    minibatches: int = 1,
+) -> None:
+    """One optimizer step of the real FSDP2 backend on a fixed global batch; rank r takes slice r.
+
+    Writes the loss metrics and the updated full parameters to ``out_file`` (rank 0). Used by the
+    world-size and micro-batching invariance tests. AdamW runs with eps=1 so that its first step is
+    about lr * grad (linear in the gradient) instead of lr * sign(grad), which would turn rounding
+    noise in near-zero gradients into full-size weight differences.
+    """
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        from rlite.actor import FSDP2Backend
+        from rlite.algorithms import AdvantageInput
+        from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+        from rlite.engines.weight_sync import iter_full_tensors
+        from rlite.plugins.advantages import grpo_advantages, GRPOConfig
+        from rlite.plugins.policy_losses import PPOClipConfig, ppo_clip_loss
+        from rlite.update import ForwardSpec, LossSpec, update_policy
+
+        backend = FSDP2Backend.build(
+            ModelConfig(path=model_dir),
+            ParallelismConfig(),
+            TrainingConfig(lr=1e-2, eps=1.0, grad_clip=0.0, micro_batch_size=micro_batch_size),
+            torch.device("cpu"),
+            total_optimizer_steps=minibatches,
+        )
+        batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
+        advantages, _ = grpo_advantages(
+            AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), GRPOConfig()
+        )
+        batch.extras["advantages"] = advantages
+        batch.extras["loss_mask"] = batch.response_mask.clone()
+        per_rank = len(batch) // world_size
+        local = batch.select(slice(rank * per_rank, (rank + 1) * per_rank))
+        metrics, _ = update_policy(
+            backend,
+            local,
+            ForwardSpec(micro_batch_size=micro_batch_size, temperature=1.0, chunk_size=16, exact_layout=False),
+            LossSpec(ppo_clip_loss, PPOClipConfig(), agg_mode, 7.0, None, 0.0, 0.01),
+            minibatches=minibatches,
+            epochs=1,
+            dp_size=world_size,
+        )
+        params = {name: t.detach().clone() for name, t in iter_full_tensors(backend.model.lm, lora_merge=False)}
+        if rank == 0:
+            torch.save({"metrics": metrics, "params": params}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_in_subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a child ``rlite`` process: offline, one thread."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.update(extra)
+    return env
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
