@@ -62,6 +62,7 @@ across a tool span in GAE as verl's loop does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -277,6 +278,20 @@ def rloo_advantages(batch: AdvantageInput, cfg: RLOOConfig) -> tuple[torch.Tenso
 # --------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
+def _scan_matrices(
+    discount: float, width: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``M[a, b] = d^(a-b)`` for ``a >= b`` (else 0) and ``d^(C-k)``, built in float64 (read-only)."""
+    k = torch.arange(width, device=device)
+    gap = k[:, None] - k[None, :]
+    base = torch.tensor(discount, dtype=torch.float64, device=device)
+    powers = torch.where(
+        gap >= 0, base.pow(gap.clamp(min=0)), torch.zeros((), dtype=torch.float64, device=device)
+    )
+    return powers.to(dtype), base.pow(width - k).to(dtype)
+
+
 def _reverse_scan(x: torch.Tensor, discount: float, chunk: int) -> torch.Tensor:
     """``y_t = x_t + discount * y_{t+1}`` along the last dim of ``x`` [B, L], with ``y_L = 0``.
 
@@ -291,15 +306,12 @@ def _reverse_scan(x: torch.Tensor, discount: float, chunk: int) -> torch.Tensor:
     n_chunks = -(-length // width)
     pad = n_chunks * width - length
     chunks = (F.pad(x, (0, pad)) if pad else x).reshape(batch, n_chunks, width)
-    k = torch.arange(width, device=x.device)
-    gap = k[:, None] - k[None, :]
-    base = torch.tensor(discount, dtype=torch.float64, device=x.device)
-    powers = torch.where(gap >= 0, base.pow(gap.clamp(min=0)), torch.zeros((), dtype=torch.float64))
-    out = chunks @ powers.to(x.dtype)
+    powers, carry_in = _scan_matrices(discount, width, x.dtype, x.device)
+    out = chunks @ powers
     if n_chunks > 1:
         starts = _reverse_scan(out[..., 0], discount**width, chunk)
         next_start = F.pad(starts[:, 1:], (0, 1))
-        out.addcmul_(next_start[..., None], base.pow(width - k).to(x.dtype))
+        out.addcmul_(next_start[..., None], carry_in)
     out = out.reshape(batch, n_chunks * width)
     return out[:, :length] if pad else out
 
@@ -323,8 +335,8 @@ class _Packing:
         aligned = self.length < 2 or not bool((self.keep[:, 1:] > self.keep[:, :-1]).any())
         self.slot: torch.Tensor | None = None
         if not aligned:
-            count = self.keep.to(torch.int32).cumsum(-1, dtype=torch.int32)
-            self.slot = (count - 1).clamp_(min=0).long()
+            count = self.keep.cumsum(-1, dtype=torch.int32)
+            self.slot = count.sub_(1).clamp_(min=0).long()  # always < width
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T] -> [B, width]: the mask-1 entries of each row, left-aligned, zero-padded."""
@@ -332,7 +344,7 @@ class _Packing:
         if self.slot is None:
             return kept[:, : self.width]
         # Masked tokens add their 0 to the slot of the previous kept token, which leaves it exact.
-        return x.new_zeros(x.shape[0], self.length).scatter_add(1, self.slot, kept)[:, : self.width]
+        return x.new_zeros(x.shape[0], self.width).scatter_add_(1, self.slot, kept)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[B, width] -> [B, T], zero at masked tokens."""
@@ -340,7 +352,7 @@ class _Packing:
             return F.pad(packed, (0, self.length - self.width)) if self.width < self.length else packed
         if self.width == 0:
             return packed.new_zeros(self.keep.shape)
-        return packed.gather(1, self.slot.clamp(max=self.width - 1)).mul_(self.weight)
+        return packed.gather(1, self.slot).mul_(self.weight)  # slot < width by construction
 
 
 def discounted_cumsum(
@@ -395,7 +407,11 @@ def gae(
     delta = packing.pack(rewards).sub_(packed_values)
     delta[:, :-1].add_(packed_values[:, 1:], alpha=gamma)  # the value after the last token is 0
     advantages = packing.unpack(_reverse_scan(delta, gamma * lam, chunk))
-    return advantages, packing.unpack(packed_values).add_(advantages)
+    if packing.slot is None and packing.width == packing.length:
+        returns = packed_values.add_(advantages)  # already V * m in place: saves a pass
+    else:
+        returns = torch.addcmul(advantages, values, packing.weight)
+    return advantages, returns
 
 
 def gae_loop(

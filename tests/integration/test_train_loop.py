@@ -1,0 +1,199 @@
+"""End-to-end runs of the real loop on a tiny model: learning, resume, crash safety, export, LoRA."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlite import hookimpl
+from rlite.checkpoint import find_resume_checkpoint, list_checkpoints
+from rlite.loop import build_run, run_training, train
+from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
+from rlite.testing import read_jsonl, run_in_subprocess_env, tiny_config
+from rlite.tokenizer import build_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
+
+
+@dataclass
+class DigitRewardConfig:
+    digit: str = "1"
+    """The digit the reward counts."""
+
+
+class DigitReward:
+    """A test plugin: reward = fraction of completion characters equal to one digit. A random tiny
+    model learns it within a few steps, so learning is visible on a held-out split."""
+
+    @hookimpl
+    def register_reward_functions(self, register):
+        def fraction_of_digit(completion, sample, cfg):
+            return sum(ch == cfg.digit for ch in completion) / max(len(completion), 1)
+
+        register("digit_fraction", fraction_of_digit, DigitRewardConfig)
+
+
+@pytest.fixture
+def pm_with_digit_reward():
+    pm = build_plugin_manager(autoload=False)
+    pm.register(DigitReward(), name="digit-reward")
+    set_plugin_manager(pm)
+    yield pm
+    set_plugin_manager(None)
+
+
+def test_reward_rises_on_held_out_prompts_and_parameters_change(tmp_path, model_dir, pm_with_digit_reward):
+    cfg = tiny_config(
+        model_dir,
+        tmp_path / "run",
+        "rewards=[digit_fraction]",
+        "training.steps=12",
+        "training.lr=3e-3",
+        "training.eval_every=12",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=8",
+        "rollout.max_new_tokens=6",
+        "training.micro_batch_size=32",
+        pm=pm_with_digit_reward,
+    )
+    run = build_run(cfg)
+    before = {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}
+    try:
+        train(run)
+    finally:
+        run.engine.shutdown()
+    after = {n: p.detach().full_tensor() for n, p in run.backend.model.named_parameters()}
+    assert all(not torch.equal(before[n], after[n]) for n in before), "every parameter should move"
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    evals = [r for r in rows if "eval/sampled_reward" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 12
+    assert evals[-1]["eval/greedy_reward"] >= evals[0]["eval/greedy_reward"] + 0.5
+    assert evals[-1]["eval/sampled_reward"] > evals[0]["eval/sampled_reward"]
+    train_rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    assert sum(train_rewards[-3:]) > sum(train_rewards[:3])
+
+
+def _metrics_without_timing(path):
+    return [
+        {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))} for row in read_jsonl(path)
+    ]
+
+
+def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir):
+    common = ("checkpoint.every=3", "training.eval_every=3", "checkpoint.export_hf=true", "training.steps=6")
+    straight = tiny_config(model_dir, tmp_path / "straight", *common)
+    run_training(straight)
+
+    first = tiny_config(model_dir, tmp_path / "resumed", *common[:-1], "training.steps=3")
+    run_training(first)
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step_00000003"]
+    second = tiny_config(model_dir, tmp_path / "resumed", *common, "checkpoint.resume=auto")
+    run_training(second)
+
+    a = load_file(tmp_path / "straight" / "hf_model" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert _metrics_without_timing(tmp_path / "straight" / "metrics.jsonl") == _metrics_without_timing(
+        tmp_path / "resumed" / "metrics.jsonl"
+    )
+
+
+def test_exported_model_loads_in_plain_transformers(tmp_path, model_dir):
+    run_training(tiny_config(model_dir, tmp_path / "run", "checkpoint.export_hf=true"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run" / "hf_model"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("12+35=", return_tensors="pt")
+    generated = model.generate(**ids, max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_sigkill_during_checkpoint_save_leaves_previous_checkpoint_usable(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    args = [
+        f"model.path={model_dir}", "data.task=addition", "data.num_train=64", "data.num_eval=8",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+        f"logging.run_dir={run_dir}", "logging.progress_bar=false", "logging.plot=false",
+        "logging.loggers=[jsonl]", "training.eval_every=0", "checkpoint.every=2",
+        "checkpoint.save_final=false", "checkpoint.export_hf=false", "checkpoint.resume=auto",
+    ]
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("training:\n  seed: 0\n")
+    cmd = [sys.executable, "-m", "rlite", "train", str(config_file)]
+    subprocess.run([*cmd, *args, "training.steps=2"], env=run_in_subprocess_env(), check=True, timeout=300,
+                   capture_output=True)
+    assert find_resume_checkpoint(run_dir, "auto").name == "step_00000002"
+
+    # the save of step 4 pauses after writing its shards and before publishing: kill it there
+    proc = subprocess.Popen([*cmd, *args, "training.steps=4"], env=run_in_subprocess_env(RLITE_DEBUG_CHECKPOINT_PAUSE="60"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    ckpt_root = run_dir / "checkpoints"
+    while not any(p.name.startswith("step_00000004") for p in ckpt_root.iterdir()):
+        assert proc.poll() is None, "the run ended before its step-4 save"
+        assert time.monotonic() < deadline, "the step-4 save never started"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the shards are being written or done; the marker is not
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert any(p.name.endswith(".tmp") for p in ckpt_root.iterdir())
+    resume_from = find_resume_checkpoint(run_dir, "auto")
+    assert resume_from.name == "step_00000002", "the half-written step-4 checkpoint must be ignored"
+
+    done = subprocess.run([*cmd, *args, "training.steps=4"], env=run_in_subprocess_env(), timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resumed from" in done.stderr and "step 2" in done.stderr
+    assert find_resume_checkpoint(run_dir, "auto").name == "step_00000004"
+    assert not any(p.name.endswith(".tmp") for p in ckpt_root.iterdir())
+
+
+def test_lora_trains_only_adapters_and_engine_samples_merged_weights(tmp_path, model_dir, pm_with_digit_reward):
+    cfg = tiny_config(model_dir, tmp_path / "run", "model.lora.enabled=true", "model.lora.rank=4",
+                      "training.lr=5e-2", "training.steps=3", "rewards=[digit_fraction]",
+                      "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6", pm=pm_with_digit_reward)
+    run = build_run(cfg)
+    named = lambda: {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}  # noqa: E731
+    before = named()
+    try:
+        train(run)
+        after = named()
+        engine_weights = {n: p.detach().clone() for n, p in run.engine.named_weights()}
+    finally:
+        run.engine.shutdown()
+    lora_names = [n for n in before if "lora_" in n]
+    assert lora_names
+    for name in before:
+        changed = not torch.equal(before[name], after[name])
+        if "lora_B" in name or "lora_A" in name:
+            continue
+        assert not changed, f"frozen base weight {name} changed"
+    assert any(not torch.equal(before[n], after[n]) for n in lora_names if "lora_B" in n)
+    # engine holds W + (alpha / r) * B @ A for every adapted layer
+    scale = cfg.model.lora.alpha / cfg.model.lora.rank
+    checked = 0
+    for name, base in after.items():
+        if not name.endswith("base_layer.weight"):
+            continue
+        prefix = name[: -len("base_layer.weight")]
+        merged = base + scale * after[prefix + "lora_B.default.weight"] @ after[prefix + "lora_A.default.weight"]
+        hf_name = name.replace("lm.base_model.model.", "").replace(".base_layer", "")
+        torch.testing.assert_close(engine_weights[hf_name], merged, rtol=0, atol=1e-6)
+        checked += 1
+    assert checked >= 4

@@ -1,0 +1,391 @@
+"""SGLang engine contract on CPU: call order against a rule-enforcing fake, payloads, SGLang's deserializer.
+
+The tests that need SGLang's own code (``MultiprocessingSerializer``, ``FlattenedTensorBucket``) run
+only where ``sglang`` is importable; ``tests/sglang_compat/run.sh`` builds a small venv for them.
+There, ``RLITE_SGLANG_NARROW_IMPORT=1`` imports just ``sglang.srt.utils.common`` and
+``sglang.srt.weight_sync`` (skipping ``sglang/__init__``, which needs transformers and more), and
+``RLITE_REQUIRE_SGLANG=1`` turns a failed import into a failure instead of a skip.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import os
+import pickle
+import sys
+import types
+
+import pytest
+import torch
+
+from rlite.engines.base import EngineError, SamplingParams
+from rlite.engines.sglang_engine import (
+    FLATTENED_BUCKET,
+    REST_TAGS,
+    WEIGHT_TAGS,
+    FlattenedTensorMetadataFields,
+    SGLangEngine,
+    build_update_payloads,
+    completion_from_output,
+    sampling_params_for,
+)
+from rlite.engines.weight_sync import ALIGNMENT
+
+torch.set_num_threads(1)
+
+ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
+
+
+def _load_sglang():
+    """SGLang's serializer, bucket and metadata classes, or None where SGLang is not installed."""
+    if importlib.util.find_spec("sglang") is None:
+        if os.environ.get("RLITE_REQUIRE_SGLANG") == "1":
+            raise RuntimeError("RLITE_REQUIRE_SGLANG=1 but sglang is not installed")
+        return None
+    try:
+        if os.environ.get("RLITE_SGLANG_NARROW_IMPORT") == "1" and "sglang" not in sys.modules:
+            # a bare package object: sglang/__init__.py (transformers, lang api, ...) never runs
+            package = types.ModuleType("sglang")
+            package.__path__ = list(importlib.util.find_spec("sglang").submodule_search_locations)
+            sys.modules["sglang"] = package
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+    except Exception:
+        if os.environ.get("RLITE_REQUIRE_SGLANG") == "1":
+            raise
+        return None
+    return types.SimpleNamespace(
+        serializer=MultiprocessingSerializer, bucket=FlattenedTensorBucket, metadata=FlattenedTensorMetadata
+    )
+
+
+SGLANG = _load_sglang()
+needs_sglang = pytest.mark.skipif(
+    SGLANG is None, reason="sglang is not importable here (see tests/sglang_compat)"
+)
+
+
+def named_tensors(step: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(step)
+    return [
+        ("model.embed_tokens.weight", torch.randn(50, 16, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.q_proj.bias", torch.randn(7, generator=g).to(torch.bfloat16)),  # 14 bytes
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(16, 16, generator=g)),
+        ("model.layers.0.mlp.down_proj.weight", torch.randn(32, 16, generator=g).half().T),  # non-contiguous
+        ("model.norm.weight", torch.randn(16, generator=g)),
+        ("model.step", torch.tensor(step, dtype=torch.int64)),
+    ]
+
+
+# -- how the receiving side reads a payload ------------------------------------------------------
+
+
+def pure_deserialize(payload):
+    return pickle.loads(base64.b64decode(payload) if isinstance(payload, str) else payload)
+
+
+def pure_reconstruct(data):
+    """SGLang's ``FlattenedTensorBucket.reconstruct_tensors``, line for line."""
+    flat = data["flattened_tensor"]
+    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in data["metadata"]]
+
+
+def sglang_deserialize(payload):
+    return SGLANG.serializer.deserialize(payload)
+
+
+def sglang_reconstruct(data):
+    return SGLANG.bucket(
+        flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+    ).reconstruct_tensors()
+
+
+READERS = [pytest.param((pure_deserialize, pure_reconstruct, FlattenedTensorMetadataFields), id="pure")]
+if SGLANG is not None:
+    READERS.append(pytest.param((sglang_deserialize, sglang_reconstruct, SGLANG.metadata), id="sglang"))
+
+
+# -- a fake SGLang that enforces SGLang's rules ---------------------------------------------------
+
+
+class RuleBroken(AssertionError):
+    pass
+
+
+class FakeSGLang:
+    """Records calls; breaks like SGLang 0.5.23 where rlite's order would break the real engine."""
+
+    output_str = False
+
+    def __init__(self, *, tp_size=1, reader=READERS[0].values[0], fail_on_bucket=None, cpu_backup=False):
+        self.deserialize, self.reconstruct, self.metadata_cls = reader
+        self.tp_size = tp_size
+        self.fail_on_bucket = fail_on_bucket
+        self.cpu_backup = cpu_backup
+        self.calls: list[tuple] = []
+        self.released: set[str] = set()
+        self.session = False
+        self.weights: dict[str, torch.Tensor] = {}
+        self.weights_valid = True
+        self.buckets = 0
+        self.version = "default"
+
+    def _rule(self, ok: bool, message: str) -> None:
+        if not ok:
+            raise RuleBroken(f"SGLang rule broken: {message} (calls so far: {[c[0] for c in self.calls]})")
+
+    def release_memory_occupation(self, tags=None):
+        self.calls.append(("release_memory_occupation", tags))
+        tags = tags or ALL_TAGS
+        self._rule(not self.session, "release during a weight-update session")
+        self._rule(not (set(tags) & self.released), f"release of already released {tags}")
+        self.released |= set(tags)
+
+    def resume_memory_occupation(self, tags=None):
+        self.calls.append(("resume_memory_occupation", tags))
+        tags = tags or ALL_TAGS
+        self._rule(set(tags) <= self.released, f"resume of {tags}, not released (SGLang: KeyError)")
+        self.released -= set(tags)
+        if "weights" in tags and not self.cpu_backup:
+            self.weights_valid = False  # the memory is back, its contents are not
+
+    def begin_weight_update(self, selector="all"):
+        self.calls.append(("begin_weight_update",))
+        self._rule(not self.session, "a weight-update session is already open")
+        self._rule("weights" not in self.released, "loading weights into released memory")
+        self.session = True
+        self.buckets = 0
+        return (True, "Success")
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(("update_weights_from_tensor", load_format, flush_cache))
+        self._rule(self.session, "update_weights_from_tensor outside begin/end_weight_update")
+        self._rule(load_format == FLATTENED_BUCKET, f"load_format {load_format!r}")
+        self._rule(
+            len(named_tensors) == self.tp_size, f"{len(named_tensors)} payloads for tp_size {self.tp_size}"
+        )
+        per_rank = []
+        for payload in named_tensors:
+            data = self.deserialize(payload)
+            self._rule(set(data) == {"flattened_tensor", "metadata"}, f"payload keys {sorted(data)}")
+            per_rank.append(self.reconstruct(data))
+        self.buckets += 1
+        if self.fail_on_bucket == self.buckets - 1:
+            return (False, "injected failure")
+        for name, tensor in per_rank[0]:
+            self.weights[name] = tensor.clone()
+        return (True, "Success")
+
+    def end_weight_update(self):
+        self.calls.append(("end_weight_update",))
+        self._rule(self.session, "end_weight_update without begin")
+        self.session = False
+        self.weights_valid = True
+        return (True, "Success")
+
+    def update_weight_version(self, version):
+        self.calls.append(("update_weight_version", version))
+        self._rule(not self.session, "version update inside a session")
+        self.version = version
+
+    def flush_cache(self):
+        self.calls.append(("flush_cache",))
+        self._rule(not self.session, "flush_cache inside a session")
+
+    def generate(self, *, input_ids, sampling_params, return_logprob):
+        self.calls.append(("generate", len(input_ids)))
+        self._rule(not self.released, f"generate with {sorted(self.released)} released")
+        self._rule(not self.session, "generate inside a weight-update session")
+        self._rule(self.weights_valid, "generate with lost weights")
+        self._rule(return_logprob, "rlite needs log-probs")
+        self._rule(len(sampling_params) == len(input_ids), "one sampling-params dict per request")
+        outputs = []
+        for ids, sp in zip(input_ids, sampling_params):
+            tokens = [(sum(ids) + k) % 50 + 2 for k in range(sp["max_new_tokens"])]
+            entries = [(-0.25 * (k + 1), t, None) for k, t in enumerate(tokens)]
+            meta = {
+                "output_token_logprobs": entries,
+                "finish_reason": {"type": "length", "length": len(tokens)},
+                "weight_version": self.version,
+            }
+            outputs.append({"text": None, "output_ids": tokens, "meta_info": meta})
+        return outputs
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+def _engine(fake: FakeSGLang, bucket_bytes: int = 2048) -> SGLangEngine:
+    engine = SGLangEngine("unused", eos_token_ids=[1], tp_size=fake.tp_size, backend=fake)
+    engine.bucket_bytes = bucket_bytes
+    return engine
+
+
+# -- (c) pure payload tests -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("output_str", [False, True])
+def test_payload_round_trip_is_bitwise(reader, output_str):
+    deserialize, reconstruct, metadata_cls = reader
+    tensors = named_tensors(3)
+    payloads = build_update_payloads(tensors, tp_size=2, metadata_cls=metadata_cls, output_str=output_str)
+    assert len(payloads) == 2 and all(isinstance(p, str if output_str else bytes) for p in payloads)
+    for payload in payloads:
+        data = deserialize(payload)
+        assert set(data) == {"flattened_tensor", "metadata"}
+        flat = data["flattened_tensor"]
+        assert flat.dtype == torch.uint8 and flat.dim() == 1
+        for meta, (name, tensor) in zip(data["metadata"], tensors):
+            assert type(meta) is metadata_cls
+            assert meta.name == name and meta.dtype == tensor.dtype and meta.shape == tensor.shape
+            assert isinstance(meta.shape, torch.Size)
+            assert meta.start_idx % ALIGNMENT == 0
+            assert meta.end_idx - meta.start_idx == meta.numel == tensor.numel() * tensor.element_size()
+        rebuilt = reconstruct(data)
+        assert [n for n, _ in rebuilt] == [n for n, _ in tensors]
+        for (_, got), (_, want) in zip(rebuilt, tensors):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(
+                got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)
+            )
+
+
+def test_sampling_params_and_seeds():
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=0.7, top_k=0, top_p=0.9, stop_token_ids=[9])
+    (sp,) = sampling_params_for(params, stop_token_ids={1, 9}, seeds=None)
+    assert sp == {
+        "max_new_tokens": 5,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "stop_token_ids": [1, 9],
+    }
+    greedy = sampling_params_for(SamplingParams(greedy=True, top_k=5), stop_token_ids=[], seeds=[3, 4])
+    assert [s["temperature"] for s in greedy] == [0.0, 0.0] and [s["sampling_seed"] for s in greedy] == [3, 4]
+    assert greedy[0]["top_k"] == 5 and greedy[0]["stop_token_ids"] is None
+
+
+def test_completion_from_output():
+    output = {
+        "output_ids": [5, 6, 1],
+        "meta_info": {
+            "output_token_logprobs": [(-0.1, 5, None), (-0.2, 6, None), (-0.3, 1, None)],
+            "finish_reason": {"type": "stop", "matched": 1},
+            "weight_version": "4",
+        },
+    }
+    c = completion_from_output(output, prompt_index=2, weight_version=4)
+    assert (c.prompt_index, c.token_ids, c.logprobs, c.finish_reason, c.weight_version) == (
+        2,
+        [5, 6, 1],
+        [-0.1, -0.2, -0.3],
+        "stop",
+        4,
+    )
+    output["meta_info"]["finish_reason"] = {"type": "abort", "message": "oom"}
+    with pytest.raises(EngineError, match="abort"):
+        completion_from_output(output, prompt_index=0, weight_version=4)
+    with pytest.raises(EngineError, match="output_token_logprobs"):
+        completion_from_output({"meta_info": {}}, prompt_index=0, weight_version=4)
+
+
+# -- (a) call order against the fake -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_colocated_cycle_follows_sglang_rules(reader):
+    fake = FakeSGLang(tp_size=2, reader=reader)
+    engine = _engine(fake)
+    for version in (1, 2):
+        engine.release_memory()  # before training
+        tensors = named_tensors(version)
+        engine.update_weights(iter(tensors), version)  # after the optimizer step
+        engine.resume_memory()  # before the next rollout
+        completions = engine.generate([[3, 4], [5]], SamplingParams(n=2, max_new_tokens=3))
+        assert len(completions) == 4 and [c.prompt_index for c in completions] == [0, 0, 1, 1]
+        assert all(c.weight_version == version for c in completions)
+        assert completions[0].logprobs == [-0.25, -0.5, -0.75]
+        for name, tensor in tensors:
+            assert torch.equal(fake.weights[name], tensor), name
+    n_buckets = fake.buckets
+    assert n_buckets > 1  # the small bucket size split the model
+    cycle = (
+        [
+            ("release_memory_occupation", None),
+            ("resume_memory_occupation", WEIGHT_TAGS),
+            ("begin_weight_update",),
+        ]
+        + [("update_weights_from_tensor", FLATTENED_BUCKET, False)] * n_buckets
+        + [("end_weight_update",), ("update_weight_version", "2"), ("resume_memory_occupation", REST_TAGS)]
+        + [("flush_cache",), ("generate", 4)]
+    )
+    assert fake.calls[-len(cycle) :] == cycle
+
+
+def test_a_failed_bucket_still_closes_the_session():
+    fake = FakeSGLang(fail_on_bucket=1)
+    engine = _engine(fake)
+    with pytest.raises(
+        EngineError, match="update_weights_from_tensor \\(bucket 1\\) failed: injected failure"
+    ):
+        engine.update_weights(iter(named_tensors(1)), 1)
+    assert not fake.session and fake.calls[-1] == ("end_weight_update",)
+    assert engine.weight_version == 0
+    fake.fail_on_bucket = None
+    engine.update_weights(iter(named_tensors(2)), 2)
+    assert engine.weight_version == 2 and fake.version == "2"
+
+
+def test_generate_refuses_weights_released_without_a_sync():
+    fake = FakeSGLang()
+    engine = _engine(fake)
+    engine.release_memory()
+    with pytest.raises(EngineError, match="not synced since"):
+        engine.generate([[1, 2]], SamplingParams())
+    engine.update_weights(iter(named_tensors(1)), 1)
+    assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))) == 1
+
+
+def test_the_fake_breaks_where_sglang_breaks():
+    fake = FakeSGLang()
+    payloads = build_update_payloads(
+        named_tensors(), tp_size=1, metadata_cls=FlattenedTensorMetadataFields, output_str=False
+    )
+    with pytest.raises(RuleBroken, match="outside begin"):
+        fake.update_weights_from_tensor(payloads, load_format=FLATTENED_BUCKET)
+    with pytest.raises(RuleBroken, match="not released"):
+        fake.resume_memory_occupation(["kv_cache"])
+    fake.release_memory_occupation()
+    with pytest.raises(RuleBroken, match="released memory"):
+        fake.begin_weight_update()
+    with pytest.raises(RuleBroken, match="released"):
+        fake.generate(input_ids=[[1]], sampling_params=[{"max_new_tokens": 1}], return_logprob=True)
+    fake.resume_memory_occupation(["weights"])
+    fake.begin_weight_update()
+    with pytest.raises(RuleBroken, match="during a weight-update session"):
+        fake.release_memory_occupation(["kv_cache"])
+
+
+# -- (b) SGLang's own deserializer ----------------------------------------------------------------
+
+
+@needs_sglang
+def test_sglang_unpickler_accepts_our_payload_and_rejects_foreign_classes():
+    tensors = named_tensors(7)
+    for output_str in (False, True):
+        (payload,) = build_update_payloads(
+            tensors, tp_size=1, metadata_cls=SGLANG.metadata, output_str=output_str
+        )
+        rebuilt = sglang_reconstruct(SGLANG.serializer.deserialize(payload))
+        for (_, got), (_, want) in zip(rebuilt, tensors):
+            assert torch.equal(
+                got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)
+            )
+    # SGLang's SafeUnpickler allows only its own metadata class: the stand-in must never reach it
+    (foreign,) = build_update_payloads(
+        tensors, tp_size=1, metadata_cls=FlattenedTensorMetadataFields, output_str=True
+    )
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
+        SGLANG.serializer.deserialize(foreign)
