@@ -219,34 +219,28 @@ def _broadcast(per_response: torch.Tensor, mask: torch.Tensor, dtype: torch.dtyp
     return per_response.to(dtype)[:, None] * mask.to(dtype)
 
 
-def _group_baseline(scores: torch.Tensor, group_ids: torch.Tensor, singleton: str) -> torch.Tensor:
-    """``R_i - mu_g`` in float64, with the singleton rule applied."""
-    mean, _, count = group_mean_std(scores, group_ids)
+def _centred(
+    scores: torch.Tensor, group_ids: torch.Tensor, singleton: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(R_i - mu_g, sigma_g, is_singleton)`` in float64; a singleton's centred reward is 0 or R."""
+    mean, std, count = group_mean_std(scores, group_ids)
     x = scores.double()
-    centered = x - mean
     single = count == 1
-    return torch.where(single, x if singleton == "raw" else torch.zeros_like(x), centered)
+    centred = torch.where(single, x if singleton == "raw" else torch.zeros_like(x), x - mean)
+    return centred, std, single
 
 
 @torch.no_grad()
 def grpo_advantages(batch: AdvantageInput, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage ``(R_i - mu_g) / (sigma + eps)`` broadcast over the response tokens."""
-    x = batch.scores.double()
-    mean, std, count = group_mean_std(batch.scores, batch.group_ids)
-    single = count == 1
-    raw = cfg.singleton == "raw"
-    centered = torch.where(single & raw, x, x - mean)
+    advantage, std, single = _centred(batch.scores, batch.group_ids, cfg.singleton)
     if cfg.norm_by_std:
         if cfg.std_scope == "group":
-            sigma = torch.where(single & raw, torch.ones_like(std), std)
+            sigma = torch.where(single, torch.ones_like(std), std)  # verl's sigma = 1 for a raw singleton
         else:
-            sigma = _batch_std(x).expand_as(x)
-        # centred == 0 guards epsilon = 0 on a constant group (0 / 0).
-        advantage = torch.where(centered == 0, torch.zeros_like(x), centered / (sigma + cfg.epsilon))
-    else:
-        advantage = centered
-    if not raw:
-        advantage = torch.where(single, torch.zeros_like(advantage), advantage)
+            sigma = _batch_std(batch.scores.double()).expand_as(std)
+        # advantage == 0 (constant group, zero singleton) stays 0, also with epsilon = 0
+        advantage = torch.where(advantage == 0, advantage, advantage / (sigma + cfg.epsilon))
     out = _broadcast(advantage, batch.response_mask, _out_dtype(batch.scores))
     return out, out.clone()
 
@@ -254,7 +248,7 @@ def grpo_advantages(batch: AdvantageInput, cfg: GRPOConfig) -> tuple[torch.Tenso
 @torch.no_grad()
 def dr_grpo_advantages(batch: AdvantageInput, cfg: DrGRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO: ``R_i - mu_g`` (no std division) broadcast over the response tokens."""
-    advantage = _group_baseline(batch.scores, batch.group_ids, cfg.singleton)
+    advantage, _, _ = _centred(batch.scores, batch.group_ids, cfg.singleton)
     out = _broadcast(advantage, batch.response_mask, _out_dtype(batch.scores))
     return out, out.clone()
 
@@ -469,7 +463,8 @@ def reinforce_pp_baseline_advantages(
     batch: AdvantageInput, cfg: ReinforcePPBaselineConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: REINFORCE++ with the group mean subtracted from the outcome reward."""
-    outcome = _group_baseline(batch.scores, batch.group_ids, cfg.singleton).to(_out_dtype(batch.scores))
+    outcome, _, _ = _centred(batch.scores, batch.group_ids, cfg.singleton)
+    outcome = outcome.to(_out_dtype(batch.scores))
     return _reinforce_pp(batch, outcome, cfg.gamma, cfg.whiten)
 
 
