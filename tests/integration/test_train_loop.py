@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from rlite import hookimpl
 from rlite.checkpoint import find_resume_checkpoint, list_checkpoints
+from rlite.distributed import shutdown_distributed
 from rlite.loop import build_run, run_training, train
 from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
 from rlite.testing import read_jsonl, run_in_subprocess_env, tiny_config
@@ -74,6 +75,7 @@ def test_reward_rises_on_held_out_prompts_and_parameters_change(tmp_path, model_
         train(run)
     finally:
         run.engine.shutdown()
+        shutdown_distributed(run.ctx)
     after = {n: p.detach().full_tensor() for n, p in run.backend.model.named_parameters()}
     assert all(not torch.equal(before[n], after[n]) for n in before), "every parameter should move"
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -177,6 +179,7 @@ def test_lora_trains_only_adapters_and_engine_samples_merged_weights(tmp_path, m
         engine_weights = {n: p.detach().clone() for n, p in run.engine.named_weights()}
     finally:
         run.engine.shutdown()
+        shutdown_distributed(run.ctx)
     lora_names = [n for n in before if "lora_" in n]
     assert lora_names
     for name in before:
