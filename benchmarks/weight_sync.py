@@ -35,7 +35,7 @@ TENSOR_NUMEL = 1 << 20  # 4 MB of fp32
 
 
 def model_shapes(size_mb: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    n = max(1, size_mb * (1 << 20) // (4 * TENSOR_NUMEL) - 1)
+    n = max(1, round(size_mb / 4) - 1)
     shapes = [(f"layers.{i}.weight", (1024, 1024), torch.float32) for i in range(n)]
     shapes.append(("embed.weight", (2048, 1024), torch.bfloat16))  # 4 MB, a second dtype
     return shapes
@@ -73,13 +73,15 @@ def flat_names(weights):
     return [(name.replace(".", "_"), t) for name, t in weights]
 
 
-def bench_shared_memory(shapes, weights, repeats: int, verify: bool, compare: bool) -> dict[str, float]:
+def bench_shared_memory(
+    shapes, weights, repeats: int, verify: bool, compare: bool, bucket_mb: int
+) -> dict[str, float]:
     engine = ProcessEngine(
         ".",
         pad_token_id=0,
         eos_token_ids=[],
         timeout_s=600.0,
-        bucket_mb=512,
+        bucket_mb=bucket_mb,
         verify_checksums=verify,
         engine_factory=make_holder,
         factory_kwargs={"shapes": shapes},
@@ -175,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mb", default="50,200,1024,2048")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=64, help="shared-memory bucket size")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -190,8 +193,12 @@ def main() -> None:
         shapes = model_shapes(size_mb)
         weights = make_weights(shapes, seed=size_mb)
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-        shm = bench_shared_memory(shapes, weights, args.repeats, verify=True, compare=size_mb <= 200)
-        bare = bench_shared_memory(shapes, weights, args.repeats, verify=False, compare=False)
+        shm = bench_shared_memory(
+            shapes, weights, args.repeats, verify=True, compare=size_mb <= 200, bucket_mb=args.bucket_mb
+        )
+        bare = bench_shared_memory(
+            shapes, weights, args.repeats, verify=False, compare=False, bucket_mb=args.bucket_mb
+        )
         raw = bench_bytes(shapes, weights, args.repeats)
         del weights
         line = (
@@ -212,7 +219,8 @@ def main() -> None:
             f"## Weight sync to an engine process: shared memory vs bytes ({stamp})",
             "",
             f"Machine: {machine()}. One thread per process; median of {args.repeats} syncs after the first.",
-            f"Command: `python benchmarks/weight_sync.py --sizes-mb {args.sizes_mb} --repeats {args.repeats} --append`",
+            f"Command: `python benchmarks/weight_sync.py --sizes-mb {args.sizes_mb} --repeats {args.repeats} "
+            f"--bucket-mb {args.bucket_mb} --append`",
             "",
             *lines,
             "",

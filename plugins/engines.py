@@ -3,11 +3,15 @@
 * ``transformers``: transformers ``generate`` with a KV cache, colocated with the trainer; in-process
   by default, or in its own spawned process (``args.process: true``) receiving weights through
   shared-memory buckets (``rlite.engines.process_engine``).
+* ``sglang``: SGLang >= 0.5.23 on GPUs (``pip install rlite[sglang]``), colocated with the memory
+  saver, weights through flattened CUDA-IPC buckets (``rlite.engines.sglang_engine``). Not run on a
+  GPU by us yet.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from rlite import hookimpl
 
@@ -38,6 +42,7 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
             timeout_s=rollout_config.timeout_s,
             attn_implementation=cfg.attn_implementation,
             gguf_file=model_config.gguf_file,
+            bucket_mb=rollout_config.sync_bucket_mb,
             **common,
         )
     from rlite.actor import load_causal_lm
@@ -47,6 +52,49 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
     return TransformersEngine(load_causal_lm(engine_model_cfg), **common)
 
 
+@dataclass
+class SGLangEngineConfig:
+    launch: str = "engine"
+    """``engine`` (in-process sglang.Engine) or ``server`` (an sglang.launch_server subprocess on 127.0.0.1)."""
+    tp_size: int = 1
+    """Tensor-parallel size of the engine."""
+    mem_fraction_static: Optional[float] = None
+    """Fraction of GPU memory for weights and KV cache (None = SGLang's default)."""
+    start_timeout_s: float = 600.0
+    """How long the engine may take to start before it is reported dead."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra SGLang ServerArgs, passed unchanged."""
+
+    def __post_init__(self) -> None:
+        if self.launch not in ("engine", "server"):
+            raise ValueError(f"launch must be 'engine' or 'server', got {self.launch!r}")
+
+
+def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngineConfig):
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "rollout.engine: sglang is not installed; pip install 'rlite[sglang]' (GPU machines only)"
+        ) from None
+    from rlite.engines.sglang_engine import SGLangEngine
+
+    return SGLangEngine(
+        model_config.path,
+        eos_token_ids=_eos_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        timeout_s=rollout_config.timeout_s,
+        start_timeout_s=cfg.start_timeout_s,
+        true_on_policy=rollout_config.true_on_policy,
+        bucket_mb=rollout_config.sync_bucket_mb,
+        tp_size=cfg.tp_size,
+        launch=cfg.launch,
+        mem_fraction_static=cfg.mem_fraction_static,
+        engine_kwargs=dict(cfg.engine_kwargs),
+    )
+
+
 @hookimpl
 def register_rollout_engines(register):
     register("transformers", make_transformers_engine, TransformersEngineConfig)
+    register("sglang", make_sglang_engine, SGLangEngineConfig)

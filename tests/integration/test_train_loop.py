@@ -200,3 +200,47 @@ def test_lora_trains_only_adapters_and_engine_samples_merged_weights(tmp_path, m
         torch.testing.assert_close(engine_weights[hf_name], merged, rtol=0, atol=1e-6)
         checked += 1
     assert checked >= 4
+
+
+class SyncAuditor:
+    """Checks after every sync that the engine holds exactly the trainer's weights."""
+
+    def __init__(self):
+        self.model = None
+        self.previous = None
+        self.checked_versions = []
+
+    @hookimpl
+    def after_optimizer_step(self, step, model):
+        self.model = model
+
+    @hookimpl
+    def after_weight_sync(self, step, weight_version, engine):
+        from rlite.engines.weight_sync import iter_full_tensors
+
+        trainer = {n: t.clone() for n, t in iter_full_tensors(self.model.lm, lora_merge=False)}
+        if self.previous is not None:  # the step changed the weights, so a stale engine would be caught
+            assert any(not torch.equal(trainer[n], self.previous[n]) for n in trainer)
+        self.previous = trainer
+        engine_weights = dict(engine.named_weights())
+        assert engine_weights.keys() <= trainer.keys()
+        for name, tensor in engine_weights.items():
+            assert torch.equal(tensor, trainer[name]), f"step {step}: engine weight {name} differs"
+        self.checked_versions.append((step, weight_version, engine.weight_version))
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["in-process", "spawned-process"])
+def test_engine_weights_equal_trainer_weights_after_every_sync(tmp_path, model_dir, process):
+    pm = build_plugin_manager(autoload=False)
+    auditor = SyncAuditor()
+    pm.register(auditor, name="sync-auditor")
+    pm.register(DigitReward(), name="digit-reward")
+    set_plugin_manager(pm)
+    try:
+        cfg = tiny_config(model_dir, tmp_path / "run", "training.steps=3", "rewards=[digit_fraction]",
+                          "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6",
+                          f"rollout.engine={{name: transformers, args: {{process: {str(process).lower()}}}}}", pm=pm)
+        run_training(cfg)
+    finally:
+        set_plugin_manager(None)
+    assert auditor.checked_versions == [(1, 1, 1), (2, 2, 2), (3, 3, 3)]
