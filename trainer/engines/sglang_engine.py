@@ -88,10 +88,16 @@ def sglang_metadata_cls() -> type:
 
 
 def flattened_bucket_payload(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], *, metadata_cls: type
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    metadata_cls: type,
+    device: torch.device | str | None = None,
 ) -> dict[str, Any]:
-    """``{"flattened_tensor", "metadata"}`` as SGLang's ``FlattenedTensorBucket`` reads it back."""
-    buffer, metas = pack_bucket(named_tensors)
+    """``{"flattened_tensor", "metadata"}`` as SGLang's ``FlattenedTensorBucket`` reads it back.
+
+    The buffer is made on ``device`` (default: where the first tensor is).
+    """
+    buffer, metas = pack_bucket(named_tensors, device=device)
     metadata = [
         metadata_cls(
             name=m.name,
@@ -113,10 +119,15 @@ def serialize_payload(obj: Any, *, output_str: bool) -> bytes | str:
 
 
 def build_update_payloads(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], *, tp_size: int, metadata_cls: type, output_str: bool
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    tp_size: int,
+    metadata_cls: type,
+    output_str: bool,
+    device: torch.device | str | None = None,
 ) -> list[bytes | str]:
     """One serialized flattened bucket per tensor-parallel rank (each rank rebuilds its own handle)."""
-    payload = flattened_bucket_payload(named_tensors, metadata_cls=metadata_cls)
+    payload = flattened_bucket_payload(named_tensors, metadata_cls=metadata_cls, device=device)
     return [serialize_payload(payload, output_str=output_str) for _ in range(tp_size)]
 
 
@@ -188,17 +199,19 @@ def sync_weights(
     tp_size: int,
     metadata_cls: type,
     output_str: bool,
+    device: torch.device | str | None = None,
 ) -> int:
     """The SGLang weight-update call sequence; returns the number of buckets sent.
 
-    ``engine`` has SGLang ``Engine``'s method names plus ``update_weight_version``.
+    ``engine`` has SGLang ``Engine``'s method names plus ``update_weight_version``; buckets are packed
+    on ``device`` (the GPU, so that they travel as CUDA-IPC handles).
     """
     _check(engine.begin_weight_update(), "begin_weight_update")
     buckets = 0
     try:
         for bucket in iter_buckets(named_tensors, bucket_bytes):
             payloads = build_update_payloads(
-                bucket, tp_size=tp_size, metadata_cls=metadata_cls, output_str=output_str
+                bucket, tp_size=tp_size, metadata_cls=metadata_cls, output_str=output_str, device=device
             )
             del bucket
             _check(
@@ -457,6 +470,8 @@ class SGLangEngine:
         self.bucket_bytes = int(bucket_mb) << 20
         self.tp_size = int(tp_size)
         self.true_on_policy = true_on_policy
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        """Where buckets are packed: CPU-offloaded trainer weights go to the GPU before the handoff."""
         self.weight_version = 0
         self._released: list[str] = []
         self._weights_backup = bool((engine_kwargs or {}).get("enable_weights_cpu_backup", False))
@@ -537,6 +552,7 @@ class SGLangEngine:
             tp_size=self.tp_size,
             metadata_cls=self._metadata_cls,
             output_str=self.backend.output_str,
+            device=self.device,
         )
         self._weights_lost = False
         self.weight_version = int(version)
