@@ -213,14 +213,23 @@ def main() -> None:
         print(line, flush=True)
 
     if args.append:
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        load = os.getloadavg()[0]
         section = [
             "",
-            f"## Weight sync to an engine process: shared memory vs bytes ({stamp})",
+            "## Weight sync to an engine process: shared memory vs bytes (`benchmarks/weight_sync.py`)",
             "",
-            f"Machine: {machine()}. One thread per process; median of {args.repeats} syncs after the first.",
-            f"Command: `python benchmarks/weight_sync.py --sizes-mb {args.sizes_mb} --repeats {args.repeats} "
-            f"--bucket-mb {args.bucket_mb} --append`",
+            "Trainer and engine process on CPU, one thread each. Model: fp32 tensors of 4 MiB plus one bf16",
+            "tensor. shm: `ProcessEngine` + `SharedBucketSender` (buckets in shared memory, the engine's",
+            "parameters are views into them). First sync = allocate, pack, send handles (once). Later syncs =",
+            "copy into the buckets + trainer checksum + handoff (messages, the engine's checksum verification,",
+            "acks); 'no verify' turns the engine's verification off. bytes: `torch.save` of the state dict,",
+            "bytes through a pipe, `torch.load` and `copy_` in the engine process, ack; its handoff is",
+            f"everything after `torch.save`. Median of {args.repeats} syncs after the first.",
+            "",
+            f"- Machine: {machine()}; shared, load average {load:.1f} while this ran.",
+            f"- Date: {datetime.date.today().isoformat()}",
+            f"- Command: `.venv/bin/python benchmarks/weight_sync.py --sizes-mb {args.sizes_mb} "
+            f"--repeats {args.repeats} --bucket-mb {args.bucket_mb} --append`",
             "",
             *lines,
             "",

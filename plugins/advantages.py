@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from rlite import hookimpl
 from rlite.algorithms import AdvantageInput, masked_whiten
 from rlite.config import ConfigError
+from rlite.hookspecs import Register
 
 SINGLETON_MODES = ("zero", "raw")
 SCAN_CHUNK = 32
@@ -443,7 +444,9 @@ def per_token_rewards(
     return rewards.scatter_add(1, last[:, None], (outcome.to(dtype) * has_tokens)[:, None])
 
 
-def _reinforce_pp(batch: AdvantageInput, outcome: torch.Tensor, gamma: float, whiten: bool):
+def _reinforce_pp(
+    batch: AdvantageInput, outcome: torch.Tensor, gamma: float, whiten: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     rewards = per_token_rewards(outcome, batch.response_mask, batch.token_rewards)
     returns = discounted_cumsum(rewards, batch.response_mask, gamma)
     advantages = masked_whiten(returns, batch.response_mask) if whiten else returns.clone()
@@ -484,7 +487,7 @@ def gae_advantages(batch: AdvantageInput, cfg: GAEConfig) -> tuple[torch.Tensor,
 
 
 @hookimpl
-def register_advantage_estimators(register) -> None:
+def register_advantage_estimators(register: Register) -> None:
     register("grpo", grpo_advantages, GRPOConfig)
     register("dr_grpo", dr_grpo_advantages, DrGRPOConfig)
     register("rloo", rloo_advantages, RLOOConfig)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from rlite import hookimpl
+from rlite.hookspecs import Register
 
 
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -111,7 +112,7 @@ class AdaptiveKLController:
 
 
 @hookimpl
-def register_kl_estimators(register) -> None:
+def register_kl_estimators(register: Register) -> None:
     register("k1", kl_k1)
     register("k2", kl_k2)
     register("k3", kl_k3)

@@ -53,6 +53,7 @@ import torch
 from rlite import hookimpl
 from rlite.algorithms import masked_mean
 from rlite.config import ConfigError
+from rlite.hookspecs import Register
 
 CISPO_MODES = ("bounded", "absolute")
 
@@ -213,7 +214,7 @@ def cispo_loss(
 
 
 @hookimpl
-def register_policy_losses(register) -> None:
+def register_policy_losses(register: Register) -> None:
     register("ppo_clip", ppo_clip_loss, PPOClipConfig)
     register("gspo", gspo_loss, GSPOConfig)
     register("cispo", cispo_loss, CISPOConfig)
