@@ -55,7 +55,7 @@ fastest on CPU, see benchmarks/RESULTS.md); inside a chunk ``y_local = x_chunk @
 Exact in real arithmetic; in float32 it agrees with the per-token loop to about 1e-6 of the row's
 scale. Transparency of masked tokens: each row's mask-1 tokens are packed to the left (a scatter
 of the slot index ``cumsum(m) - 1``; skipped when every row is already left-aligned, the usual
-right-padded batch), scanned with one constant discount, and scattered back, which is exact and keeps
+right-padded batch), scanned with one constant discount, and gathered back, which is exact and keeps
 ``M`` shared by all rows. slime's chunked scan has no mask; packing is what carries the next value
 across a tool span in GAE as verl's loop does.
 """

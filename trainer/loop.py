@@ -47,6 +47,7 @@ class Run:
     loss: LossSpec
     forward: ForwardSpec
     corrections: list
+    quantizer: tuple[Any, Any] | None = None
     loggers: list = field(default_factory=list)
     timer: StepTimer = field(default_factory=StepTimer)
     start_step: int = 0
@@ -236,6 +237,9 @@ def sync_weights_to_engine(run: Run, version: int) -> None:
 
     run.engine.release_memory()
     named = iter_full_tensors(run.backend.model.lm, lora_merge=run.backend.lora)
+    if run.quantizer is not None:  # the engine samples with quantized weights; the trainer keeps full precision
+        quantize, quant_cfg = run.quantizer
+        named = ((name, quantize(name, tensor, quant_cfg)) for name, tensor in named)
     run.engine.update_weights(named, version)
     if run.engine.weight_version != version:
         raise RuntimeError(f"weight sync: engine reports version {run.engine.weight_version}, expected {version}")
@@ -456,6 +460,9 @@ def build_run(cfg: RunConfig) -> Run:
             exact_layout=cfg.rollout.true_on_policy,
         ),
         corrections=build_corrections(algo.corrections, pm.registry("mismatch_correction")),
+        quantizer=None
+        if cfg.rollout.quantization.name == "none"
+        else resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization),
     )
     run.start_step = maybe_resume(run)
     if ctx.is_main:

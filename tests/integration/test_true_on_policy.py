@@ -41,3 +41,54 @@ def test_kv_cache_engine_mismatch_is_small_nonzero_and_reported(tmp_path, model_
     worst = max(row["mismatch/max_abs_diff"] for row in rows)
     assert 0.0 < worst < 1e-3
     assert min(row["mismatch/bitwise_equal_fraction"] for row in rows) < 1.0
+
+
+class _EngineSpy:
+    """Captures the engine and the trainer model so the test can compare their weights."""
+
+    def __init__(self):
+        self.model = None
+        self.trainer_weights = None
+        self.engine_weights = None
+
+    from rlite import hookimpl as _hookimpl
+
+    @_hookimpl
+    def after_optimizer_step(self, model):
+        self.model = model
+
+    @_hookimpl
+    def after_weight_sync(self, engine):
+        from rlite.engines.weight_sync import iter_full_tensors
+
+        self.trainer_weights = {n: t.clone() for n, t in iter_full_tensors(self.model.lm, lora_merge=False)}
+        self.engine_weights = {n: t.clone() for n, t in engine.named_weights()}
+
+
+@pytest.mark.parametrize("quantizer", ["fp8_blockwise", "int8_channel"])
+def test_quantized_rollout_weights_differ_and_mismatch_rises(tmp_path, model_dir, quantizer):
+    import torch
+
+    from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
+
+    full = _train_rows(tmp_path / "full", model_dir)
+    pm = build_plugin_manager(autoload=False)
+    spy = _EngineSpy()
+    pm.register(spy, name="engine-spy")
+    set_plugin_manager(pm)
+    try:
+        quant = _train_rows(tmp_path / "quant", model_dir, f"rollout.quantization={quantizer}")
+    finally:
+        set_plugin_manager(None)
+    trainer, engine = spy.trainer_weights, spy.engine_weights
+    for name, weight in engine.items():
+        if name.endswith("_proj.weight"):  # quantized: close to the trainer's, but not equal
+            assert not torch.equal(weight, trainer[name]), name
+            rel = (weight - trainer[name]).norm() / trainer[name].norm()
+            assert rel < (0.07 if quantizer == "fp8_blockwise" else 0.01), (name, float(rel))
+        else:  # embeddings, norms, output layer are left in full precision
+            assert torch.equal(weight, trainer[name]), name
+    full_diff = max(r["mismatch/max_abs_diff"] for r in full)
+    quant_diff = max(r["mismatch/max_abs_diff"] for r in quant)
+    assert quant_diff > 10 * full_diff
+    assert max(abs(r["mismatch/k3_kl"]) for r in quant) > max(abs(r["mismatch/k3_kl"]) for r in full)
