@@ -220,9 +220,45 @@ def python(completion: str, sample: dict, cfg: PythonRewardConfig) -> float:
     return resolve_function(cfg.function)(completion, sample, **cfg.kwargs)
 
 
+@dataclass
+class OverlongPenaltyConfig:
+    """Options of ``overlong_penalty`` (DAPO's soft overlong punishment)."""
+
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+    max_length: int = 0
+    """L: the maximum response length in tokens (0 = ``rollout.max_new_tokens`` is not known here, so set it)."""
+    buffer: int = 0
+    """L_c: the soft buffer before L in which the penalty grows linearly from 0 to -1."""
+
+    def __post_init__(self) -> None:
+        if self.max_length <= 0 or not 0 < self.buffer <= self.max_length:
+            raise ConfigError(
+                f"max_length must be positive and buffer in (0, max_length], got max_length={self.max_length}, "
+                f"buffer={self.buffer}"
+            )
+
+
+def overlong_penalty(completion: str, sample: dict, cfg: OverlongPenaltyConfig) -> float:
+    """DAPO (arXiv 2503.14476, eq. 13): with |y| the response length in tokens,
+    0 if |y| <= L - L_c; ((L - L_c) - |y|) / L_c inside the buffer; -1 beyond L.
+
+    Needs ``sample["response_length"]``, which the training loop adds to every sample it scores."""
+    if "response_length" not in sample:
+        raise KeyError("overlong_penalty needs sample['response_length'] (set by the rlite training loop)")
+    length = int(sample["response_length"])
+    start = cfg.max_length - cfg.buffer
+    if length <= start:
+        return 0.0
+    if length <= cfg.max_length:
+        return (start - length) / cfg.buffer
+    return -1.0
+
+
 @hookimpl
 def register_reward_functions(register) -> None:
     register("exact_match", exact_match, ExactMatchConfig)
     register("numeric", numeric, NumericConfig)
     register("math_verify", math_verify, MathVerifyConfig)
     register("python", python, PythonRewardConfig)
+    register("overlong_penalty", overlong_penalty, OverlongPenaltyConfig)

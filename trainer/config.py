@@ -239,6 +239,12 @@ class AlgorithmConfig:
     """Train/inference mismatch corrections, applied in this order."""
     old_logprob_mode: str = "decoupled"
     """pi_old of the PPO ratio: ``decoupled`` recomputes it with the trainer, ``bypass`` uses the engine's log-probs."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts until the batch is full."""
+    dynamic_sampling_max_rounds: int = 4
+    """Cap on generation rounds per step with dynamic sampling; a batch still short after it is topped up with dropped groups."""
+    mask_truncated: bool = False
+    """Exclude completions that hit ``rollout.max_new_tokens`` from the loss (DAPO overlong filtering)."""
     minibatches_per_step: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     epochs_per_step: int = 1
@@ -247,6 +253,11 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprob_mode", self.old_logprob_mode, ("decoupled", "bypass"))
+        _check(self.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
+        _check(
+            self.kl.adaptive_target is None or self.kl.in_reward,
+            "algorithm.kl.adaptive_target needs algorithm.kl.in_reward=true (the adaptive controller shapes rewards)",
+        )
         _check(self.minibatches_per_step >= 1, "algorithm.minibatches_per_step must be >= 1")
         _check(self.epochs_per_step >= 1, "algorithm.epochs_per_step must be >= 1")
 

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from rlite.algorithms import AdvantageInput
+from rlite.plugins.kl import AdaptiveKLController, kl_reward_penalty, mean_sequence_kl
 from rlite.config import RunConfig, config_to_yaml
 from rlite.distributed import DistContext, all_gather_objects, all_reduce_sum, init_distributed, shutdown_distributed
 from rlite.engines.base import SamplingParams
 from rlite.metrics import ProgressBar, StepTimer, plot_run, print_summary
 from rlite.plugin_manager import get_plugin_manager, resolve_choice
-from rlite.rollout import RolloutBatch, build_rollout_batch, pad_to_width
+from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches, pad_to_width
 from rlite.update import ForwardSpec, LossSpec, score_logprobs, update_policy
 
 log = logging.getLogger("rlite")
@@ -48,6 +49,7 @@ class Run:
     forward: ForwardSpec
     corrections: list
     quantizer: tuple[Any, Any] | None = None
+    kl_controller: Any = None
     loggers: list = field(default_factory=list)
     timer: StepTimer = field(default_factory=StepTimer)
     start_step: int = 0
@@ -68,15 +70,9 @@ def train(run: Run) -> dict[str, Any]:
             log_metrics(run, 0, evaluate(run, 0))  # the baseline the run is measured against
     for step in range(run.start_step + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
-        # 1. rollout: this rank's prompts, n samples each, from the engine's current weights
-        with timer.phase("generation"):
-            batch = generate_rollouts(run, next(run.sampler), step)
-        pm.hook.after_rollout(step=step, batch=batch)
-
-        # 2. rewards (isolated: a failing reward function scores 0 and is counted)
-        with timer.phase("reward"):
-            reward_stats = score_batch(run, batch)
-        pm.hook.after_rewards(step=step, batch=batch)
+        # 1-2. rollout from the engine's current weights, then rewards (a failing reward function
+        # scores 0 and is counted); dynamic sampling may draw extra rounds
+        batch, reward_stats = collect_rollouts(run, step)
 
         # 3. pi_old and pi_ref log-probs, KL-in-reward, corrections, advantages
         with timer.phase("logprobs"):
@@ -142,9 +138,59 @@ def sampling_params(cfg: RunConfig, *, seed: int, n: int | None = None, greedy: 
     )
 
 
-def generate_rollouts(run: Run, prompts: list, step: int) -> RolloutBatch:
+def collect_rollouts(run: Run, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """This rank's batch of the step: generate, score, and with dynamic sampling (DAPO) drop groups
+    whose rewards are all equal and draw more prompts until every rank has its quota of groups.
+
+    Rounds are collective (every rank draws while any rank is short), so the prompt samplers of all
+    ranks stay in step. A batch still short after ``dynamic_sampling_max_rounds`` is topped up with
+    dropped groups, keeping the batch size (and so the loss normalisation) fixed.
+    """
+    cfg, pm, timer = run.config, run.pm, run.timer
+    per_rank = cfg.rollout.prompts_per_step // run.ctx.world_size
+    kept, spare, stats_sum, rounds = [], [], {}, 0
+    while True:
+        rounds += 1
+        with timer.phase("generation"):
+            batch = generate_rollouts(run, next(run.sampler), step, rounds - 1)
+        pm.hook.after_rollout(step=step, batch=batch)
+        with timer.phase("reward"):
+            stats = score_batch(run, batch)
+        pm.hook.after_rewards(step=step, batch=batch)
+        for key, value in stats.items():
+            stats_sum[key] = stats_sum.get(key, 0.0) + value
+        if not cfg.algorithm.dynamic_sampling:
+            return batch, stats
+        for group in split_groups(batch):
+            (kept if float(group.scores.max() - group.scores.min()) > 0 else spare).append(group)
+        short = float(len(kept) < per_rank)
+        still_short = float(all_reduce_sum(torch.tensor([short]))[0]) > 0
+        if not still_short or rounds >= cfg.algorithm.dynamic_sampling_max_rounds:
+            break
+    dropped = len(spare)
+    groups = (kept + spare)[:per_rank]
+    batch = concat_batches(groups, run.tokenizer.pad_token_id)
+    samples_per_group = cfg.rollout.samples_per_prompt
+    batch.group_ids = run.ctx.rank * per_rank + torch.arange(len(batch)) // samples_per_group
+    stats = {key: value / rounds for key, value in stats_sum.items()}
+    stats["dynamic_sampling/rounds"] = float(rounds)
+    stats["dynamic_sampling/dropped_groups"] = float(dropped)
+    stats["dynamic_sampling/kept_fraction"] = min(len(kept), per_rank) / per_rank
+    return batch, stats
+
+
+def split_groups(batch: RolloutBatch) -> list[RolloutBatch]:
+    """One batch per group (groups are contiguous rows with equal ``group_ids``)."""
+    ids = batch.group_ids.tolist()
+    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]] + [len(ids)]
+    return [batch.select(slice(a, b)) for a, b in zip(starts, starts[1:])]
+
+
+def generate_rollouts(run: Run, prompts: list, step: int, round_index: int = 0) -> RolloutBatch:
     cfg = run.config
-    seed = hash_seed(cfg.training.seed, step, run.ctx.rank)
+    seed = hash_seed(cfg.training.seed, step, run.ctx.rank) if round_index == 0 else hash_seed(
+        cfg.training.seed, step, run.ctx.rank, round_index
+    )
     params = sampling_params(cfg, seed=seed)
     run.engine.resume_memory()
     completions = run.engine.generate([p.prompt_ids for p in prompts], params)
@@ -170,6 +216,11 @@ def generate_rollouts(run: Run, prompts: list, step: int) -> RolloutBatch:
 
 
 def score_batch(run: Run, batch: RolloutBatch) -> dict[str, float]:
+    # each sample gets its own copy of the data row plus what length-aware rewards need
+    batch.samples = [
+        dict(sample, response_length=int(length), finish_reason=reason)
+        for sample, length, reason in zip(batch.samples, batch.response_lengths.tolist(), batch.finish_reasons)
+    ]
     scores, stats = run.rewards.score(batch.completion_texts, batch.samples)
     batch.scores = torch.tensor(scores, dtype=torch.float32)
     return stats
@@ -190,9 +241,12 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
     token_rewards = None
     if algo.kl.in_reward and run.reference is not None:
         kl = run.loss.kl_fn(batch.extras["old_logprobs"], batch.extras["ref_logprobs"]).detach()
-        token_rewards = -algo.kl.coef * kl * batch.response_mask
-        batch.extras["kl_in_reward"] = kl
+        token_rewards = kl_reward_penalty(kl, run.kl_controller.value, batch.response_mask)
+        batch.extras["kl_in_reward"] = kl * batch.response_mask
     batch.extras["loss_mask"] = batch.response_mask.clone()
+    if algo.mask_truncated:
+        truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.bool)
+        batch.extras["loss_mask"][truncated] = 0.0
     if run.corrections:
         from rlite.mismatch import compose_corrections
 
@@ -265,6 +319,12 @@ def step_metrics(run: Run, batch: RolloutBatch, train_logprobs: torch.Tensor, re
     adv = batch.extras["advantages"]
     metrics["advantage/mean"] = (adv * mask).sum().item() / max(mask.sum().item(), 1)
     metrics["advantage/zero_variance_groups"] = zero_variance_fraction(batch)
+    if "kl_in_reward" in batch.extras:
+        local_kl = torch.tensor([mean_sequence_kl(batch.extras["kl_in_reward"], mask) * len(batch), float(len(batch))])
+        kl_sum, n = all_reduce_sum(local_kl).tolist()
+        metrics["actor/reward_kl_penalty"] = kl_sum / n
+        metrics["actor/reward_kl_penalty_coeff"] = run.kl_controller.value
+        run.kl_controller.update(kl_sum / n, int(n))
     metrics.update(mismatch_metrics(old, batch.rollout_logprobs, mask))
     metrics.update(batch.extras.get("_correction_metrics", {}))
     metrics.update({k: float(v) for k, v in reward_stats.items()})
@@ -322,7 +382,11 @@ def hash_seed(*parts: int) -> int:
 
 
 def trainer_state(run: Run) -> dict[str, Any]:
-    return {"scheduler": run.backend.scheduler.state_dict(), "sampler": run.sampler.state_dict()}
+    return {
+        "scheduler": run.backend.scheduler.state_dict(),
+        "sampler": run.sampler.state_dict(),
+        "kl_controller": run.kl_controller.state_dict(),
+    }
 
 
 def save_run_checkpoint(run: Run, step: int) -> Path:
@@ -350,6 +414,7 @@ def maybe_resume(run: Run) -> int:
     state = load_checkpoint(path, run.backend.model, run.backend.optimizer, rank=run.ctx.rank)
     run.backend.scheduler.load_state_dict(state["scheduler"])
     run.sampler.load_state_dict(state["sampler"])
+    run.kl_controller.load_state_dict(state["kl_controller"])
     step = int(state["step"])
     if run.ctx.is_main:
         log.info("resumed from %s (step %d)", path, step)
@@ -464,11 +529,35 @@ def build_run(cfg: RunConfig) -> Run:
         if cfg.rollout.quantization.name == "none"
         else resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization),
     )
+    run.kl_controller = build_kl_controller(cfg)
     run.start_step = maybe_resume(run)
     if ctx.is_main:
         run.loggers = build_loggers(run)
     sync_weights_to_engine(run, version=run.start_step)
     return run
+
+
+class FixedKLController:
+    """A constant KL-in-reward coefficient (same interface as the adaptive controller)."""
+
+    def __init__(self, coef: float) -> None:
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.value
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+def build_kl_controller(cfg: RunConfig):
+    kl = cfg.algorithm.kl
+    if kl.adaptive_target is not None:
+        return AdaptiveKLController(kl.coef, kl.adaptive_target, kl.adaptive_horizon)
+    return FixedKLController(kl.coef)
 
 
 def load_tokenizer(cfg: RunConfig):

@@ -148,3 +148,33 @@ def pad_to_width(x: torch.Tensor, width: int) -> torch.Tensor:
     if x.shape[1] == width:
         return x
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Stack batches row-wise, re-padding prompts (left) and responses (right) to common widths."""
+    if len(batches) == 1:
+        return batches[0]
+    prompt_width = max(b.prompt_ids.shape[1] for b in batches)
+    response_width = max(b.response_ids.shape[1] for b in batches)
+
+    def left(x, fill):
+        return torch.nn.functional.pad(x, (prompt_width - x.shape[1], 0), value=fill)
+
+    def right(x, fill):
+        return torch.nn.functional.pad(x, (0, response_width - x.shape[1]), value=fill)
+
+    cat = torch.cat
+    return RolloutBatch(
+        prompt_ids=cat([left(b.prompt_ids, pad_token_id) for b in batches]),
+        prompt_mask=cat([left(b.prompt_mask, 0) for b in batches]),
+        response_ids=cat([right(b.response_ids, pad_token_id) for b in batches]),
+        response_mask=cat([right(b.response_mask, 0) for b in batches]),
+        rollout_logprobs=cat([right(b.rollout_logprobs, 0) for b in batches]),
+        group_ids=cat([b.group_ids for b in batches]),
+        finish_reasons=[r for b in batches for r in b.finish_reasons],
+        samples=[s for b in batches for s in b.samples],
+        completion_texts=[t for b in batches for t in b.completion_texts],
+        scores=None if any(b.scores is None for b in batches) else cat([b.scores for b in batches]),
+        weight_versions=[v for b in batches for v in b.weight_versions],
+        extras={},
+    )
