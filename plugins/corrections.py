@@ -57,6 +57,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
 from rlite import hookimpl
 from rlite.config import ConfigError
 from rlite.hookspecs import Register

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from rlite import hookimpl
 from rlite.config import ConfigError
 from rlite.hookspecs import Register

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from rlite.config import DataConfig
 from rlite.tasks import make_task
 

@@ -6,6 +6,7 @@ named for what it does. ``run_training(config)`` builds the pieces and calls it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -16,12 +17,18 @@ from typing import Any
 import torch
 
 from rlite.algorithms import AdvantageInput
-from rlite.plugins.kl import AdaptiveKLController, kl_reward_penalty, mean_sequence_kl
 from rlite.config import RunConfig, config_to_yaml
-from rlite.distributed import DistContext, all_gather_objects, all_reduce_sum, init_distributed, shutdown_distributed
+from rlite.distributed import (
+    DistContext,
+    all_gather_objects,
+    all_reduce_sum,
+    init_distributed,
+    shutdown_distributed,
+)
 from rlite.engines.base import SamplingParams
 from rlite.metrics import ProgressBar, StepTimer, plot_run, print_summary
 from rlite.plugin_manager import get_plugin_manager, resolve_choice
+from rlite.plugins.kl import AdaptiveKLController, kl_reward_penalty, mean_sequence_kl
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches, pad_to_width
 from rlite.update import ForwardSpec, LossSpec, score_logprobs, update_policy
 
@@ -88,8 +95,8 @@ def train(run: Run) -> dict[str, Any]:
                 minibatches=cfg.algorithm.minibatches_per_step,
                 epochs=cfg.algorithm.epochs_per_step,
                 dp_size=ctx.world_size,
-                before_step=lambda: pm.hook.before_optimizer_step(
-                    step=step, model=run.backend.model, optimizer=run.backend.optimizer
+                before_step=functools.partial(
+                    pm.hook.before_optimizer_step, step=step, model=run.backend.model, optimizer=run.backend.optimizer
                 ),
             )
         pm.hook.after_optimizer_step(step=step, model=run.backend.model, metrics=train_metrics)

@@ -27,6 +27,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
 from rlite.config import Choice
 
 logger = logging.getLogger(__name__)

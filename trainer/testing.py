@@ -89,7 +89,7 @@ def fixed_batch_update(
         from rlite.algorithms import AdvantageInput
         from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
         from rlite.engines.weight_sync import iter_full_tensors
-        from rlite.plugins.advantages import grpo_advantages, GRPOConfig
+        from rlite.plugins.advantages import GRPOConfig, grpo_advantages
         from rlite.plugins.policy_losses import PPOClipConfig, ppo_clip_loss
         from rlite.update import ForwardSpec, LossSpec, update_policy
 

@@ -4,9 +4,9 @@ for every loss-aggregation mode."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
-import pytest
 
 from rlite.config import LOSS_AGG_MODES
 from rlite.testing import fixed_batch_update
