@@ -254,7 +254,7 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
     if algo.mask_truncated:
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.bool)
         batch.extras["loss_mask"][truncated] = 0.0
-    if run.corrections:
+    if run.corrections and not run.loss.loss_time_corrections:
         from rlite.mismatch import compose_corrections
 
         weights, mask, corr_metrics = compose_corrections(
@@ -263,7 +263,7 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
         batch.extras["loss_mask"] = mask
         if weights is not None:
             batch.extras["is_weights"] = weights
-        batch.extras["_correction_metrics"] = corr_metrics
+        batch.info.update(corr_metrics)
     batch.extras["advantages"] = compute_advantages(run, batch, token_rewards)
 
 
@@ -333,7 +333,7 @@ def step_metrics(run: Run, batch: RolloutBatch, train_logprobs: torch.Tensor, re
         metrics["actor/reward_kl_penalty_coeff"] = run.kl_controller.value
         run.kl_controller.update(kl_sum / n, int(n))
     metrics.update(mismatch_metrics(old, batch.rollout_logprobs, mask))
-    metrics.update(batch.extras.get("_correction_metrics", {}))
+    metrics.update(batch.info)
     metrics.update({k: float(v) for k, v in reward_stats.items()})
     return metrics
 
@@ -474,7 +474,7 @@ def _first_eval(metrics_file: Path) -> float | None:
 
 def build_run(cfg: RunConfig) -> Run:
     from rlite.data import PromptSampler, load_prompt_splits
-    from rlite.mismatch import build_corrections
+    from rlite.mismatch import build_corrections, needs_current_logprobs
     from rlite.rewards import build_reward_runner
 
     ctx = init_distributed()
@@ -501,6 +501,7 @@ def build_run(cfg: RunConfig) -> Run:
     make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
     engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
     policy_loss, policy_cfg = resolve_choice(pm.registry("policy_loss"), algo.policy_loss)
+    corrections = build_corrections(algo.corrections, pm.registry("mismatch_correction"))
     kl_fn = pm.registry("kl_estimator").get(algo.kl.estimator).implementation
     run = Run(
         config=cfg,
@@ -524,6 +525,7 @@ def build_run(cfg: RunConfig) -> Run:
             kl_fn=kl_fn,
             kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef,
             entropy_coef=algo.entropy_coef,
+            loss_time_corrections=corrections if needs_current_logprobs(corrections) else [],
         ),
         forward=ForwardSpec(
             micro_batch_size=cfg.training.micro_batch_size,
@@ -531,7 +533,7 @@ def build_run(cfg: RunConfig) -> Run:
             chunk_size=cfg.training.logprob_chunk_size,
             exact_layout=cfg.rollout.true_on_policy,
         ),
-        corrections=build_corrections(algo.corrections, pm.registry("mismatch_correction")),
+        corrections=corrections,
         quantizer=None
         if cfg.rollout.quantization.name == "none"
         else resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization),

@@ -42,7 +42,9 @@ class RolloutBatch:
     weight_versions: list[int] = field(default_factory=list)
     """Weight version each sample was drawn with."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-step tensors filled by the loop: old_logprobs, ref_logprobs, advantages, ..."""
+    """Per-row tensors filled by the loop: old_logprobs, ref_logprobs, advantages, loss_mask, ..."""
+    info: dict[str, float] = field(default_factory=dict)
+    """Scalar metrics produced while preparing the batch (for example by corrections)."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,10 @@ class LossSpec:
     kl_fn: Callable | None
     kl_coef: float
     entropy_coef: float
+    loss_time_corrections: list = field(default_factory=list)
+    """Corrections that need the current log-probs (e.g. OPSM); applied per micro-batch. Tokens they
+    reject get weight 0 but stay in the loss denominators (the counts are fixed before the first
+    micro-batch)."""
 
 
 def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
@@ -117,6 +121,16 @@ def update_policy(
                 )
                 if "is_weights" in mb.extras:
                     per_token = per_token * mb.extras["is_weights"]
+                if loss.loss_time_corrections:
+                    from rlite.mismatch import compose_corrections
+
+                    weights, kept, corr_metrics = compose_corrections(
+                        loss.loss_time_corrections, old, mb.rollout_logprobs, mask,
+                        advantages=mb.extras["advantages"], logprobs=logprobs.detach(),
+                    )
+                    per_token = per_token * kept * (1.0 if weights is None else weights)
+                    for name, value in corr_metrics.items():
+                        step_sums[name] += value * len(mb) / max(n_seq, 1.0) * dp_size
                 agg = dict(global_tokens=n_tok, global_sequences=n_seq, dp_size=dp_size, horizon=loss.horizon)
                 pg_loss = aggregate_loss(per_token, mask, loss.agg_mode, **agg)
                 total = pg_loss

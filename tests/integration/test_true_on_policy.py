@@ -92,3 +92,21 @@ def test_quantized_rollout_weights_differ_and_mismatch_rises(tmp_path, model_dir
     quant_diff = max(r["mismatch/max_abs_diff"] for r in quant)
     assert quant_diff > 10 * full_diff
     assert max(abs(r["mismatch/k3_kl"]) for r in quant) > max(abs(r["mismatch/k3_kl"]) for r in full)
+
+
+@pytest.mark.parametrize(
+    "corrections",
+    [
+        "[tis]",
+        "[{name: mis, args: {level: token, lower: 0.5, upper: 2.0}}, batch_norm]",
+        "[rejection, opsm]",
+    ],
+)
+def test_corrections_run_in_training_and_report_metrics(tmp_path, model_dir, corrections):
+    rows = _train_rows(tmp_path, model_dir, f"algorithm.corrections={corrections}",
+                       "rollout.quantization=int8_channel")
+    names = [c.strip("[]{ ").split(",")[0].replace("name: ", "") for c in corrections.split(", ") if c.strip("[]{ ")]
+    for row in rows:
+        for name in names:
+            if name in ("tis", "mis", "batch_norm", "rejection", "opsm"):
+                assert any(key.startswith(f"correction/{name}") for key in row), (name, sorted(row))
