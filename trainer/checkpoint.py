@@ -68,8 +68,12 @@ def save_checkpoint(
     *,
     rank: int,
     keep_last: int,
+    extra_models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> Path:
-    """Write the checkpoint of ``step`` (collective: every rank calls it)."""
+    """Write the checkpoint of ``step`` (collective: every rank calls it).
+
+    ``extra_models`` are further (model, optimizer) pairs saved under their names (e.g. the critic).
+    """
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
     # every rank must write into the same temporary folder: rank 0 names it
@@ -79,8 +83,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save(_state(model, optimizer, extra_models), checkpoint_id=str(tmp))
     state = dict(trainer_state, rng=rng_state(), step=step)
     torch.save(state, tmp / f"trainer_state_rank{rank}.pt")
     barrier()
@@ -96,6 +99,16 @@ def save_checkpoint(
         _prune(root, keep_last)
     barrier()
     return final
+
+
+def _state(model, optimizer, extra_models) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    for name, (extra_model, extra_optim) in (extra_models or {}).items():
+        extra_sd, extra_osd = get_state_dict(extra_model, extra_optim)
+        state[name] = extra_sd
+        state[f"{name}_optim"] = extra_osd
+    return state
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -132,7 +145,12 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
 
 
 def load_checkpoint(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int,
+    extra_models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer in place; return this rank's trainer state (RNG already restored)."""
     state_file = path / f"trainer_state_rank{rank}.pt"
@@ -140,13 +158,14 @@ def load_checkpoint(
         raise FileNotFoundError(
             f"checkpoint {path} has no {state_file.name}: it was written with a different number of ranks"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _state(model, optimizer, extra_models)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as exc:
         raise RuntimeError(f"checkpoint {path}: cannot load model/optimizer state: {exc}") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, (extra_model, extra_optim) in (extra_models or {}).items():
+        set_state_dict(extra_model, extra_optim, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])
     trainer_state = torch.load(state_file, weights_only=False)
     set_rng_state(trainer_state["rng"])
     return trainer_state

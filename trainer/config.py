@@ -220,6 +220,26 @@ class KLConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of PPO with GAE (same architecture as the policy plus a scalar head)."""
+
+    enabled: bool = False
+    """Build and train a critic; required by ``algorithm.advantage: gae``."""
+    path: Optional[str] = None
+    """Model folder to initialise the critic's backbone from; defaults to ``model.path``."""
+    lr: float = 1e-5
+    """AdamW learning rate of the critic (its own optimizer)."""
+    value_clip: float = 0.2
+    """Clip of the value prediction around the old value: v_old +- value_clip (verl cliprange_value)."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip of the critic (0 = none)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr >= 0, "algorithm.critic.lr must be >= 0")
+        _check(self.value_clip > 0, "algorithm.critic.value_clip must be > 0")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages, losses and their aggregation."""
 
@@ -237,6 +257,8 @@ class AlgorithmConfig:
     """Entropy bonus coefficient (subtracted from the loss)."""
     corrections: list[Choice] = field(default_factory=list)
     """Train/inference mismatch corrections, applied in this order."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model for GAE."""
     old_logprob_mode: str = "decoupled"
     """pi_old of the PPO ratio: ``decoupled`` recomputes it with the trainer, ``bypass`` uses the engine's log-probs."""
     dynamic_sampling: bool = False
@@ -254,6 +276,10 @@ class AlgorithmConfig:
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprob_mode", self.old_logprob_mode, ("decoupled", "bypass"))
         _check(self.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
+        _check(
+            self.advantage.name != "gae" or self.critic.enabled,
+            "algorithm.advantage=gae needs a critic: set algorithm.critic.enabled=true",
+        )
         _check(
             self.kl.adaptive_target is None or self.kl.in_reward,
             "algorithm.kl.adaptive_target needs algorithm.kl.in_reward=true (the adaptive controller shapes rewards)",

@@ -220,6 +220,16 @@ def after_weight_sync(step: int, weight_version: int, engine: RolloutEngine) -> 
 
 
 @hookspec
+def on_metrics(step: int, metrics: dict[str, float]) -> None:
+    """Called on rank 0 with the final metrics of a step (after evaluation if one ran).
+
+    :param step: the 1-based training step; 0 for the baseline evaluation of a fresh run, before
+        the first step.
+    :param metrics: flat ``name -> value`` mapping, names like ``actor/pg_loss``.
+    """
+
+
+@hookspec
 def on_checkpoint_save(step: int, path: Path) -> None:
     """Called on every rank after a checkpoint is completely written and published.
 
@@ -234,16 +244,6 @@ def on_checkpoint_load(step: int, path: Path) -> None:
 
     :param step: the step the run resumes after.
     :param path: the checkpoint folder it was loaded from.
-    """
-
-
-@hookspec
-def on_metrics(step: int, metrics: dict[str, float]) -> None:
-    """Called on rank 0 with the final metrics of a step (after evaluation if one ran).
-
-    :param step: the 1-based training step; 0 for the baseline evaluation of a fresh run, before
-        the first step.
-    :param metrics: flat ``name -> value`` mapping, names like ``actor/pg_loss``.
     """
 
 

@@ -57,6 +57,7 @@ class Run:
     corrections: list
     quantizer: tuple[Any, Any] | None = None
     kl_controller: Any = None
+    critic: Any = None
     loggers: list = field(default_factory=list)
     timer: StepTimer = field(default_factory=StepTimer)
     start_step: int = 0
@@ -99,6 +100,8 @@ def train(run: Run) -> dict[str, Any]:
                     pm.hook.before_optimizer_step, step=step, model=run.backend.model, optimizer=run.backend.optimizer
                 ),
             )
+            if run.critic is not None:
+                train_metrics.update(update_critic(run, batch))
         pm.hook.after_optimizer_step(step=step, model=run.backend.model, metrics=train_metrics)
 
         # 5. the engine samples the next batch from exactly these weights
@@ -106,23 +109,25 @@ def train(run: Run) -> dict[str, Any]:
             sync_weights_to_engine(run, version=step)
         pm.hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
 
-        # 6. metrics, evaluation, checkpoint
+        # 6. metrics, evaluation, then checkpoint
         metrics = step_metrics(run, batch, train_logprobs, reward_stats)
         metrics.update(train_metrics)
         if cfg.training.eval_every and step % cfg.training.eval_every == 0 or step == cfg.training.steps:
             with timer.phase("eval"):
                 metrics.update(evaluate(run, step))
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or (
-            step == cfg.training.steps and cfg.checkpoint.save_final
-        ):
-            with timer.phase("checkpoint"):
-                save_run_checkpoint(run, step)
         metrics.update(timer.step_metrics())
         generated = float(all_reduce_sum(batch.response_mask.sum().reshape(1))[0])
         metrics["perf/tokens_per_s"] = generated / max(time.perf_counter() - step_start, 1e-9)
         log_metrics(run, step, metrics)
         progress.update(step, metrics)
         last_metrics = metrics
+        # after logging, so a run resumed from this checkpoint has every step's metrics exactly once
+        # (the save's time shows up in the next step's time/checkpoint)
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or (
+            step == cfg.training.steps and cfg.checkpoint.save_final
+        ):
+            with timer.phase("checkpoint"):
+                save_run_checkpoint(run, step)
     progress.close()
     return finish_run(run, last_metrics)
 
@@ -264,19 +269,37 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
         if weights is not None:
             batch.extras["is_weights"] = weights
         batch.info.update(corr_metrics)
-    batch.extras["advantages"] = compute_advantages(run, batch, token_rewards)
+    if run.critic is not None:
+        batch.extras["old_values"] = run.critic.values(
+            batch, cfg.training.micro_batch_size, cfg.rollout.true_on_policy
+        )
+    batch.extras["advantages"], batch.extras["returns"] = compute_advantages(run, batch, token_rewards)
 
 
-def compute_advantages(run: Run, batch: RolloutBatch, token_rewards: torch.Tensor | None) -> torch.Tensor:
+def update_critic(run: Run, batch: RolloutBatch) -> dict[str, float]:
+    cfg = run.config
+    return run.critic.update(
+        batch,
+        micro_batch_size=cfg.training.micro_batch_size,
+        minibatches=cfg.algorithm.minibatches_per_step,
+        agg_mode=cfg.algorithm.loss_agg_mode,
+        horizon=run.loss.horizon,
+        dp_size=run.ctx.world_size,
+        exact_layout=cfg.rollout.true_on_policy,
+    )
+
+
+def compute_advantages(
+    run: Run, batch: RolloutBatch, token_rewards: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the estimator on the *global* batch (gathered from all ranks), keep this rank's rows.
 
     Estimators that normalise over the batch (GRPO batch std, REINFORCE++ whitening) therefore give
     the same advantages at every world size.
     """
     local_width = batch.response_mask.shape[1]
-    parts = all_gather_objects(
-        (batch.scores, batch.group_ids, batch.response_mask, token_rewards, run.ctx.rank)
-    )
+    values = batch.extras.get("old_values")
+    parts = all_gather_objects((batch.scores, batch.group_ids, batch.response_mask, token_rewards, values))
     width = max(p[2].shape[1] for p in parts)
     estimator, estimator_cfg = run.advantage
     gathered = AdvantageInput(
@@ -286,10 +309,12 @@ def compute_advantages(run: Run, batch: RolloutBatch, token_rewards: torch.Tenso
         token_rewards=None
         if token_rewards is None
         else torch.cat([pad_to_width(p[3], width) for p in parts]),
+        values=None if values is None else torch.cat([pad_to_width(p[4], width) for p in parts]),
     )
-    advantages, _returns = estimator(gathered, estimator_cfg)
+    advantages, returns = estimator(gathered, estimator_cfg)
     start = sum(len(p[0]) for p in parts[: run.ctx.rank])
-    return advantages[start : start + len(batch), :local_width].float()
+    rows = slice(start, start + len(batch))
+    return advantages[rows, :local_width].float(), returns[rows, :local_width].float()
 
 
 def sync_weights_to_engine(run: Run, version: int) -> None:
@@ -396,6 +421,10 @@ def trainer_state(run: Run) -> dict[str, Any]:
     }
 
 
+def extra_models(run: Run) -> dict[str, tuple[Any, Any]]:
+    return {} if run.critic is None else {"critic": (run.critic.model, run.critic.optimizer)}
+
+
 def save_run_checkpoint(run: Run, step: int) -> Path:
     from rlite.checkpoint import save_checkpoint
 
@@ -407,6 +436,7 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
         trainer_state(run),
         rank=run.ctx.rank,
         keep_last=run.config.checkpoint.keep_last,
+        extra_models=extra_models(run),
     )
     run.pm.hook.on_checkpoint_save(step=step, path=path)
     return path
@@ -418,7 +448,9 @@ def maybe_resume(run: Run) -> int:
     path = find_resume_checkpoint(run.run_dir, run.config.checkpoint.resume)
     if path is None:
         return 0
-    state = load_checkpoint(path, run.backend.model, run.backend.optimizer, rank=run.ctx.rank)
+    state = load_checkpoint(
+        path, run.backend.model, run.backend.optimizer, rank=run.ctx.rank, extra_models=extra_models(run)
+    )
     run.backend.scheduler.load_state_dict(state["scheduler"])
     run.sampler.load_state_dict(state["sampler"])
     run.kl_controller.load_state_dict(state["kl_controller"])
@@ -498,6 +530,11 @@ def build_run(cfg: RunConfig) -> Run:
         from rlite.actor import build_policy
 
         reference = build_policy(cfg.model, cfg.parallelism, ctx.device, trainable=False)
+    critic = None
+    if algo.critic.enabled:
+        from rlite.critic import Critic
+
+        critic = Critic.build(cfg.model, cfg.parallelism, algo.critic, ctx.device)
     make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
     engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
     policy_loss, policy_cfg = resolve_choice(pm.registry("policy_loss"), algo.policy_loss)
@@ -534,6 +571,7 @@ def build_run(cfg: RunConfig) -> Run:
             exact_layout=cfg.rollout.true_on_policy,
         ),
         corrections=corrections,
+        critic=critic,
         quantizer=None
         if cfg.rollout.quantization.name == "none"
         else resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization),

@@ -60,7 +60,12 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 def _teacher_forced_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + tokens], device="cuda")
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(-1).cpu()
+    return (
+        torch.log_softmax(logits, -1)
+        .gather(-1, torch.tensor(tokens, device="cuda")[:, None])
+        .squeeze(-1)
+        .cpu()
+    )
 
 
 @pytest.mark.parametrize("launch", ["engine", "server"])

@@ -18,7 +18,7 @@ from rlite.testing import read_jsonl
 from rlite.tokenizer import build_tiny_model_dir
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-RECIPES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp"]
+RECIPES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"]
 
 
 class DigitsReward:

@@ -92,13 +92,42 @@ def _metrics_without_timing(path):
     ]
 
 
-def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir):
-    common = ("checkpoint.every=3", "training.eval_every=3", "checkpoint.export_hf=true", "training.steps=6")
+class SimulatedCrash(Exception):
+    pass
+
+
+class CrashAfterCheckpoint:
+    def __init__(self, at_step):
+        self.at_step = at_step
+
+    @hookimpl
+    def on_checkpoint_save(self, step):
+        if step == self.at_step:
+            raise SimulatedCrash(f"crash after the step-{step} checkpoint")
+
+
+PPO_WITH_CRITIC = (
+    "algorithm.advantage=gae", "algorithm.critic.enabled=true", "algorithm.minibatches_per_step=2",
+    "algorithm.kl.coef=0.05", "algorithm.kl.in_reward=true", "algorithm.kl.estimator=k1",
+    "algorithm.kl.adaptive_target=0.5", "training.lr_schedule=cosine", "training.warmup_steps=2",
+)
+
+
+@pytest.mark.parametrize("variant", [(), PPO_WITH_CRITIC], ids=["grpo", "ppo-critic-adaptive-kl"])
+def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir, variant):
+    common = ("checkpoint.every=3", "training.eval_every=3", "checkpoint.export_hf=true", *variant, "training.steps=6")
     straight = tiny_config(model_dir, tmp_path / "straight", *common)
     run_training(straight)
 
-    first = tiny_config(model_dir, tmp_path / "resumed", *common[:-1], "training.steps=3")
-    run_training(first)
+    # the same run crashes right after its step-3 checkpoint, then is started again
+    pm = build_plugin_manager(autoload=False)
+    pm.register(CrashAfterCheckpoint(3), name="crash")
+    set_plugin_manager(pm)
+    try:
+        with pytest.raises(SimulatedCrash):
+            run_training(tiny_config(model_dir, tmp_path / "resumed", *common, pm=pm))
+    finally:
+        set_plugin_manager(None)
     assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step_00000003"]
     second = tiny_config(model_dir, tmp_path / "resumed", *common, "checkpoint.resume=auto")
     run_training(second)

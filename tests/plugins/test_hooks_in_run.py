@@ -37,8 +37,8 @@ STEP_ORDER = [
     "before_optimizer_step",
     "after_optimizer_step",
     "after_weight_sync",
-    "on_checkpoint_save",
     "on_metrics",
+    "on_checkpoint_save",
 ]
 
 

@@ -27,7 +27,7 @@ def registry():
 
 
 def test_registered_names_and_config_classes(registry):
-    assert registry.names() == ["exact_match", "math_verify", "numeric", "python"]
+    assert registry.names() == ["exact_match", "math_verify", "numeric", "overlong_penalty", "python"]
     for name in registry.names():
         config_cls = registry.get(name).config_cls
         assert "weight" in config_cls.__dataclass_fields__
@@ -177,7 +177,7 @@ def test_python_reward_bad_function_fails_at_config_load(registry, function, mes
 
 
 def test_build_reward_runner_errors_and_duplicates(registry):
-    with pytest.raises(UnknownChoiceError, match="Valid choices: exact_match, math_verify, numeric, python"):
+    with pytest.raises(UnknownChoiceError, match="Valid choices: exact_match, math_verify, numeric, overlong_penalty, python"):
         build_reward_runner([Choice("exact_matc")], registry)
     with pytest.raises(ValueError, match=r"rewards\[1\]\.args: .*no option\(s\) tol\b.*tolerance"):
         build_reward_runner([Choice("exact_match"), Choice("numeric", {"tol": 1})], registry)

@@ -162,10 +162,10 @@ def test_fsdp2_dtensors_are_gathered_to_full_hf_tensors(world_of_one):
         assert torch.equal(tensor, ref), name
 
 
-def _lora_model(seed: int = 0):
+def _lora_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     from peft import LoraConfig, get_peft_model
 
-    base = tiny_qwen2(seed=seed)
+    base = tiny_qwen2(seed=seed).to(dtype)
     cfg = LoraConfig(
         r=4,
         lora_alpha=8,
@@ -187,13 +187,15 @@ def _merged_reference(model) -> dict[str, torch.Tensor]:
     return copy.deepcopy(model).merge_and_unload().state_dict()
 
 
-def test_lora_merge_is_bitwise_equal_to_merge_and_unload():
-    model = _lora_model()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_merge_is_bitwise_equal_to_merge_and_unload(dtype):
+    model = _lora_model(dtype=dtype)  # bf16 base: peft keeps the adapters in fp32
     expected = _merged_reference(model)
     got = dict(iter_full_tensors(model, lora_merge=True))
     assert set(got) == set(expected)
     assert not any("lora_" in k or "base_layer" in k or k.startswith("base_model") for k in got)
     for name in expected:
+        assert got[name].dtype == expected[name].dtype == dtype, name
         assert torch.equal(got[name], expected[name]), name
     # the merged weights differ from the base weights where LoRA applies
     assert not torch.equal(

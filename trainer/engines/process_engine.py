@@ -115,10 +115,16 @@ class _PipeChannel:
 def _stop_process(process: mp.process.BaseProcess, conn: Connection, grace_s: float = 5.0) -> None:
     """Ask, then terminate, then kill; always returns with the process reaped and the pipe closed."""
     if process.is_alive() and grace_s > 0:
-        try:
-            conn.send_bytes(ForkingPickler.dumps(("shutdown",)))
-        except (OSError, EOFError, ValueError):
-            pass
+
+        def ask() -> None:  # from a thread: a hung child with a full pipe must not block us
+            try:
+                conn.send_bytes(ForkingPickler.dumps(("shutdown",)))
+            except (OSError, EOFError, ValueError):
+                pass
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        asker.join(1.0)
         process.join(grace_s)
     if process.is_alive():
         process.terminate()
@@ -191,9 +197,12 @@ class ProcessEngine:
         self._sender = SharedBucketSender(
             self._channel, bucket_bytes=int(bucket_mb) << 20, timeout_s=self.timeout_s
         )
-        status, detail = self._channel.recv(
-            start_timeout_s if start_timeout_s is not None else self.timeout_s
-        )
+        try:
+            status, detail = self._channel.recv(
+                start_timeout_s if start_timeout_s is not None else self.timeout_s
+            )
+        except EngineError as e:
+            raise EngineError(f"engine process failed to start: {e}") from None
         if status != "ready":
             self.shutdown()
             raise EngineError(f"engine process failed to start:\n{detail}")
@@ -211,7 +220,7 @@ class ProcessEngine:
     ) -> SyncStats:
         """Hand ``(name, tensor)`` pairs over through the shared buckets and switch to ``version``."""
         self._sender.timeout_s = self._channel.timeout_hint = self.timeout_s
-        self.weight_version = -1  # until the engine confirms the new version
+        self.weight_version = -1  # until the engine confirms the new version (stays -1 if the sync fails)
         self.last_sync = self._sender.sync(named_tensors or (), version)
         self.weight_version = int(version)
         return self.last_sync
@@ -404,6 +413,9 @@ def _serve(
             return  # the trainer is gone
         if message[0] == "shutdown":
             return
-        reply = server.handle(message)
+        try:
+            reply = server.handle(message)
+        except Exception:
+            reply = ("error", traceback.format_exc())
         if reply is not None:
             conn.send(reply)

