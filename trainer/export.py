@@ -24,10 +24,11 @@ def export_hf(backend, tokenizer, out_dir: str | Path, *, is_main: bool) -> Path
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         model.load_state_dict(state, strict=False, assign=True)
+        model.tie_weights()  # a tied output layer shares the (now loaded) input embedding
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise RuntimeError(f"export: no weights for {missing[:5]}")
-        model.tie_weights()
+        model.config.use_cache = True
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     return out_dir

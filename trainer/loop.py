@@ -462,41 +462,42 @@ def maybe_resume(run: Run) -> int:
 
 
 def finish_run(run: Run, last: dict[str, float]) -> dict[str, Any]:
+    """Export, plot, print the summary and the time breakdown; the summary is read from the metrics
+    file, so a resumed (or already finished) run reports its whole history."""
     cfg = run.config
     if cfg.checkpoint.export_hf:
         from rlite.export import export_hf
 
         export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main)
-    summary = {
-        "steps": cfg.training.steps,
-        "final_reward": last.get("reward/mean", math.nan),
-        "eval_greedy_accuracy": last.get("eval/greedy_accuracy", math.nan),
-        "eval_sampled_accuracy": last.get("eval/sampled_accuracy", math.nan),
-        "run_dir": str(run.run_dir),
-    }
+    summary: dict[str, Any] = {"steps": cfg.training.steps, "run_dir": str(run.run_dir)}
     if run.ctx.is_main:
         for logger in run.loggers:
             logger.close()
-        metrics_file = run.run_dir / "metrics.jsonl"
-        if cfg.logging.plot and metrics_file.is_file():
-            first = _first_eval(metrics_file)
-            if first is not None:
-                summary["eval_greedy_accuracy_first"] = first
-            plot = plot_run(metrics_file, run.run_dir / "plot.png")
-            summary["plot"] = str(plot)
+        summary.update(summarize_metrics(run.run_dir / "metrics.jsonl", last))
+        if cfg.logging.plot and (run.run_dir / "metrics.jsonl").is_file():
+            summary["plot"] = str(plot_run(run.run_dir / "metrics.jsonl", run.run_dir / "plot.png"))
         print_summary(summary, dict(run.timer.total))
     summary["time_breakdown"] = dict(run.timer.total)
     run.pm.hook.on_run_end(config=cfg, summary=summary)
     return summary
 
 
-def _first_eval(metrics_file: Path) -> float | None:
+def summarize_metrics(metrics_file: Path, last: dict[str, float]) -> dict[str, float]:
+    """Final reward and held-out accuracies, with the accuracy at the run's first evaluation."""
     from rlite.metrics import read_metrics
 
-    for row in read_metrics(metrics_file):
-        if "eval/greedy_accuracy" in row:
-            return row["eval/greedy_accuracy"]
-    return None
+    rows = read_metrics(metrics_file) if metrics_file.is_file() else []
+    trained = [r for r in rows if "reward/mean" in r] or [last]
+    evals = [r for r in rows if "eval/greedy_accuracy" in r]
+    out = {"final_reward": trained[-1].get("reward/mean", math.nan)}
+    for mode in ("greedy", "sampled"):
+        key = f"eval/{mode}_accuracy"
+        if evals:
+            first, final = evals[0][key], evals[-1][key]
+            out[f"eval_{mode}_accuracy_first (step {evals[0]['step']})"] = first
+            out[f"eval_{mode}_accuracy_final (step {evals[-1]['step']})"] = final
+            out[f"eval_{mode}_accuracy_gain"] = final - first
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -142,7 +142,10 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir, variant):
     )
 
 
-def test_exported_model_loads_in_plain_transformers(tmp_path, model_dir):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_exported_model_loads_in_plain_transformers(tmp_path, model_dir, tied):
+    if tied:
+        model_dir = str(build_tiny_model_dir(tmp_path / "tied", tie_word_embeddings=True))
     run_training(tiny_config(model_dir, tmp_path / "run", "checkpoint.export_hf=true"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,6 +155,9 @@ def test_exported_model_loads_in_plain_transformers(tmp_path, model_dir):
     ids = tokenizer("12+35=", return_tensors="pt")
     generated = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert generated.shape[1] > ids["input_ids"].shape[1]
+    assert model.config.tie_word_embeddings == tied
+    if tied:
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
 
 def test_sigkill_during_checkpoint_save_leaves_previous_checkpoint_usable(tmp_path, model_dir):
