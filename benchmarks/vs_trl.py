@@ -160,6 +160,77 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+PROFILER = None  # a cProfile.Profile in a child run with --profile
+
+
+class StepClock:
+    """Wall and CPU time (``time.process_time``: all threads of this process) per step and per phase.
+
+    CPU time is the steadier number on a machine shared with other jobs: time spent waiting for a
+    core counts in wall time only.
+    """
+
+    def __init__(self) -> None:
+        self.current: dict[str, list[float]] = {}
+        self.steps: list[dict[str, list[float]]] = []
+        self.step_wall: list[float] = []
+        self.step_cpu: list[float] = []
+        self.last = (time.perf_counter(), time.process_time())
+
+    def start(self) -> None:
+        """The training loop starts: step 1 is timed from here (and profiled, with ``--profile``)."""
+        self.current = {}
+        if PROFILER is not None:
+            PROFILER.enable()
+        self.last = (time.perf_counter(), time.process_time())
+
+    def stop(self) -> None:
+        if PROFILER is not None:
+            PROFILER.disable()
+
+    def end_step(self) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.step_wall.append(wall - self.last[0])
+        self.step_cpu.append(cpu - self.last[1])
+        self.last = (wall, cpu)
+        self.steps.append(self.current)
+        self.current = {}
+
+    def add(self, label: str, wall: float, cpu: float) -> None:
+        acc = self.current.setdefault(label, [0.0, 0.0])
+        acc[0] += wall
+        acc[1] += cpu
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        """Time every call of ``owner.attr`` (a function or method looked up at call time) as ``label``."""
+        original = getattr(owner, attr)
+        clock = self
+
+        def wrapper(*a, **k):
+            w0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return original(*a, **k)
+            finally:
+                clock.add(label, time.perf_counter() - w0, time.process_time() - c0)
+
+        setattr(owner, attr, wrapper)
+
+    def phases(self, derive) -> list[dict[str, list[float]]]:
+        """Per step: ``derive(raw) -> {phase: [wall, cpu]}`` (exclusive phases that add up to at most the step)."""
+        out = []
+        for raw in self.steps:
+
+            def get(key: str, raw: dict = raw) -> list[float]:
+                return raw.get(key, [0.0, 0.0])
+
+            out.append({k: [float(v[0]), float(v[1])] for k, v in derive(get).items()})
+        return out
+
+
+def minus(a: list[float], *others: list[float]) -> list[float]:
+    return [a[0] - sum(o[0] for o in others), a[1] - sum(o[1] for o in others)]
+
+
 # --------------------------------------------------------------------------------------------------
 # child: rlite
 # --------------------------------------------------------------------------------------------------
@@ -173,48 +244,39 @@ def child_rlite(spec: dict) -> dict:
     import rlite
     import rlite.actor
     import rlite.engines.hf_engine
+    import rlite.loop
     import rlite.update
     from rlite.config import load_config
     from rlite.loop import run_training
     from rlite.plugin_manager import get_plugin_manager
 
-    ends: dict[int, float] = {}
-    marks: dict[str, float] = {}
-    current: dict[str, float] = {}
+    marks: dict = {}
     logged: dict[int, dict] = {}
-    sub_phases: dict[int, dict[str, float]] = {}
-
-    def timed(owner, attr: str, label: str) -> None:
-        """Add the time spent in ``owner.attr`` to this step's ``label`` (finer than rlite's own phases)."""
-        original = getattr(owner, attr)
-
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                current[label] = current.get(label, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, attr, wrapper)
-
-    timed(
-        rlite.engines.hf_engine.TransformersEngine, "_sample_generate", "generation: HF generate + logprobs"
-    )
-    timed(rlite.update, "forward_logprobs", "train: forward")
-    timed(rlite.actor.FSDP2Backend, "clip_and_step", "train: clip + optimizer step")
+    clock = StepClock()
+    # rlite's loop calls these module-level functions by name, so wrapping them times each phase
+    for name in (
+        "generate_rollouts",
+        "score_batch",
+        "prepare_training_targets",
+        "update_policy",
+        "sync_weights_to_engine",
+        "step_metrics",
+    ):
+        clock.wrap(rlite.loop, name, name)
+    clock.wrap(rlite.engines.hf_engine.TransformersEngine, "_sample_generate", "hf_generate")
+    clock.wrap(rlite.update, "forward_logprobs", "forward_logprobs")
+    clock.wrap(rlite.actor.FSDP2Backend, "clip_and_step", "clip_and_step")
 
     class Clock:
         @rlite.hookimpl
         def on_run_start(self, config, run_dir):
             marks["train_start"] = time.perf_counter()
-            current.clear()
+            clock.start()
 
         @rlite.hookimpl
         def on_metrics(self, step, metrics):
             if step >= 1:
-                ends[step] = time.perf_counter()
-                sub_phases[step] = dict(current)
-                current.clear()
+                clock.end_step()
                 logged[step] = dict(metrics)
 
         @rlite.hookimpl
@@ -224,6 +286,7 @@ def child_rlite(spec: dict) -> dict:
         @rlite.hookimpl
         def on_run_end(self, config, summary):
             # after the last step: the peak of the training run, then the final model for the evaluation
+            clock.stop()
             marks["peak_rss_mib"] = max_rss_mib()
             export_policy(marks["model"], spec["model_dir"], run_dir / "hf_model")
 
@@ -279,35 +342,33 @@ def child_rlite(spec: dict) -> dict:
     done = time.perf_counter()
     peak = marks["peak_rss_mib"]
     rows = [dict(logged[step], step=step) for step in sorted(logged)]
-    steps = sorted(ends)
-    step_times = [ends[steps[0]] - marks["train_start"]] + [
-        ends[b] - ends[a] for a, b in zip(steps, steps[1:])
-    ]
     n = spec["prompts"] * spec["samples"]
-    phases = ("generation", "reward", "logprobs", "train", "weight_sync", "eval", "checkpoint")
-    per_step_phases = [{p: float(r.get(f"time/{p}", 0.0)) for p in phases} for r in rows]
-    for row, phase in zip(rows, per_step_phases):
-        sub = sub_phases.get(int(row["step"]), {})
-        # split rlite's coarse phases into the parts measured above (they add up to the coarse phase)
-        hf = sub.get("generation: HF generate + logprobs", 0.0)
-        fwd = sub.get("train: forward", 0.0)
-        opt = sub.get("train: clip + optimizer step", 0.0)
-        if hf:
-            phase["generation: HF generate + logprobs"] = hf
-            phase["generation: prompt padding, completions, decode"] = phase.pop("generation") - hf
-        if fwd or opt:
-            train = phase.pop("train")
-            phase["train: forward"] = fwd
-            phase["train: clip + optimizer step"] = opt
-            phase["train: loss + backward + metrics"] = train - fwd - opt
+
+    def derive(get):
+        return {
+            "generation: HF generate (+ rollout log-probs)": get("hf_generate"),
+            "generation: padding, completions, decode": minus(get("generate_rollouts"), get("hf_generate")),
+            "reward": get("score_batch"),
+            "old log-probs + advantages": get("prepare_training_targets"),
+            "train: forward (decoder + chunked log-probs)": get("forward_logprobs"),
+            "train: loss + backward + metrics": minus(
+                get("update_policy"), get("forward_logprobs"), get("clip_and_step")
+            ),
+            "train: clip + optimizer step": get("clip_and_step"),
+            "weight sync to the engine": get("sync_weights_to_engine"),
+            "step metrics": get("step_metrics"),
+        }
+
     return dict(
         framework="rlite",
         version=rlite.__version__,
         torch=torch.__version__,
-        step_times=step_times,
+        step_times=clock.step_wall,
+        step_cpu=clock.step_cpu,
         tokens=[float(r["response/length"]) * n for r in rows],
         rewards=[float(r["reward/mean"]) for r in rows],
-        phases=per_step_phases,
+        phases=clock.phases(derive),
+        rlite_step_phases=[{k: v for k, v in r.items() if k.startswith("time/")} for r in rows],
         peak_rss_mib=peak,
         setup_s=marks["train_start"] - start,
         total_s=done - start,
@@ -413,48 +474,34 @@ def child_trl(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
 
     # -- timers around TRL's own phases (its profiling_context only reports to wandb/mlflow/trackio) --
-    timings: dict[str, list[float]] = {}
+    clock = StepClock()
+    clock.wrap(GRPOTrainer, "_generate_single_turn", "generation")
+    clock.wrap(GRPOTrainer, "_calculate_rewards", "reward")
+    clock.wrap(GRPOTrainer, "_generate_and_score_completions", "rollout_total")
+    clock.wrap(GRPOTrainer, "_compute_loss", "train_forward")
+    clock.wrap(GRPOTrainer, "training_step", "training_step")
 
-    def timed(cls, method: str, label: str):
-        original = getattr(cls, method)
-
-        def wrapper(self, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return original(self, *a, **k)
-            finally:
-                timings.setdefault(label, []).append(time.perf_counter() - t0)
-
-        setattr(cls, method, wrapper)
-
-    timed(GRPOTrainer, "_generate_single_turn", "generation")
-    timed(GRPOTrainer, "_calculate_rewards", "reward")
-    timed(GRPOTrainer, "_generate_and_score_completions", "rollout_total")
-    timed(GRPOTrainer, "_compute_loss", "train_forward")
-    timed(GRPOTrainer, "training_step", "training_step")
-
-    ends: dict[int, float] = {}
-    marks: dict[str, float] = {}
+    marks: dict = {}
     logs: list[dict] = []
 
     class Clock(TrainerCallback):
         def on_train_begin(self, a, state, control, **kw):
             marks["train_start"] = time.perf_counter()
+            clock.start()
 
         def on_pre_optimizer_step(self, a, state, control, **kw):
-            marks["opt_start"] = time.perf_counter()
+            marks["opt"] = (time.perf_counter(), time.process_time())
 
         def on_optimizer_step(self, a, state, control, **kw):
-            timings.setdefault("optimizer_step", []).append(time.perf_counter() - marks["opt_start"])
+            w0, c0 = marks["opt"]
+            clock.add("optimizer_step", time.perf_counter() - w0, time.process_time() - c0)
 
         def on_step_end(self, a, state, control, **kw):
-            ends[state.global_step] = time.perf_counter()
+            clock.end_step()
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs:
-                logs_copy = dict(logs)
-                logs_copy["step"] = state.global_step
-                logs_list.append(logs_copy)
+                logs_list.append(dict(logs, step=state.global_step))
 
     logs_list = logs
     trainer = GRPOTrainer(
@@ -474,38 +521,32 @@ def child_trl(spec: dict) -> dict:
     if sorted(set(trainer.eos_token_ids)) != [tokenizer.eos_token_id]:
         raise BenchError(f"TRL stops at {trainer.eos_token_ids}, rlite at [{tokenizer.eos_token_id}]")
     trainer.train()
+    clock.stop()
     done = time.perf_counter()
     peak = max_rss_mib()
     trainer.save_model(str(out_dir / "final"))
-    steps = sorted(ends)
-    step_times = [ends[steps[0]] - marks["train_start"]] + [
-        ends[b] - ends[a] for a, b in zip(steps, steps[1:])
-    ]
     logs.sort(key=lambda r: r["step"])
-    count = len(steps)
-    phases = []
-    for i in range(count):
-        t = {k: v[i] if i < len(v) else 0.0 for k, v in timings.items()}
-        rollout = t.get("rollout_total", 0.0)
-        train_total = t.get("training_step", 0.0) - rollout
-        phases.append(
-            {
-                "generation": t.get("generation", 0.0),
-                "reward": t.get("reward", 0.0),
-                "rollout_other": rollout - t.get("generation", 0.0) - t.get("reward", 0.0),
-                "train_forward": t.get("train_forward", 0.0),
-                "train_backward": train_total - t.get("train_forward", 0.0),
-                "optimizer_step": t.get("optimizer_step", 0.0),
-            }
-        )
+
+    def derive(get):
+        rollout = get("rollout_total")
+        return {
+            "generation (model.generate + EOS masking)": get("generation"),
+            "reward": get("reward"),
+            "rollout: tokenize, pad, advantages, metrics": minus(rollout, get("generation"), get("reward")),
+            "train: forward (decoder + fused chunked log-probs)": get("train_forward"),
+            "train: backward": minus(get("training_step"), rollout, get("train_forward")),
+            "train: optimizer step": get("optimizer_step"),
+        }
+
     return dict(
         framework="trl",
         version=trl.__version__,
         torch=torch.__version__,
-        step_times=step_times,
+        step_times=clock.step_wall,
+        step_cpu=clock.step_cpu,
         tokens=[float(r["completions/mean_length"]) * n for r in logs],
         rewards=[float(r["reward"]) for r in logs],
-        phases=phases,
+        phases=clock.phases(derive),
         peak_rss_mib=peak,
         setup_s=marks["train_start"] - start,
         total_s=done - start,
@@ -589,8 +630,23 @@ CHILDREN = {"rlite": child_rlite, "trl": child_trl, "eval": child_eval, "convert
 
 
 def child_main(kind: str, spec_path: str, out_path: str) -> None:
+    global PROFILER
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("profile") and kind in ("rlite", "trl"):
+        import cProfile
+
+        PROFILER = cProfile.Profile()
     result = CHILDREN[kind](spec)
+    if PROFILER is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        stats_ = pstats.Stats(PROFILER, stream=text)
+        stats_.dump_stats(str(Path(out_path).with_suffix(".prof")))
+        stats_.sort_stats("tottime").print_stats(spec.get("profile_top", 30))
+        stats_.sort_stats("cumulative").print_stats(spec.get("profile_top", 30))
+        result["profile"] = text.getvalue()
     Path(out_path).write_text(json.dumps(result, indent=1))
 
 
@@ -658,19 +714,27 @@ def write_task(job: dict, work: Path, seed: int) -> tuple[Path, Path]:
     return train_file, eval_file
 
 
+def _steady(values: list[float]) -> list[float]:
+    """Steps 2..N (step 1 is the warm-up), or all of them when there is only one."""
+    return values[1:] or values
+
+
 def stats(result: dict, last: int = 5) -> dict:
-    times = result["step_times"]
-    steady = times[1:] or times
-    tokens = result["tokens"]
-    gen = [sum(v for k, v in p.items() if k.startswith("generation")) for p in result["phases"]]
-    steady_tokens = sum(tokens[1:]) if len(tokens) > 1 else sum(tokens)
-    steady_gen = sum(gen[1:]) if len(gen) > 1 else sum(gen)
+    wall, cpu, tokens = result["step_times"], result["step_cpu"], result["tokens"]
+    gen_keys = [k for k in result["phases"][0] if k.startswith("generation")]
+    gen_wall = sum(sum(p[k][0] for k in gen_keys) for p in _steady(result["phases"]))
+    gen_cpu = sum(sum(p[k][1] for k in gen_keys) for p in _steady(result["phases"]))
+    steady_tokens = sum(_steady(tokens))
     return {
-        "first_step_s": times[0],
-        "median_step_s": statistics.median(steady),
-        "mean_step_s": statistics.fmean(steady),
-        "tok_per_s": steady_tokens / sum(steady),
-        "gen_tok_per_s": steady_tokens / steady_gen if steady_gen else float("nan"),
+        "first_step_s": wall[0],
+        "median_step_s": statistics.median(_steady(wall)),
+        "mean_step_s": statistics.fmean(_steady(wall)),
+        "median_step_cpu_s": statistics.median(_steady(cpu)),
+        "mean_step_cpu_s": statistics.fmean(_steady(cpu)),
+        "tok_per_s": steady_tokens / sum(_steady(wall)),
+        "tok_per_cpu_s": steady_tokens / sum(_steady(cpu)),
+        "gen_tok_per_s": steady_tokens / gen_wall if gen_wall else float("nan"),
+        "gen_tok_per_cpu_s": steady_tokens / gen_cpu if gen_cpu else float("nan"),
         "tokens_per_step": statistics.fmean(tokens),
         "peak_rss_gib": result["peak_rss_mib"] / 1024,
         "final_reward": statistics.fmean(result["rewards"][-last:]),
@@ -679,15 +743,19 @@ def stats(result: dict, last: int = 5) -> dict:
 
 
 ROWS = [
-    ("first step (warm-up), s", "first_step_s", "{:.2f}", "lower"),
-    ("step time, median of steps 2..N, s", "median_step_s", "{:.3f}", "lower"),
-    ("step time, mean of steps 2..N, s", "mean_step_s", "{:.3f}", "lower"),
-    ("generated tokens / s (end to end)", "tok_per_s", "{:.0f}", "higher"),
-    ("generated tokens / s (generation only)", "gen_tok_per_s", "{:.0f}", "higher"),
-    ("generated tokens per step (mean)", "tokens_per_step", "{:.0f}", ""),
-    ("peak RSS, GiB", "peak_rss_gib", "{:.2f}", "lower"),
-    ("final reward (mean of last 5 steps)", "final_reward", "{:.3f}", ""),
-    ("setup before step 1 (imports, model, data), s", "setup_s", "{:.1f}", ""),
+    ("first step (warm-up), wall s", "first_step_s", "{:.2f}"),
+    ("step time, median of steps 2..N, wall s", "median_step_s", "{:.3f}"),
+    ("step time, mean of steps 2..N, wall s", "mean_step_s", "{:.3f}"),
+    ("step time, median of steps 2..N, CPU s", "median_step_cpu_s", "{:.3f}"),
+    ("step time, mean of steps 2..N, CPU s", "mean_step_cpu_s", "{:.3f}"),
+    ("generated tokens / wall s (whole step)", "tok_per_s", "{:.0f}"),
+    ("generated tokens / CPU s (whole step)", "tok_per_cpu_s", "{:.0f}"),
+    ("generated tokens / wall s (generation phase only)", "gen_tok_per_s", "{:.0f}"),
+    ("generated tokens / CPU s (generation phase only)", "gen_tok_per_cpu_s", "{:.0f}"),
+    ("generated tokens per step (mean)", "tokens_per_step", "{:.0f}"),
+    ("peak RSS, GiB", "peak_rss_gib", "{:.2f}"),
+    ("final reward (mean of last 5 steps)", "final_reward", "{:.3f}"),
+    ("setup before step 1 (imports, model, data), wall s", "setup_s", "{:.1f}"),
 ]
 
 
@@ -697,7 +765,7 @@ def table(job_name: str, ours: dict, theirs: dict, acc: dict | None, steps: int)
         f"| {job_name}, {steps} steps | rlite {ours['version']} | TRL {theirs['version']} | rlite / TRL |",
         "|---|---:|---:|---:|",
     ]
-    for label, key, fmt, _ in ROWS:
+    for label, key, fmt in ROWS:
         ratio = a[key] / b[key] if b[key] else float("nan")
         lines.append(f"| {label} | {fmt.format(a[key])} | {fmt.format(b[key])} | {ratio:.2f} |")
     if acc:
@@ -710,24 +778,22 @@ def table(job_name: str, ours: dict, theirs: dict, acc: dict | None, steps: int)
 
 
 def breakdown(ours: dict, theirs: dict) -> str:
-    def mean_phases(result):
-        phases = result["phases"][1:] or result["phases"]
-        keys = [k for k in phases[0] if any(p[k] for p in phases)]
-        return {k: statistics.fmean(p[k] for p in phases) for k in keys}
-
     lines = [
-        "| framework | phase | mean s per step (steps 2..N) | share of mean step |",
-        "|---|---|---:|---:|",
+        "| framework | phase | wall s / step | CPU s / step | share of wall step |",
+        "|---|---|---:|---:|---:|",
     ]
     for name, result in (("rlite", ours), ("TRL", theirs)):
-        step = stats(result)["mean_step_s"]
-        phases = mean_phases(result)
-        for key, value in sorted(phases.items(), key=lambda kv: -kv[1]):
-            lines.append(f"| {name} | {key} | {value:.3f} | {100 * value / step:.0f}% |")
-        other = step - sum(phases.values())
+        steps = _steady(result["phases"])
+        wall = statistics.fmean(_steady(result["step_times"]))
+        cpu = statistics.fmean(_steady(result["step_cpu"]))
+        phases = {k: [statistics.fmean(p[k][i] for p in steps) for i in (0, 1)] for k in steps[0]}
+        for key, (w, c) in phases.items():
+            lines.append(f"| {name} | {key} | {w:.3f} | {c:.3f} | {100 * w / wall:.0f}% |")
+        ow, oc = wall - sum(v[0] for v in phases.values()), cpu - sum(v[1] for v in phases.values())
         lines.append(
-            f"| {name} | (outside the phases: metrics, logging, loop) | {other:.3f} | {100 * other / step:.0f}% |"
+            f"| {name} | rest of the loop (logging, callbacks, ...) | {ow:.3f} | {oc:.3f} | {100 * ow / wall:.0f}% |"
         )
+        lines.append(f"| {name} | **whole step** | **{wall:.3f}** | **{cpu:.3f}** | 100% |")
     return "\n".join(lines)
 
 
@@ -763,6 +829,7 @@ def run_job(name: str, args, work_root: Path) -> str:
         eval_file=str(eval_file),
         run_dir=str(work),
         seed=args.seed,
+        profile=args.profile,
     )
     results = {}
     for framework in args.frameworks:
@@ -773,6 +840,11 @@ def run_job(name: str, args, work_root: Path) -> str:
         models = {"initial": str(model_dir)}
         models.update({f: results[f]["final_model"] for f in results})
         acc = run_child("eval", dict(spec, models=models), work, f"{name}-eval", args.timeout)
+    for framework, result in results.items():
+        if "profile" in result:
+            path = work / f"profile_{name}_{framework}.txt"
+            path.write_text(result["profile"])
+            print(f"[vs_trl] cProfile of the {framework} training loop: {path}")
     (work / f"results_{name}.json").write_text(json.dumps({"results": results, "accuracy": acc}, indent=1))
     if set(results) != {"rlite", "trl"}:
         return json.dumps({k: stats(v) for k, v in results.items()}, indent=1)
@@ -832,6 +904,11 @@ def main(argv=None) -> int:
         help="held-out greedy accuracy after training (default: on for tiny, off for smollm2)",
     )
     eval_group.add_argument("--no-eval", dest="eval", action="store_false")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each training loop under cProfile (slower: for finding overheads, not for timings)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
     parser.add_argument("--out-dir", default=None, help="logs, runs and results (default: a new temp folder)")
     parser.add_argument(

@@ -389,3 +389,148 @@ def test_sglang_unpickler_accepts_our_payload_and_rejects_foreign_classes():
     )
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):
         SGLANG.serializer.deserialize(foreign)
+
+
+# -- the HTTP server mode against a stand-in `sglang.launch_server` -------------------------------
+
+FAKE_LAUNCH_SERVER = """
+import argparse, json, os, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+mode = os.environ.get("FAKE_SGLANG_MODE", "serve")
+log = os.environ["FAKE_SGLANG_LOG"]
+parser = argparse.ArgumentParser()
+parser.add_argument("--host")
+parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+with open(log, "a") as f:
+    f.write(json.dumps({"argv": sys.argv[1:]}) + "\\n")
+if mode == "exit":
+    sys.exit(3)
+if mode == "hang":
+    time.sleep(3600)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _reply(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._reply(200, {"ok": True})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+        with open(log, "a") as f:
+            f.write(json.dumps({"path": self.path, "body": body}) + "\\n")
+        if self.path == "/generate":
+            outs = []
+            for ids, sp in zip(body["input_ids"], body["sampling_params"]):
+                toks = [(sum(ids) + k) % 50 + 2 for k in range(sp["max_new_tokens"])]
+                meta = {"output_token_logprobs": [[-0.5, t, None] for t in toks],
+                        "finish_reason": {"type": "length"}, "weight_version": "1"}
+                outs.append({"output_ids": toks, "meta_info": meta})
+            self._reply(200, outs)
+        elif self.path == "/update_weights_from_tensor" and body.get("flush_cache"):
+            self._reply(400, {"success": False, "message": "rlite should not flush per bucket"})
+        else:
+            self._reply(200, {"success": True, "message": "ok"})
+
+
+HTTPServer((args.host, args.port), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    """Put a stand-in ``sglang.launch_server`` on the server's path; returns a reader of its log."""
+    package = tmp_path / "fake" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_SGLANG_LOG", str(log))
+
+    def calls() -> list[dict]:
+        import json
+
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    return calls
+
+
+def test_server_mode_launches_on_loopback_and_speaks_the_http_api(fake_server):
+    from rlite.engines.sglang_engine import _ServerBackend
+
+    backend = _ServerBackend(
+        {
+            "model_path": "/m",
+            "skip_tokenizer_init": True,
+            "enable_memory_saver": True,
+            "load_format": "dummy",
+            "disable_cuda_graph": False,
+            "mem_fraction_static": None,
+        },
+        start_timeout_s=60.0,
+        timeout_s=30.0,
+    )
+    backend.metadata_cls = FlattenedTensorMetadataFields
+    engine = _engine_on(backend)
+    try:
+        engine.release_memory()
+        engine.update_weights(iter(named_tensors(1)), 1)
+        engine.resume_memory()
+        completions = engine.generate([[3, 4]], SamplingParams(n=2, max_new_tokens=3))
+        assert [c.weight_version for c in completions] == [1, 1] and completions[0].logprobs == [-0.5] * 3
+    finally:
+        engine.shutdown()
+    assert backend.process.poll() is not None  # stopped
+    calls = fake_server()
+    argv = calls[0]["argv"]
+    assert argv[:4] == ["--host", "127.0.0.1", "--port", str(backend.port)]
+    assert {"--skip-tokenizer-init", "--enable-memory-saver", "--model-path"} <= set(argv)
+    assert argv[argv.index("--load-format") + 1] == "dummy"
+    assert "--disable-cuda-graph" not in argv and "--mem-fraction-static" not in argv
+    paths = [c["path"] for c in calls[1:]]
+    n_buckets = paths.count("/update_weights_from_tensor")
+    assert n_buckets > 1
+    assert paths == (
+        ["/release_memory_occupation", "/resume_memory_occupation", "/begin_weight_update"]
+        + ["/update_weights_from_tensor"] * n_buckets
+        + [
+            "/end_weight_update",
+            "/update_weight_version",
+            "/resume_memory_occupation",
+            "/flush_cache",
+            "/generate",
+        ]
+    )
+    update = next(c["body"] for c in calls if c.get("path") == "/update_weights_from_tensor")
+    assert update["load_format"] == FLATTENED_BUCKET and update["flush_cache"] is False
+    (payload,) = update["serialized_named_tensors"]
+    assert base64.b64decode(payload, validate=True)[:1] == b"\x80"  # a pickle, base64-encoded
+    assert calls[-1]["body"]["return_logprob"] is True
+
+
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_server_mode_reports_a_server_that_dies_or_never_gets_healthy(fake_server, monkeypatch, mode):
+    from rlite.engines.sglang_engine import _ServerBackend
+
+    monkeypatch.setenv("FAKE_SGLANG_MODE", mode)
+    expected = "exited with code 3" if mode == "exit" else "not healthy within 2 s"
+    with pytest.raises(EngineError, match=expected):
+        _ServerBackend({"model_path": "/m"}, start_timeout_s=2.0, timeout_s=5.0)
+
+
+def _engine_on(backend) -> SGLangEngine:
+    engine = SGLangEngine("unused", eos_token_ids=[1], backend=backend)
+    engine.bucket_bytes = 2048
+    return engine

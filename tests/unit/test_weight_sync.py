@@ -257,7 +257,10 @@ class LazyChannel:
             self.loaded.update({n: v.clone() for n, v in views})
             return [("ack", meta.index, meta.version, True, "")]
         if op == "end_sync":
-            self.receiver.end(*args)
+            try:
+                self.receiver.end(*args)
+            except EngineError as e:
+                return [("ack", "end_sync", args[0], False, str(e))]
             return [("ack", "end_sync", args[0], True, "")]
         if op == "abort_sync":
             self.receiver.version = None

@@ -194,8 +194,9 @@ class ProcessEngine:
         child_conn.close()
         self._finalizer = weakref.finalize(self, _stop_process, self._process, parent_conn)
         self._channel = _PipeChannel(parent_conn, self._process)
+        # the engine runs on CPU: GPU tensors from the trainer are copied into CPU shared memory
         self._sender = SharedBucketSender(
-            self._channel, bucket_bytes=int(bucket_mb) << 20, timeout_s=self.timeout_s
+            self._channel, bucket_bytes=int(bucket_mb) << 20, device="cpu", timeout_s=self.timeout_s
         )
         try:
             status, detail = self._channel.recv(

@@ -242,9 +242,13 @@ class _InProcessBackend:
     def __init__(self, engine_kwargs: dict[str, Any], *, start_timeout_s: float, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlite-sglang")
-        self._children_before = _child_pids()
         self.engine = None
+        self._children_before = set(_child_pids())
+        self._engine_pids: set[int] | None = None  # the processes SGLang started (known once it is up)
         self.engine = self._run(self._start, engine_kwargs, timeout_s=start_timeout_s, what="Engine start")
+        self._engine_pids = (set(_child_pids()) - self._children_before) | set(
+            self.engine.get_all_child_pids()
+        )
 
     @staticmethod
     def _start(engine_kwargs: dict[str, Any]):
@@ -264,6 +268,8 @@ class _InProcessBackend:
             ) from None
 
     def __getattr__(self, name: str):
+        if name.startswith("_") or name == "engine":
+            raise AttributeError(name)
         method = getattr(self.engine, name)
         return lambda *args, **kwargs: self._run(method, *args, what=name, **kwargs)
 
@@ -279,9 +285,9 @@ class _InProcessBackend:
 
     def kill(self) -> None:
         """SIGKILL the engine's processes (its own shutdown may hang when the engine does)."""
-        pids = set(_child_pids()) - set(self._children_before)
-        if self.engine is not None:
-            pids |= set(self.engine.get_all_child_pids())
+        pids = self._engine_pids
+        if pids is None:  # still starting: whatever appeared since the start is SGLang's
+            pids = set(_child_pids()) - self._children_before
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -320,9 +326,13 @@ class _ServerBackend:
 
     def __init__(self, server_args: dict[str, Any], *, start_timeout_s: float, timeout_s: float) -> None:
         self.timeout_s = timeout_s
+        server_args = dict(server_args)
         self.port = int(server_args.pop("port", None) or _free_port())
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="rlite-sglang-", suffix=".log")[1])
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+        fd, log_name = tempfile.mkstemp(prefix="rlite-sglang-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(log_name)
         cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port)]
         for key, value in server_args.items():
             flag = "--" + key.replace("_", "-")
@@ -339,7 +349,7 @@ class _ServerBackend:
                     f"SGLang server exited with code {self.process.returncode}:\n{self._log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                with self._opener.open(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
                         break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -360,7 +370,7 @@ class _ServerBackend:
             self.url + path, data=data, headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with self._opener.open(request, timeout=self.timeout_s) as response:
                 text = response.read().decode()
         except urllib.error.HTTPError as e:
             raise EngineError(
@@ -499,7 +509,6 @@ class SGLangEngine:
             else:
                 raise ValueError(f"launch must be 'engine' or 'server', got {launch!r}")
         self.backend = backend
-        self._metadata_cls = getattr(backend, "metadata_cls", None) or sglang_metadata_cls()
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -550,7 +559,7 @@ class SGLangEngine:
             version,
             bucket_bytes=self.bucket_bytes,
             tp_size=self.tp_size,
-            metadata_cls=self._metadata_cls,
+            metadata_cls=getattr(self.backend, "metadata_cls", None) or sglang_metadata_cls(),
             output_str=self.backend.output_str,
             device=self.device,
         )

@@ -22,6 +22,7 @@ See ``docs/weight_sync.md`` for the protocol and measurements.
 
 from __future__ import annotations
 
+import collections
 import pickle
 import time
 from collections.abc import Iterable, Iterator
@@ -351,18 +352,19 @@ class _Slot:
 class SharedBucketSender:
     """Trainer side of the shared-bucket protocol.
 
-    Messages sent on ``channel`` (the receiver answers each with an ack tuple):
+    Messages sent on ``channel``, each answered by the receiver, in order, with an ack:
 
     * ``("begin_sync", version)`` -> ``("ack", "begin_sync", version, True, "")``
-    * ``("bucket", BucketMeta, handle_or_None)`` -> ``("ack", index, version, ok, checksum_or_error)``;
+    * ``("bucket", BucketMeta, handle_or_None)`` -> ``("ack", index, version, ok, error)``;
       the handle is sent with a bucket's first use only.
     * ``("end_sync", version, n_buckets)`` -> ``("ack", "end_sync", version, ok, error)``
-    * ``("abort_sync", version)`` after a failure on this side (no answer expected).
+    * ``("abort_sync", version)`` after a failure -> ``("ack", "abort_sync", version, True, "")``
 
     The first sync allocates one buffer per bucket (shared memory on CPU, device memory on GPU); later
     syncs must stream the same names, shapes and dtypes in the same order and only copy into the
-    buffers. Buckets are sent without waiting, so the trainer fills bucket ``i + 1`` while the receiver
-    checks bucket ``i``; a buffer is written again only after its acknowledgement arrived.
+    buffers. Nothing waits for its ack until it must: the trainer fills bucket ``i + 1`` while the
+    receiver checks bucket ``i``, a buffer is written again only after its ack has been read, and the
+    sync ends with one round trip (``end_sync``) after which every ack has been checked.
     """
 
     channel: Channel
@@ -375,21 +377,23 @@ class SharedBucketSender:
     """Test hook: flip a byte of the next bucket after its checksum was taken."""
     _debug_version_offset: int = 0
     """Test hook: stamp buckets with a wrong version."""
+    _pending: collections.deque = field(default_factory=collections.deque)
+    """Acks still to read, in the order the receiver sends them."""
 
     def sync(self, named_tensors: NamedTensors, version: int) -> SyncStats:
         """Hand the stream over as weight ``version``; raises :class:`EngineError` on any mismatch."""
         stats = SyncStats(version=int(version), first_sync=not self.slots)
         start = time.perf_counter()
-        self._request(("begin_sync", stats.version), "begin_sync", stats)
+        self._pending.clear()
         try:
+            self._post(("begin_sync", stats.version), "begin_sync")  # answered in order, read later
             if stats.first_sync:
                 self._first_sync(named_tensors, stats)
             else:
                 self._steady_sync(named_tensors, stats)
-            for index, slot in enumerate(self.slots):
-                if slot.awaiting_ack:
-                    self._await_ack(index, stats)
-            self._request(("end_sync", stats.version, len(self.slots)), "end_sync", stats)
+            self._post(("end_sync", stats.version, len(self.slots)), "end_sync")
+            while self._pending:
+                self._read_ack(stats)
         except BaseException:
             self._abort(stats)
             raise
@@ -408,6 +412,7 @@ class SharedBucketSender:
             self.reset()  # a half-built layout is no layout
         for slot in self.slots:
             slot.awaiting_ack = False
+        self._pending.clear()
         try:
             self.channel.send(("abort_sync", stats.version))
             deadline = time.monotonic() + self.timeout_s
@@ -481,32 +486,33 @@ class SharedBucketSender:
         meta = BucketMeta(
             index, stats.version + self._debug_version_offset, slot.nbytes, checksum, slot.metas
         )
-        self.channel.send(("bucket", meta, handle))
+        self._post(("bucket", meta, handle), index)
         slot.awaiting_ack = True
         stats.buckets += 1
         stats.nbytes += slot.nbytes
 
-    def _await_ack(self, index: int, stats: SyncStats) -> None:
-        reply = self.channel.recv(self.timeout_s)
-        slot = self.slots[index]
-        slot.awaiting_ack = False
-        _, got_index, got_version, ok, detail = _check_ack(reply, f"bucket {index}")
-        if not ok:
-            raise EngineError(f"weight sync v{stats.version}: engine rejected bucket {index}: {detail}")
-        if got_index != index or got_version != stats.version:
-            raise EngineError(
-                f"weight sync v{stats.version}: expected the ack of bucket {index} v{stats.version}, "
-                f"got bucket {got_index} v{got_version}"
-            )
-
-    def _request(self, message: tuple, what: str, stats: SyncStats) -> None:
+    def _post(self, message: tuple, expect: str | int) -> None:
+        """Send without waiting; ``expect`` names the ack that must come back for it, in order."""
         self.channel.send(message)
-        _, got_what, got_version, ok, detail = _check_ack(self.channel.recv(self.timeout_s), what)
+        self._pending.append(expect)
+
+    def _await_ack(self, index: int, stats: SyncStats) -> None:
+        while self.slots[index].awaiting_ack:
+            self._read_ack(stats)
+
+    def _read_ack(self, stats: SyncStats) -> None:
+        expect = self._pending.popleft()
+        what = f"bucket {expect}" if isinstance(expect, int) else expect
+        _, got, got_version, ok, detail = _check_ack(self.channel.recv(self.timeout_s), what)
+        if isinstance(expect, int):
+            self.slots[expect].awaiting_ack = False
         if not ok:
-            raise EngineError(f"weight sync v{stats.version}: {what} failed in the engine: {detail}")
-        if got_what != what or got_version != stats.version:
+            verb = "rejected" if isinstance(expect, int) else "failed on"
+            raise EngineError(f"weight sync v{stats.version}: engine {verb} {what}: {detail}")
+        if got != expect or got_version != stats.version:
             raise EngineError(
-                f"weight sync v{stats.version}: expected the ack of {what}, got {got_what} v{got_version}"
+                f"weight sync v{stats.version}: expected the ack of {what} v{stats.version}, "
+                f"got the ack of {got} v{got_version}"
             )
 
 
@@ -519,8 +525,8 @@ def _check_ack(reply: Any, what: str) -> tuple:
 class SharedBucketReceiver:
     """Engine side of the shared-bucket protocol: maps the buffers, verifies, hands out views.
 
-    :meth:`handle` answers one protocol message and returns the ack to send back (or None); the views
-    of a verified bucket go to ``on_bucket(views)``, which loads them into the model.
+    The engine's message loop calls :meth:`begin`, :meth:`receive` per bucket (loading the views it
+    returns into its model) and :meth:`end`, and answers each message with an ack.
     """
 
     def __init__(self, *, verify_checksums: bool = True) -> None:
