@@ -400,7 +400,7 @@ class LoggingConfig:
     plot: bool = True
     """Write reward and eval accuracy against step as plot.png at the end."""
     profile: bool = False
-    """Record a torch profiler trace of steps 2-3 into the run folder."""
+    """Record a torch profiler trace of the run's 2nd and 3rd steps into ``<run_dir>/profile/`` (Chrome trace + top-ops table)."""
 
 
 @dataclass

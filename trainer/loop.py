@@ -26,7 +26,7 @@ from rlite.distributed import (
     shutdown_distributed,
 )
 from rlite.engines.base import SamplingParams
-from rlite.metrics import ProgressBar, StepTimer, plot_run, print_summary
+from rlite.metrics import ProgressBar, StepProfiler, StepTimer, plot_run, print_summary
 from rlite.plugin_manager import get_plugin_manager, resolve_choice
 from rlite.plugins.kl import AdaptiveKLController, kl_reward_penalty, mean_sequence_kl
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches, pad_to_width
@@ -73,11 +73,13 @@ def train(run: Run) -> dict[str, Any]:
     progress = ProgressBar(cfg.training.steps, run.start_step, cfg.logging.progress_bar and ctx.is_main)
     pm.hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
+    profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
     if run.start_step == 0 and run.eval_prompts:
         with timer.phase("eval"):
             log_metrics(run, 0, evaluate(run, 0))  # the baseline the run is measured against
     for step in range(run.start_step + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
+        profiler.before_step(step)
         # 1-2. rollout from the engine's current weights, then rewards (a failing reward function
         # scores 0 and is counted); dynamic sampling may draw extra rounds
         batch, reward_stats = collect_rollouts(run, step)
@@ -120,6 +122,7 @@ def train(run: Run) -> dict[str, Any]:
         metrics["perf/tokens_per_s"] = generated / max(time.perf_counter() - step_start, 1e-9)
         log_metrics(run, step, metrics)
         progress.update(step, metrics)
+        profiler.after_step(step)
         last_metrics = metrics
         # after logging, so a run resumed from this checkpoint has every step's metrics exactly once
         # (the save's time shows up in the next step's time/checkpoint)
@@ -129,6 +132,7 @@ def train(run: Run) -> dict[str, Any]:
             with timer.phase("checkpoint"):
                 save_run_checkpoint(run, step)
     progress.close()
+    profiler.close()
     return finish_run(run, last_metrics)
 
 

@@ -127,3 +127,42 @@ def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:
     for name, seconds in sorted(breakdown.items(), key=lambda kv: -kv[1]):
         times.add_row(name, f"{seconds:.2f}", f"{100 * seconds / total:.1f}%")
     console.print(times)
+
+
+class StepProfiler:
+    """``logging.profile``: a torch profiler trace of two steps (the 2nd and 3rd of this run), written
+    to ``<run_dir>/profile/trace_rank<r>.json`` (Chrome trace format) with a table of the top
+    operators in ``ops_rank<r>.txt``."""
+
+    def __init__(self, enabled: bool, first_step: int, run_dir: Path, rank: int) -> None:
+        self.enabled = enabled
+        self.window = (first_step + 2, first_step + 3)
+        self.out = Path(run_dir) / "profile"
+        self.rank = rank
+        self.profiler = None
+
+    def before_step(self, step: int) -> None:
+        if self.enabled and step == self.window[0]:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU]
+            import torch
+
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+            self.profiler = profile(activities=activities, record_shapes=True)
+            self.profiler.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.profiler is not None and step == self.window[1]:
+            self.close()
+
+    def close(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.profiler.export_chrome_trace(str(self.out / f"trace_rank{self.rank}.json"))
+        table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        (self.out / f"ops_rank{self.rank}.txt").write_text(table)
+        self.profiler = None

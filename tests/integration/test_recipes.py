@@ -56,3 +56,21 @@ def test_recipe_runs_and_reward_rises(tmp_path, model_dir, recipe):
     rewards = [r["reward/mean"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rewards) == 14
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
+
+
+def test_quickstart_config_runs_as_shipped(tmp_path):
+    """The README's quickstart (shipped warm-start model, real config) for two steps."""
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(CONFIGS.parent)  # model.path in the config is relative to the repository root
+    try:
+        cfg = load_config(CONFIGS / "quickstart.yaml", [
+            "training.steps=2", "training.eval_every=0", f"logging.run_dir={tmp_path / 'run'}",
+            "logging.progress_bar=false", "logging.plot=false", "checkpoint.every=0", "checkpoint.resume=never",
+        ])
+        summary = run_training(cfg)
+    finally:
+        os.chdir(cwd)
+    assert summary["eval_greedy_accuracy_first (step 0)"] > 0.1  # the warm start is partly competent
+    assert (tmp_path / "run" / "hf_model" / "model.safetensors").is_file()

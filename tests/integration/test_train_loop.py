@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -278,3 +279,39 @@ def test_engine_weights_equal_trainer_weights_after_every_sync(tmp_path, model_d
     finally:
         set_plugin_manager(None)
     assert auditor.checked_versions == [(1, 1, 1), (2, 2, 2), (3, 3, 3)]
+
+
+def test_profile_switch_writes_a_trace_of_two_steps(tmp_path, model_dir):
+    run_training(tiny_config(model_dir, tmp_path / "run", "training.steps=4", "logging.profile=true"))
+    profile = tmp_path / "run" / "profile"
+    assert (profile / "trace_rank0.json").stat().st_size > 0
+    table = (profile / "ops_rank0.txt").read_text()
+    assert "aten::" in table
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("parallelism.param_dtype=bfloat16",),
+        ("parallelism.cpu_offload=true",),
+        ("parallelism.activation_checkpointing=true",),
+        ("parallelism.reshard_after_forward=false", "training.lr_schedule=cosine", "training.warmup_steps=1"),
+    ],
+    ids=["bf16-mixed-precision", "cpu-offload", "activation-checkpointing", "no-reshard-cosine"],
+)
+def test_fsdp_options_train(tmp_path, model_dir, pm_with_digit_reward, options):
+    cfg = tiny_config(model_dir, tmp_path / "run", "rewards=[digit_fraction]", "training.steps=3",
+                      "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6", *options, pm=pm_with_digit_reward)
+    run = build_run(cfg)
+    before = {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}
+    try:
+        train(run)
+        after = {n: p.detach().full_tensor() for n, p in run.backend.model.named_parameters()}
+        # master weights stay float32 whatever the compute dtype
+        assert all(p.dtype == torch.float32 for p in after.values())
+    finally:
+        run.engine.shutdown()
+        shutdown_distributed(run.ctx)
+    assert sum(not torch.equal(before[n], after[n]) for n in before) > len(before) // 2
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "actor/grad_norm" in r]
+    assert all(math.isfinite(r["actor/grad_norm"]) for r in rows)

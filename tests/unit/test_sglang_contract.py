@@ -534,3 +534,40 @@ def _engine_on(backend) -> SGLangEngine:
     engine = SGLangEngine("unused", eos_token_ids=[1], backend=backend)
     engine.bucket_bytes = 2048
     return engine
+
+
+def test_in_process_mode_builds_the_engine_in_a_worker_and_times_out_hung_calls(monkeypatch):
+    import threading
+
+    release = threading.Event()
+    built = {}
+
+    class Engine(FakeSGLang):
+        def __init__(self, **kwargs):
+            super().__init__()
+            built.update(kwargs, thread=threading.current_thread().name)
+
+        def get_all_child_pids(self):
+            return []
+
+        def generate(self, **kwargs):
+            release.wait(60)  # hangs until the test lets it go
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=Engine))
+    engine = SGLangEngine("/m", eos_token_ids=[1], timeout_s=1.0, true_on_policy=True)
+    try:
+        assert built["thread"].startswith("rlite-sglang")  # every call runs on the one worker thread
+        assert {
+            k: built[k] for k in ("model_path", "skip_tokenizer_init", "enable_memory_saver", "load_format")
+        } == {
+            "model_path": "/m",
+            "skip_tokenizer_init": True,
+            "enable_memory_saver": True,
+            "load_format": "dummy",
+        }
+        assert built["enable_deterministic_inference"] and built["rl_on_policy_target"] == "fsdp"
+        with pytest.raises(EngineError, match="generate did not return within 1 s"):
+            engine.generate([[1, 2]], SamplingParams())
+    finally:
+        release.set()
+        engine.shutdown()

@@ -345,9 +345,9 @@ class _ServerBackend:
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.process.poll() is not None:
-                raise EngineError(
-                    f"SGLang server exited with code {self.process.returncode}:\n{self._log_tail()}"
-                )
+                message = f"SGLang server exited with code {self.process.returncode}:\n{self._log_tail()}"
+                self.shutdown()
+                raise EngineError(message)
             try:
                 with self._opener.open(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -355,10 +355,9 @@ class _ServerBackend:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                self.kill()
-                raise EngineError(
-                    f"SGLang server not healthy within {start_timeout_s:g} s:\n{self._log_tail()}"
-                )
+                message = f"SGLang server not healthy within {start_timeout_s:g} s:\n{self._log_tail()}"
+                self.shutdown()
+                raise EngineError(message)
             time.sleep(1.0)
 
     def _log_tail(self, n: int = 4000) -> str:
@@ -424,11 +423,11 @@ class _ServerBackend:
         return self._post("/update_weights_from_distributed", kwargs)
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL the server's whole session (its schedulers too, even if the server itself exited)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.process.wait(timeout=30)
 
     def shutdown(self) -> None:
@@ -439,6 +438,7 @@ class _ServerBackend:
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
         self.kill()
+        self.log_path.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------
