@@ -23,8 +23,10 @@ def _train_rows(tmp_path, model_dir, *overrides):
     return [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
 
 
-def test_true_on_policy_logprobs_are_bitwise_equal(tmp_path, model_dir):
-    rows = _train_rows(tmp_path, model_dir, "rollout.true_on_policy=true")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_true_on_policy_logprobs_are_bitwise_equal(tmp_path, model_dir, temperature):
+    # the trainer divides its logits by the sampling temperature exactly as the engine does
+    rows = _train_rows(tmp_path, model_dir, "rollout.true_on_policy=true", f"rollout.temperature={temperature}")
     assert len(rows) == 3
     for row in rows:
         assert row["mismatch/bitwise_equal_fraction"] == 1.0

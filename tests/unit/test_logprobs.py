@@ -1,0 +1,74 @@
+"""Chunked, checkpointed output-layer log-probs and entropy against the plain full-logits formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlite.logprobs import PolicyModel, chunked_logprobs
+from rlite.tokenizer import build_tiny_model_dir
+
+
+def _reference(hidden, weight, targets, temperature):
+    logits = (hidden @ weight.t()).double() / temperature
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return lp, entropy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_logprobs_and_entropy_match_full_softmax_values_and_gradients(temperature, chunk):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    lp, ent = chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk, with_entropy=True)
+    ref_lp, ref_ent = _reference(hidden, weight, targets, temperature)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    coeff = torch.randn(37, generator=g)
+    (lp * coeff).sum().backward(retain_graph=True)
+    grad_h, grad_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    (ref_lp.float() * coeff).sum().backward()
+    torch.testing.assert_close(grad_h, hidden.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad_w, weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_path_keeps_no_full_logits_for_backward():
+    """Saved activations for backward: only hidden and weight (checkpointing), never [N, V] logits."""
+    hidden = torch.randn(256, 8, requires_grad=True)
+    weight = torch.randn(1000, 8, requires_grad=True)
+    targets = torch.randint(0, 1000, (256,))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, _ = chunked_logprobs(hidden, weight, targets, chunk_size=64, with_entropy=True)
+    assert max(saved) < 256 * 1000  # no [tokens, vocab] tensor is kept
+    lp.sum().backward()
+
+
+def test_policy_model_scores_response_tokens_like_the_hf_forward(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(build_tiny_model_dir(tmp_path / "m"))
+    policy = PolicyModel(lm)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 250, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding in row 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = torch.ones(3, 4)
+    response_mask[1, 3] = 0
+    lp, _ = policy(ids, mask, positions, 5, response_mask, temperature=0.8, chunk_size=5)
+    with torch.no_grad():
+        logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions).logits.double() / 0.8
+    ref = torch.log_softmax(logits[:, 4:8], -1).gather(-1, ids[:, 5:, None]).squeeze(-1) * response_mask
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
+    assert lp[1, 3] == 0.0
