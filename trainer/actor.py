@@ -46,7 +46,9 @@ def load_causal_lm(cfg: ModelConfig) -> nn.Module:
     try:
         model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
     except OSError as exc:
-        raise FileNotFoundError(
+        from rlite.config import ConfigError
+
+        raise ConfigError(
             f"model.path: cannot load a causal LM from {cfg.path!r} ({exc}). Give a folder with config.json "
             "and weights (or a hub name when a network is available)."
         ) from None

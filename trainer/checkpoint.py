@@ -137,7 +137,9 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
         return found[-1] if found else None
     path = Path(resume)
     if not (path / MARKER).is_file():
-        raise FileNotFoundError(
+        from rlite.config import ConfigError
+
+        raise ConfigError(
             f"checkpoint.resume: {str(path)!r} is not a complete rlite checkpoint (no {MARKER} marker); "
             "use 'auto', 'never' or the path of a step_XXXXXXXX folder"
         )

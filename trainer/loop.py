@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rlite.algorithms import AdvantageInput
-from rlite.config import RunConfig, config_to_yaml
+from rlite.config import ConfigError, RunConfig, config_to_yaml
 from rlite.distributed import (
     DistContext,
     all_gather_objects,
@@ -522,7 +522,10 @@ def build_run(cfg: RunConfig) -> Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
-    train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
+    try:
+        train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
+    except (FileNotFoundError, ValueError, KeyError) as exc:  # bad data files: the messages name the key
+        raise ConfigError(str(exc).strip("'\"")) from exc
     sampler = PromptSampler(
         train_prompts.items, cfg.rollout.prompts_per_step, ctx.rank, ctx.world_size, cfg.data.seed, cfg.data.shuffle
     )
@@ -617,7 +620,11 @@ def load_tokenizer(cfg: RunConfig):
 
     source = cfg.model.tokenizer or cfg.model.path
     kwargs = {"gguf_file": cfg.model.gguf_file} if cfg.model.gguf_file and not cfg.model.tokenizer else {}
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+        raise ConfigError(f"{key}: cannot load a tokenizer from {source!r} ({exc})") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

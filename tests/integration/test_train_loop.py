@@ -315,3 +315,23 @@ def test_fsdp_options_train(tmp_path, model_dir, pm_with_digit_reward, options):
     assert sum(not torch.equal(before[n], after[n]) for n in before) > len(before) // 2
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "actor/grad_norm" in r]
     assert all(math.isfinite(r["actor/grad_norm"]) for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.path={missing}", "model.path"),
+        ("data.train_files={missing}.jsonl", "data.train_files"),
+        ("checkpoint.resume={missing}", "checkpoint.resume"),
+    ],
+)
+def test_bad_inputs_fail_with_one_clear_line(tmp_path, model_dir, override, expected):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{path: {model_dir}}}\ndata: {{task: addition}}\nlogging: {{run_dir: {tmp_path / 'run'}}}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "rlite", "train", str(config), override.format(missing=tmp_path / "nope")],
+        env=run_in_subprocess_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2
+    assert expected in done.stderr
+    assert "Traceback" not in done.stderr
