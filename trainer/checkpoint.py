@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rlite.distributed import all_gather_objects, barrier
@@ -155,16 +156,23 @@ def load_checkpoint(
     extra_models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer in place; return this rank's trainer state (RNG already restored)."""
+    from rlite.config import ConfigError
+
     state_file = path / f"trainer_state_rank{rank}.pt"
     if not state_file.is_file():
-        raise FileNotFoundError(
-            f"checkpoint {path} has no {state_file.name}: it was written with a different number of ranks"
+        raise ConfigError(
+            f"checkpoint.resume: {path} has no {state_file.name}: it was written with a different number of "
+            "ranks; resume with the same world size, or start fresh with checkpoint.resume=never"
         )
     state = _state(model, optimizer, extra_models)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:
-        raise RuntimeError(f"checkpoint {path}: cannot load model/optimizer state: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
+        raise ConfigError(
+            f"checkpoint.resume: cannot load the model/optimizer state of {path} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); it is damaged or from another model. Point "
+            "checkpoint.resume at another checkpoint or start fresh with checkpoint.resume=never"
+        ) from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     for name, (extra_model, extra_optim) in (extra_models or {}).items():
         set_state_dict(extra_model, extra_optim, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])

@@ -335,3 +335,15 @@ def test_bad_inputs_fail_with_one_clear_line(tmp_path, model_dir, override, expe
     assert done.returncode == 2
     assert expected in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_damaged_checkpoint_is_reported_not_crashed(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    run_training(tiny_config(model_dir, run_dir, "checkpoint.save_final=true"))
+    ckpt = find_resume_checkpoint(run_dir, "auto")
+    for shard in ckpt.glob("*.distcp"):
+        shard.write_bytes(b"garbage")
+    from rlite.config import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.resume: cannot load"):
+        run_training(tiny_config(model_dir, run_dir, "checkpoint.resume=auto", "training.steps=3"))
