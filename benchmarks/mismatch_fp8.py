@@ -35,12 +35,9 @@ accuracy, one line per run; and prints a table.
 only; same prompts) to show the run-to-run spread. ``--plot-only`` re-analyses existing run folders.
 ``--append`` adds the table to ``benchmarks/RESULTS.md``.
 
-Workaround (see the note at ``_patch_correction_metrics``): at the time of writing,
-``rlite.loop.prepare_training_targets`` stores the correction metrics *dict* in ``batch.extras``,
-which ``RolloutBatch.select`` then tries to index like a tensor, so any run with
-``algorithm.corrections`` crashes in ``update_policy``. This script moves that dict out of
-``extras`` for the duration of the update and puts the metrics back into the step's metrics; it is
-a no-op once the loop no longer keeps the dict in ``extras``.
+After each run its final checkpoint is evaluated once more on the held-out prompts with the
+trainer's own fp32 weights (column "fp32 trainer weights"), since the in-run eval of a quantized
+run scores the quantized policy the engine samples with (see ``final_eval_worker``).
 """
 
 from __future__ import annotations
@@ -130,45 +127,49 @@ def _register_stress_quantizer() -> None:
     get_plugin_manager().register(StressQuantizer(), name="benchmarks.mismatch_fp8")
 
 
-def _patch_correction_metrics() -> None:
-    """Keep the correction-metrics dict out of ``batch.extras`` during the update (see module doc).
-
-    ``prepare_training_targets`` (rlite/loop.py) sets ``batch.extras["_correction_metrics"] = dict``;
-    ``update_policy`` slices the batch with ``RolloutBatch.select`` (rlite/rollout.py), which does
-    ``{k: v[idx] for k, v in extras.items()}`` and raises ``KeyError`` on the dict. We pop it after
-    ``prepare_training_targets`` and add it to the metrics after ``step_metrics``; if the loop no
-    longer stores it there, nothing is popped and nothing changes.
-    """
-    import rlite.loop as loop
-
-    prepare, step_metrics = loop.prepare_training_targets, loop.step_metrics
-
-    def prepare_training_targets(run, batch):
-        prepare(run, batch)
-        stashed = batch.extras.pop("_correction_metrics", None)
-        if stashed is not None:
-            batch._bench_correction_metrics = stashed
-
-    def patched_step_metrics(run, batch, *args, **kwargs):
-        metrics = step_metrics(run, batch, *args, **kwargs)
-        metrics.update(getattr(batch, "_bench_correction_metrics", {}))
-        return metrics
-
-    loop.prepare_training_targets = prepare_training_targets
-    loop.step_metrics = patched_step_metrics
-
-
 def worker(name: str, run_dir: Path, steps: int, seed: int) -> None:
     import torch
 
     torch.set_num_threads(1)
     _register_stress_quantizer()
-    _patch_correction_metrics()
     from rlite.config import load_config
     from rlite.loop import run_training
 
     overrides = CONFIGS[name][1] + run_overrides(run_dir, steps, seed)
     run_training(load_config(QUICKSTART, overrides))
+
+
+def final_eval_worker(name: str, run_dir: Path, steps: int, seed: int) -> None:
+    """Held-out accuracy of the run's final checkpoint with the rollout weights and with the fp32 weights.
+
+    The in-run eval generates with the engine, i.e. with the *quantized* weights in a quantized run;
+    this also scores the trainer's own full-precision weights (the policy actually being optimised).
+    Loads ``<run_dir>/checkpoints/step_<steps>`` into a fresh run whose folder is
+    ``<run_dir>/final_eval`` (so nothing of the run itself is touched), evaluates, then re-syncs the
+    engine without the quantizer and evaluates again. Writes ``<run_dir>/final_eval.json``.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    _register_stress_quantizer()
+    import rlite.loop as loop
+    from rlite.config import load_config
+    from rlite.distributed import shutdown_distributed
+
+    checkpoint = run_dir / "checkpoints" / f"step_{steps:08d}"
+    overrides = CONFIGS[name][1] + run_overrides(run_dir / "final_eval", steps, seed)
+    overrides += [f"checkpoint.resume={checkpoint}", "logging.loggers=[]", "logging.plot=false"]
+    run = loop.build_run(load_config(QUICKSTART, overrides))
+    try:
+        assert run.start_step == steps, f"loaded step {run.start_step}, expected {steps}"
+        result = {"rollout_weights": loop.evaluate(run, steps)}
+        run.quantizer = None
+        loop.sync_weights_to_engine(run, version=steps + 1)
+        result["trainer_fp32_weights"] = loop.evaluate(run, steps)
+    finally:
+        run.engine.shutdown()
+        shutdown_distributed(run.ctx)
+    (run_dir / "final_eval.json").write_text(json.dumps(result, indent=1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,6 +183,7 @@ class RunResult:
     seed: int
     rows: list[dict]
     wall_s: float
+    final_eval: dict | None = None
 
     @property
     def label(self) -> str:
@@ -218,7 +220,8 @@ def load_result(out: Path, name: str, seed: int) -> RunResult | None:
         return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     wall = json.loads((folder / "wall_time.json").read_text())["wall_s"] if (folder / "wall_time.json").is_file() else float("nan")
-    return RunResult(name, seed, rows, wall)
+    final = json.loads((folder / "final_eval.json").read_text()) if (folder / "final_eval.json").is_file() else None
+    return RunResult(name, seed, rows, wall, final)
 
 
 def correction_activity(r: RunResult) -> str:
@@ -233,18 +236,19 @@ def correction_activity(r: RunResult) -> str:
 def table(results: list[RunResult]) -> str:
     head = (
         "| run | mean k3 KL | mean max\\|Δlogp\\| | correction | final reward (MA10) | "
-        "eval greedy: step 0 → final (best) | wall s |\n"
-        "|---|---:|---:|---|---:|---|---:|\n"
+        "eval greedy: step 0 → final (best) | final greedy, fp32 trainer weights | wall s |\n"
+        "|---|---:|---:|---|---:|---|---:|---:|\n"
     )
     lines = []
     for r in results:
         _, reward = r.series("reward/mean")
         _, acc = r.series("eval/greedy_accuracy")
         final_reward = moving_average(reward, SMOOTH)[-1] if reward else float("nan")
+        fp32 = r.final_eval["trainer_fp32_weights"]["eval/greedy_accuracy"] if r.final_eval else float("nan")
         lines.append(
             f"| {r.label} | {r.mean('mismatch/k3_kl'):.2e} | {r.mean('mismatch/max_abs_diff'):.3f} | "
             f"{correction_activity(r)} | {final_reward:.3f} | "
-            f"{acc[0]:.3f} → {acc[-1]:.3f} ({max(acc):.3f}) | {r.wall_s:.0f} |"
+            f"{acc[0]:.3f} → {acc[-1]:.3f} ({max(acc):.3f}) | {fp32:.3f} | {r.wall_s:.0f} |"
         )
     return head + "\n".join(lines)
 
@@ -255,7 +259,7 @@ def plot(results: list[RunResult], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.6))
     for r in results:
         _, _, colour, style = CONFIGS[r.name]
         alpha = 1.0 if r.seed == 0 else 0.45
@@ -267,15 +271,22 @@ def plot(results: list[RunResult], png: Path) -> None:
         axes[1].plot(steps, moving_average(reward, SMOOTH), **kw)
         steps, acc = r.series("eval/greedy_accuracy")
         axes[2].plot(steps, acc, marker="o", markersize=3, **kw)
+        if r.final_eval and steps:  # the trainer's own fp32 weights at the end, slightly right of the last eval
+            fp32 = r.final_eval["trainer_fp32_weights"]["eval/greedy_accuracy"]
+            axes[2].plot([steps[-1] + 3], [fp32], marker="*", markersize=10, color=colour, alpha=alpha, linestyle="none",
+                         markerfacecolor="none" if style == ":" else colour)
     axes[0].set_yscale("log")
     axes[0].set_title("mismatch k3 KL(π_roll ‖ π_train) per step")
     axes[1].set_title(f"training reward (moving average, {SMOOTH} steps)")
-    axes[2].set_title("held-out greedy accuracy (64 prompts, engine weights)")
+    axes[2].set_title("held-out greedy accuracy (64 prompts; lines: engine weights)")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=7.5, loc="lower right")
-    fig.tight_layout()
+    axes[1].plot([], [], marker="*", markersize=10, color="grey", linestyle="none",
+                 label="★ right panel: final eval, fp32 trainer weights (hollow: int3 runs)")
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
@@ -295,12 +306,17 @@ def main() -> None:
     parser.add_argument("--spread-configs", default="full,fp8")
     parser.add_argument("--plot-only", action="store_true", help="analyse existing run folders, train nothing")
     parser.add_argument("--append", action="store_true", help=f"append the table to {RESULTS.relative_to(REPO)}")
+    parser.add_argument("--final-eval-worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=4, metavar=("NAME", "RUN_DIR", "STEPS", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
         name, run_dir, steps, seed = args.worker
         worker(name, Path(run_dir), int(steps), int(seed))
+        return
+    if args.final_eval_worker:
+        name, run_dir, steps, seed = args.final_eval_worker
+        final_eval_worker(name, Path(run_dir), int(steps), int(seed))
         return
 
     names = [n for n in args.configs.split(",") if n]
@@ -313,8 +329,8 @@ def main() -> None:
     if not out.is_absolute():
         out = REPO / out
 
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if not args.plot_only:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         for name, seed in plan:
             folder = run_dir_for(out, name, seed)
             if folder.exists():  # the jsonl logger appends: a stale metrics.jsonl would mix two runs
@@ -330,6 +346,14 @@ def main() -> None:
                 sys.exit(f"{name} (seed {seed}) failed with status {proc.returncode}; see {folder / 'train.log'}")
             (folder / "wall_time.json").write_text(json.dumps({"wall_s": wall}))
             print(f"   {wall:.0f} s", flush=True)
+    for name, seed in plan:  # cheap (two greedy+sampled evals of 64 prompts); also fills in old folders
+        folder = run_dir_for(out, name, seed)
+        if (folder / "metrics.jsonl").is_file() and not (folder / "final_eval.json").is_file():
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--final-eval-worker", name, str(folder), str(args.steps), str(seed)]
+            with open(folder / "final_eval.log", "w") as log:
+                proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if proc.returncode != 0:
+                print(f"final eval of {name} (seed {seed}) failed; see {folder / 'final_eval.log'}", flush=True)
 
     results = [r for r in (load_result(out, n, s) for n, s in plan) if r is not None]
     if not results:

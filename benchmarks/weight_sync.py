@@ -11,7 +11,7 @@ For each model size (fp32 tensors of 4 MB plus one bf16 tensor), on CPU, one eng
   and ``copy_`` into the engine's parameters, then an ack. The **handoff** is everything after
   ``torch.save``.
 
-Run: ``python benchmarks/weight_sync.py [--sizes-mb 50,200,1024,2048] [--repeats 3] [--append]``.
+Run: ``python benchmarks/weight_sync.py [--sizes-mb 50,200,1024,2048] [--repeats 3] [--bucket-mb 512] [--append]``.
 ``--append`` adds the table to ``benchmarks/RESULTS.md``.
 """
 
@@ -182,7 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mb", default="50,200,1024,2048")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bucket-mb", type=int, default=64, help="shared-memory bucket size")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="shared-memory bucket size")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -152,7 +152,7 @@ class ProcessEngine:
         dtype: torch.dtype = torch.float32,
         attn_implementation: str = "sdpa",
         gguf_file: str | None = None,
-        bucket_mb: int = 64,
+        bucket_mb: int = 512,
         start_timeout_s: float | None = None,
         num_threads: int = 1,
         verify_checksums: bool = True,
@@ -162,8 +162,9 @@ class ProcessEngine:
         """Start the engine process and wait (``start_timeout_s``, default ``timeout_s``) until it is ready.
 
         ``bucket_mb`` sizes the shared buckets. All of them stay allocated (the engine's weights live
-        in them), so the size does not change memory; smaller buckets let the engine verify bucket
-        ``i`` while the trainer fills bucket ``i + 1``, and hold fewer tensors during the first sync.
+        in them), so the size does not change memory; each bucket costs a message and an ack (about
+        0.5 ms on a loaded 2-core machine), so the default 512 MB keeps the handoff flat in model size
+        (``benchmarks/RESULTS.md``), while smaller buckets hold fewer tensors during the first sync.
         ``engine_factory(**factory_kwargs)`` replaces the transformers engine built from ``model_dir``
         in the child (for tests and benchmarks); it must be a module-level function and return an object
         with ``model`` (an ``nn.Module``), ``weight_version`` and the engine methods.
