@@ -26,7 +26,7 @@ from rlite.distributed import (
     shutdown_distributed,
 )
 from rlite.engines.base import SamplingParams
-from rlite.metrics import ProgressBar, StepProfiler, StepTimer, plot_run, print_summary
+from rlite.metrics import ProgressBar, StepProfiler, StepTimer, plot_run, print_summary, trim_metrics_file
 from rlite.plugin_manager import get_plugin_manager, resolve_choice
 from rlite.plugins.kl import AdaptiveKLController, kl_reward_penalty, mean_sequence_kl
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches, pad_to_width
@@ -587,6 +587,7 @@ def build_run(cfg: RunConfig) -> Run:
     run.kl_controller = build_kl_controller(cfg)
     run.start_step = maybe_resume(run)
     if ctx.is_main:
+        trim_metrics_file(run_dir / "metrics.jsonl", run.start_step if run.start_step else None)
         run.loggers = build_loggers(run)
     sync_weights_to_engine(run, version=run.start_step)
     return run

@@ -73,6 +73,19 @@ class ProgressBar:
             self.progress.stop()
 
 
+def trim_metrics_file(path: str | Path, keep_through_step: int | None) -> None:
+    """Make ``metrics.jsonl`` describe this run only: a fresh run (``None``) starts it empty; a resumed
+    run keeps the rows up to its checkpoint's step and drops rows logged after it before a crash."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    if keep_through_step is None:
+        path.unlink()
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= keep_through_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     rows = []
     with open(path) as handle:

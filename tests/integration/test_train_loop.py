@@ -347,3 +347,10 @@ def test_damaged_checkpoint_is_reported_not_crashed(tmp_path, model_dir):
 
     with pytest.raises(ConfigError, match="checkpoint.resume: cannot load"):
         run_training(tiny_config(model_dir, run_dir, "checkpoint.resume=auto", "training.steps=3"))
+
+
+def test_metrics_file_holds_exactly_this_run(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    run_training(tiny_config(model_dir, run_dir, "training.steps=2"))
+    run_training(tiny_config(model_dir, run_dir, "training.steps=3"))  # fresh (resume=never): starts over
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
