@@ -327,7 +327,7 @@ def child_rlite(spec: dict) -> dict:
         "training.eval_every=0",
         "checkpoint.every=0",
         "checkpoint.save_final=false",
-        "checkpoint.export_hf=false",  # exported by on_run_end above (see export_policy)
+        "checkpoint.export_hf=false",  # exported by on_run_end above, after the peak RSS is read
         "checkpoint.resume=never",
         f"logging.run_dir={run_dir}",
         "logging.loggers=[jsonl]",
@@ -378,11 +378,11 @@ def child_rlite(spec: dict) -> dict:
 
 
 def export_policy(policy, model_dir: str, out_dir: Path) -> None:
-    """Save rlite's trained policy as a Hugging Face folder.
+    """Save rlite's trained policy as a Hugging Face folder (as ``rlite.export.export_hf`` does).
 
-    rlite's own ``checkpoint.export_hf`` fails on models with tied embeddings (the quickstart model):
-    ``rlite.export.export_hf`` checks for parameters left on the meta device before ``tie_weights()``,
-    so the tied ``lm_head.weight`` is reported missing. Here the weights are tied before the check.
+    Done from ``on_run_end``, after the peak RSS of the training run is read, so that the export's
+    extra copy of the weights does not count in rlite's peak (TRL's ``save_model`` also runs after
+    its peak is read). rlite's own ``checkpoint.export_hf`` runs before ``on_run_end``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -319,6 +319,8 @@ class TrainingConfig:
     """Linear warm-up steps from 0 to the peak learning rate."""
     min_lr_ratio: float = 0.0
     """Final learning rate of the cosine and linear schedules, as a fraction of ``lr``."""
+    liger_fused_logprobs: bool = False
+    """Compute response log-probs with liger-kernel's fused linear cross-entropy (CUDA only; ``pip install rlite[liger]``)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the output-layer log-prob computation (bounds the [tokens, vocab] memory)."""
     eval_every: int = 10

@@ -11,6 +11,10 @@ in chunks of ``chunk_size`` tokens under activation checkpointing. Each chunk co
 so the backward pass re-computes one chunk's logits at a time instead of storing all of them.
 Temperature is the sampling temperature: the engine draws from softmax(z) with the same division.
 
+``use_liger=True`` (CUDA only) gets the log-probs from liger-kernel's fused linear cross-entropy with
+``reduction="none"`` on ``h / temperature`` (the same maths, in Triton kernels that never materialise
+the logits); entropy is then computed without gradient by the chunked path, for metrics only.
+
 ``exact_layout=True`` instead calls the output layer on every position and ``log_softmax`` on the
 full logits, exactly as the transformers engine's fixed-shape sampler does, so that the trainer's
 numbers equal the engine's bit for bit (true on-policy mode).
@@ -65,6 +69,15 @@ def chunked_logprobs(
     return torch.cat(outputs_lp), torch.cat(outputs_ent)
 
 
+def liger_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1.0) -> torch.Tensor:
+    """log p(targets) through liger's fused linear cross-entropy: -CE(h / T @ W^T + b / T, y)."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
+    scaled_bias = None if bias is None else bias / temperature
+    return -loss(weight, hidden / temperature, targets, scaled_bias).float()
+
+
 def causal_lm_of(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside a plain or peft-wrapped model."""
     if hasattr(model, "get_base_model"):  # peft
@@ -99,6 +112,7 @@ class PolicyModel(nn.Module):
         chunk_size: int = 1024,
         with_entropy: bool = False,
         exact_layout: bool = False,
+        use_liger: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lm = self.causal_lm
         hidden = lm.get_decoder()(
@@ -118,15 +132,18 @@ class PolicyModel(nn.Module):
             return logprobs * mask, entropy * mask
         h = hidden[:, response_start - 1 : response_start - 1 + width]
         selected = response_mask.bool()
-        lp_flat, ent_flat = chunked_logprobs(
-            h[selected],
-            head.weight,
-            targets[selected],
-            bias=getattr(head, "bias", None),
-            temperature=temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
-        )
+        args = (h[selected], head.weight, targets[selected])
+        bias = getattr(head, "bias", None)
+        if use_liger:
+            lp_flat = liger_logprobs(*args, bias=bias, temperature=temperature)
+            with torch.no_grad():
+                _, ent_flat = chunked_logprobs(
+                    *args, bias=bias, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+                )
+        else:
+            lp_flat, ent_flat = chunked_logprobs(
+                *args, bias=bias, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+            )
         logprobs = hidden.new_zeros(batch, width, dtype=torch.float32)
         entropy = hidden.new_zeros(batch, width, dtype=torch.float32)
         logprobs = logprobs.masked_scatter(selected, lp_flat)

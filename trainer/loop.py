@@ -577,6 +577,7 @@ def build_run(cfg: RunConfig) -> Run:
             temperature=cfg.rollout.temperature,
             chunk_size=cfg.training.logprob_chunk_size,
             exact_layout=cfg.rollout.true_on_policy,
+            use_liger=check_liger(cfg),
         ),
         corrections=corrections,
         critic=critic,
@@ -614,6 +615,26 @@ def build_kl_controller(cfg: RunConfig):
     if kl.adaptive_target is not None:
         return AdaptiveKLController(kl.coef, kl.adaptive_target, kl.adaptive_horizon)
     return FixedKLController(kl.coef)
+
+
+def check_liger(cfg: RunConfig) -> bool:
+    """Validate ``training.liger_fused_logprobs`` against this machine (its kernels need CUDA)."""
+    if not cfg.training.liger_fused_logprobs:
+        return False
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "training.liger_fused_logprobs needs CUDA: liger-kernel's Triton kernels do not run on CPU "
+            "(the default chunked path keeps memory bounded there)"
+        )
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        raise ConfigError("training.liger_fused_logprobs: liger-kernel is not installed; pip install 'rlite[liger]'") from None
+    if cfg.algorithm.entropy_coef != 0.0:
+        raise ConfigError(
+            "training.liger_fused_logprobs computes no entropy gradient; set algorithm.entropy_coef=0 or turn liger off"
+        )
+    return True
 
 
 def load_tokenizer(cfg: RunConfig):

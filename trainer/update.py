@@ -27,6 +27,7 @@ class ForwardSpec:
     temperature: float
     chunk_size: int
     exact_layout: bool
+    use_liger: bool = False
 
 
 @dataclass
@@ -67,6 +68,7 @@ def forward_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, with_entropy
         chunk_size=spec.chunk_size,
         with_entropy=with_entropy,
         exact_layout=spec.exact_layout,
+        use_liger=spec.use_liger,
     )
     width = batch.response_ids.shape[1]
     return pad_to_width(logprobs, width), pad_to_width(entropy, width)

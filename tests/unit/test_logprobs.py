@@ -72,3 +72,50 @@ def test_policy_model_scores_response_tokens_like_the_hf_forward(tmp_path):
     ref = torch.log_softmax(logits[:, 4:8], -1).gather(-1, ids[:, 5:, None]).squeeze(-1) * response_mask
     torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
     assert lp[1, 3] == 0.0
+
+
+def test_liger_path_routes_scaled_hidden_through_fused_cross_entropy(tmp_path, monkeypatch):
+    """liger's kernels need CUDA; here a stand-in with liger's call signature checks rlite's side:
+    the arguments (weight, h / T, targets) and the sign, against the chunked path."""
+    import sys
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+
+    class FakeFusedLinearCrossEntropy:
+        def __init__(self, reduction="mean", **kwargs):
+            assert reduction == "none"
+
+        def __call__(self, lin_weight, _input, target, bias=None):
+            calls.append(_input.shape)
+            logits = _input @ lin_weight.t() + (0 if bias is None else bias)
+            return torch.nn.functional.cross_entropy(logits.float(), target, reduction="none")
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.LigerFusedLinearCrossEntropyLoss = FakeFusedLinearCrossEntropy
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+
+    policy = PolicyModel(AutoModelForCausalLM.from_pretrained(build_tiny_model_dir(tmp_path / "m")))
+    ids = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = torch.ones(2, 3)
+    ref, ref_ent = policy(ids, mask, positions, 5, response_mask, temperature=0.7, with_entropy=True)
+    lp, ent = policy(ids, mask, positions, 5, response_mask, temperature=0.7, with_entropy=True, use_liger=True)
+    assert calls == [torch.Size([6, 64])]
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent)
+
+
+def test_liger_option_on_cpu_is_a_clear_config_error(tmp_path):
+    from rlite.config import ConfigError
+    from rlite.loop import check_liger
+    from rlite.testing import tiny_config
+
+    cfg = tiny_config(tmp_path, tmp_path / "run", "training.liger_fused_logprobs=true", pm=False)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="training.liger_fused_logprobs needs CUDA"):
+        check_liger(cfg)
