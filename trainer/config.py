@@ -321,6 +321,10 @@ class TrainingConfig:
     """Final learning rate of the cosine and linear schedules, as a fraction of ``lr``."""
     liger_fused_logprobs: bool = False
     """Compute response log-probs with liger-kernel's fused linear cross-entropy (CUDA only; ``pip install rlite[liger]``)."""
+    logprob_recompute_mb: float = 256.0
+    """Recompute output-layer chunks in backward only when a micro-batch's response logits would exceed this many MB (else keep them)."""
+    num_threads: Optional[int] = None
+    """torch intra-op threads per process (None = torch's default; torchrun sets 1 unless OMP_NUM_THREADS is given)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the output-layer log-prob computation (bounds the [tokens, vocab] memory)."""
     eval_every: int = 10

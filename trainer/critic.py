@@ -77,7 +77,7 @@ class Critic:
         model = ValueModel(lm).to(device)
         apply_fsdp(model, par_cfg)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, foreach=False)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, fused=True)
         return cls(model, optimizer, cfg)
 
     def _forward(self, batch: RolloutBatch, exact_layout: bool) -> torch.Tensor:

@@ -8,7 +8,10 @@ in chunks of ``chunk_size`` tokens under activation checkpointing. Each chunk co
     log p(y) = z_y - logsumexp(z)
     H = logsumexp(z) - sum softmax(z) * z
 
-so the backward pass re-computes one chunk's logits at a time instead of storing all of them.
+so the backward pass re-computes one chunk's logits at a time instead of storing all of them. When a
+micro-batch's response logits are small (``training.logprob_recompute_mb``) they are simply kept,
+which saves the recomputation; the entropy is kept out of the autograd graph unless it is in the
+loss (``algorithm.entropy_coef != 0``).
 Temperature is the sampling temperature: the engine draws from softmax(z) with the same division.
 
 ``use_liger=True`` (CUDA only) gets the log-probs from liger-kernel's fused linear cross-entropy with
@@ -27,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprob_entropy(hidden, weight, bias, targets, temperature: float, with_entropy: bool):
+def _chunk_logprob_entropy(hidden, weight, bias, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
     logits = hidden @ weight.t()
     if bias is not None:
         logits = logits + bias
@@ -36,7 +39,9 @@ def _chunk_logprob_entropy(hidden, weight, bias, targets, temperature: float, wi
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not with_entropy:
         return logprobs, torch.zeros_like(logprobs)
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        z = logits if entropy_grad else logits.detach()
+        entropy = (lse if entropy_grad else lse.detach()) - (torch.softmax(z, dim=-1) * z).sum(-1)
     return logprobs, entropy
 
 
@@ -49,18 +54,24 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` from hidden states ``[N, H]``."""
+    """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` from hidden states ``[N, H]``.
+
+    ``recompute`` checkpoints each chunk (its logits are recomputed in backward instead of kept);
+    ``entropy_grad=False`` computes the entropy outside the autograd graph (a metric only).
+    """
     outputs_lp, outputs_ent = [], []
-    use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     for start in range(0, hidden.shape[0], chunk_size):
         args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
-        if use_ckpt:
+        if needs_grad and recompute:
             lp, ent = checkpoint(
-                _chunk_logprob_entropy, *args, temperature, with_entropy, use_reentrant=False
+                _chunk_logprob_entropy, *args, temperature, with_entropy, entropy_grad, use_reentrant=False
             )
         else:
-            lp, ent = _chunk_logprob_entropy(*args, temperature, with_entropy)
+            lp, ent = _chunk_logprob_entropy(*args, temperature, with_entropy, entropy_grad)
         outputs_lp.append(lp)
         outputs_ent.append(ent)
     if not outputs_lp:
@@ -113,6 +124,8 @@ class PolicyModel(nn.Module):
         with_entropy: bool = False,
         exact_layout: bool = False,
         use_liger: bool = False,
+        entropy_grad: bool = True,
+        recompute_above_bytes: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lm = self.causal_lm
         hidden = lm.get_decoder()(
@@ -134,6 +147,9 @@ class PolicyModel(nn.Module):
         selected = response_mask.bool()
         args = (h[selected], head.weight, targets[selected])
         bias = getattr(head, "bias", None)
+        # keep a micro-batch's response logits for backward when they are small; recompute otherwise
+        recompute = args[0].shape[0] * head.weight.shape[0] * 4 > recompute_above_bytes
+        options = dict(entropy_grad=entropy_grad, recompute=recompute)
         if use_liger:
             lp_flat = liger_logprobs(*args, bias=bias, temperature=temperature)
             with torch.no_grad():
@@ -142,7 +158,8 @@ class PolicyModel(nn.Module):
                 )
         else:
             lp_flat, ent_flat = chunked_logprobs(
-                *args, bias=bias, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+                *args, bias=bias, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                **options,
             )
         logprobs = hidden.new_zeros(batch, width, dtype=torch.float32)
         entropy = hidden.new_zeros(batch, width, dtype=torch.float32)

@@ -515,6 +515,8 @@ def build_run(cfg: RunConfig) -> Run:
     from rlite.rewards import build_reward_runner
 
     ctx = init_distributed()
+    if cfg.training.num_threads is not None:
+        torch.set_num_threads(cfg.training.num_threads)
     torch.manual_seed(cfg.training.seed)
     pm = get_plugin_manager()
     run_dir = Path(cfg.logging.run_dir)
@@ -578,6 +580,8 @@ def build_run(cfg: RunConfig) -> Run:
             chunk_size=cfg.training.logprob_chunk_size,
             exact_layout=cfg.rollout.true_on_policy,
             use_liger=check_liger(cfg),
+            entropy_grad=algo.entropy_coef != 0.0,
+            recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20,
         ),
         corrections=corrections,
         critic=critic,

@@ -28,6 +28,10 @@ class ForwardSpec:
     chunk_size: int
     exact_layout: bool
     use_liger: bool = False
+    entropy_grad: bool = True
+    """Whether the entropy term is in the loss (else it is a metric, computed without gradient)."""
+    recompute_above_bytes: float = 0.0
+    """Checkpoint output-layer chunks only when a micro-batch's response logits exceed this size."""
 
 
 @dataclass
@@ -69,6 +73,8 @@ def forward_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, with_entropy
         with_entropy=with_entropy,
         exact_layout=spec.exact_layout,
         use_liger=spec.use_liger,
+        entropy_grad=spec.entropy_grad,
+        recompute_above_bytes=spec.recompute_above_bytes,
     )
     width = batch.response_ids.shape[1]
     return pad_to_width(logprobs, width), pad_to_width(entropy, width)
@@ -112,8 +118,7 @@ def update_policy(
             step_sums: dict[str, float] = defaultdict(float)
             for mb in micro_batches(mini, fwd.micro_batch_size):
                 mask = mb.extras["loss_mask"]
-                need_entropy = True
-                logprobs, entropy = forward_logprobs(model, mb, fwd, with_entropy=need_entropy)
+                logprobs, entropy = forward_logprobs(model, mb, fwd, with_entropy=True)
                 if epoch == 0:
                     first_pass_logprobs[offset : offset + len(mb)] = logprobs.detach()
                 offset += len(mb)

@@ -17,14 +17,16 @@ def _reference(hidden, weight, targets, temperature):
     return lp, entropy
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_logprobs_and_entropy_match_full_softmax_values_and_gradients(temperature, chunk):
+def test_chunked_logprobs_and_entropy_match_full_softmax_values_and_gradients(temperature, chunk, recompute):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, requires_grad=True)
     weight = torch.randn(50, 16, generator=g, requires_grad=True)
     targets = torch.randint(0, 50, (37,), generator=g)
-    lp, ent = chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk, with_entropy=True)
+    lp, ent = chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk, with_entropy=True,
+                               recompute=recompute)
     ref_lp, ref_ent = _reference(hidden, weight, targets, temperature)
     torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
@@ -119,3 +121,13 @@ def test_liger_option_on_cpu_is_a_clear_config_error(tmp_path):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match="training.liger_fused_logprobs needs CUDA"):
         check_liger(cfg)
+
+
+def test_entropy_as_a_metric_stays_out_of_the_graph():
+    hidden = torch.randn(10, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    targets = torch.randint(0, 30, (10,))
+    lp, ent = chunked_logprobs(hidden, weight, targets, with_entropy=True, entropy_grad=False, recompute=False)
+    assert lp.requires_grad and not ent.requires_grad
+    _, ent_with_grad = chunked_logprobs(hidden, weight, targets, with_entropy=True, recompute=False)
+    torch.testing.assert_close(ent, ent_with_grad.detach())
