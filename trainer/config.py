@@ -321,6 +321,8 @@ class TrainingConfig:
     """Final learning rate of the cosine and linear schedules, as a fraction of ``lr``."""
     liger_fused_logprobs: bool = False
     """Compute response log-probs with liger-kernel's fused linear cross-entropy (CUDA only; ``pip install rlite[liger]``)."""
+    share_prompt_prefix: bool = True
+    """Run each prompt once per micro-batch and share its KV cache with its n samples (off with activation checkpointing or true on-policy)."""
     logprob_recompute_mb: float = 256.0
     """Recompute output-layer chunks in backward only when a micro-batch's response logits would exceed this many MB (else keep them)."""
     num_threads: Optional[int] = None

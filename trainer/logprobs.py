@@ -18,6 +18,10 @@ Temperature is the sampling temperature: the engine draws from softmax(z) with t
 ``reduction="none"`` on ``h / temperature`` (the same maths, in Triton kernels that never materialise
 the logits); entropy is then computed without gradient by the chunked path, for metrics only.
 
+``share_prompts=True`` runs each distinct prompt of a micro-batch once (a GRPO group's n samples
+share it) and gathers its keys and values to the n rows before the responses run; gradients sum over
+the samples through the gather. Same maths as the full forward, about n times fewer prompt FLOPs.
+
 ``exact_layout=True`` instead calls the output layer on every position and ``log_softmax`` on the
 full logits, exactly as the transformers engine's fixed-shape sampler does, so that the trainer's
 numbers equal the engine's bit for bit (true on-policy mode).
@@ -89,6 +93,20 @@ def liger_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1
     return -loss(weight, hidden / temperature, targets, scaled_bias).float()
 
 
+def unique_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collapse runs of identical consecutive prompt rows (a GRPO group's samples).
+
+    Returns ``(unique_rows, inverse)``: row indices of the first row of each run, and for every row
+    the index of its run, so that ``x[unique_rows][inverse]`` rebuilds ``x`` for prompt tensors.
+    """
+    same_as_previous = torch.zeros(prompt_ids.shape[0], dtype=torch.bool)
+    if prompt_ids.shape[0] > 1:
+        same_as_previous[1:] = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
+    unique_rows = (~same_as_previous).nonzero().squeeze(-1)
+    inverse = (~same_as_previous).long().cumsum(0) - 1
+    return unique_rows, inverse
+
+
 def causal_lm_of(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside a plain or peft-wrapped model."""
     if hasattr(model, "get_base_model"):  # peft
@@ -126,14 +144,23 @@ class PolicyModel(nn.Module):
         use_liger: bool = False,
         entropy_grad: bool = True,
         recompute_above_bytes: float = 0.0,
+        share_prompts: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lm = self.causal_lm
-        hidden = lm.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
         head = lm.get_output_embeddings()
         targets = input_ids[:, response_start:]
         batch, width = targets.shape
+        if share_prompts and not exact_layout:
+            unique_rows, inverse = unique_prompt_rows(input_ids[:, :response_start], attention_mask[:, :response_start])
+            if len(unique_rows) < batch:
+                h = self._shared_prompt_hidden(
+                    input_ids, attention_mask, position_ids, response_start, unique_rows, inverse
+                )
+                return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy,
+                                   use_liger, entropy_grad, recompute_above_bytes)
+        hidden = lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         if exact_layout:
             logits = head(hidden).float()
             logprobs_all = torch.log_softmax(logits[:, response_start - 1 : -1] / temperature, dim=-1)
@@ -144,6 +171,46 @@ class PolicyModel(nn.Module):
             mask = response_mask.to(logprobs.dtype)
             return logprobs * mask, entropy * mask
         h = hidden[:, response_start - 1 : response_start - 1 + width]
+        return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
+                           entropy_grad, recompute_above_bytes)
+
+    def _shared_prompt_hidden(self, input_ids, attention_mask, position_ids, response_start, unique_rows, inverse):
+        """Hidden states predicting the response tokens, running each distinct prompt once.
+
+        The prompt's keys and values are computed for the distinct prompts and gathered to every row
+        (autograd flows through the gather, so each prompt token's gradient sums over its samples);
+        then the responses run against that cache. Same maths as the full forward, fewer FLOPs.
+        """
+        from transformers import DynamicCache
+
+        decoder = self.causal_lm.get_decoder()
+        prompt = slice(0, response_start)
+        cache = DynamicCache(config=self.causal_lm.config)
+        prompt_out = decoder(
+            input_ids=input_ids[unique_rows, prompt],
+            attention_mask=attention_mask[unique_rows, prompt],
+            position_ids=position_ids[unique_rows, prompt],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        last_prompt_hidden = prompt_out.last_hidden_state[:, -1:][inverse]
+        width = input_ids.shape[1] - response_start
+        if width == 1:
+            return last_prompt_hidden
+        cache.reorder_cache(inverse)
+        responses = slice(response_start, response_start + width - 1)
+        response_out = decoder(
+            input_ids=input_ids[:, responses],
+            attention_mask=attention_mask[:, : response_start + width - 1],
+            position_ids=position_ids[:, responses],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return torch.cat([last_prompt_hidden, response_out.last_hidden_state], dim=1)
+
+    def _score(self, h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
+               entropy_grad, recompute_above_bytes):
+        batch, width = targets.shape
         selected = response_mask.bool()
         args = (h[selected], head.weight, targets[selected])
         bias = getattr(head, "bias", None)
@@ -161,8 +228,8 @@ class PolicyModel(nn.Module):
                 *args, bias=bias, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
                 **options,
             )
-        logprobs = hidden.new_zeros(batch, width, dtype=torch.float32)
-        entropy = hidden.new_zeros(batch, width, dtype=torch.float32)
+        logprobs = h.new_zeros(batch, width, dtype=torch.float32)
+        entropy = h.new_zeros(batch, width, dtype=torch.float32)
         logprobs = logprobs.masked_scatter(selected, lp_flat)
         entropy = entropy.masked_scatter(selected, ent_flat)
         return logprobs, entropy

@@ -545,8 +545,6 @@ def build_run(cfg: RunConfig) -> Run:
         from rlite.critic import Critic
 
         critic = Critic.build(cfg.model, cfg.parallelism, algo.critic, ctx.device)
-    make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
-    engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
     policy_loss, policy_cfg = resolve_choice(pm.registry("policy_loss"), algo.policy_loss)
     corrections = build_corrections(algo.corrections, pm.registry("mismatch_correction"))
     kl_fn = pm.registry("kl_estimator").get(algo.kl.estimator).implementation
@@ -561,7 +559,7 @@ def build_run(cfg: RunConfig) -> Run:
         sampler=sampler,
         backend=backend,
         reference=reference,
-        engine=engine,
+        engine=None,
         rewards=build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s),
         advantage=resolve_choice(pm.registry("advantage_estimator"), algo.advantage),
         loss=LossSpec(
@@ -582,6 +580,8 @@ def build_run(cfg: RunConfig) -> Run:
             use_liger=check_liger(cfg),
             entropy_grad=algo.entropy_coef != 0.0,
             recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20,
+            # HF activation checkpointing turns the KV cache off, so sharing needs it off
+            share_prompts=cfg.training.share_prompt_prefix and not cfg.parallelism.activation_checkpointing,
         ),
         corrections=corrections,
         critic=critic,
@@ -594,7 +594,14 @@ def build_run(cfg: RunConfig) -> Run:
     if ctx.is_main:
         trim_metrics_file(run_dir / "metrics.jsonl", run.start_step if run.start_step else None)
         run.loggers = build_loggers(run)
-    sync_weights_to_engine(run, version=run.start_step)
+    # the engine last: a failure above leaves no engine process behind
+    make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
+    run.engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
+    try:
+        sync_weights_to_engine(run, version=run.start_step)
+    except BaseException:
+        run.engine.shutdown()
+        raise
     return run
 
 
@@ -670,9 +677,12 @@ def build_loggers(run: Run) -> list:
 def run_training(cfg: RunConfig) -> dict[str, Any]:
     """Build everything from the config, train, and tear down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run = build_run(cfg)
+    ctx = init_distributed()
     try:
-        return train(run)
+        run = build_run(cfg)
+        try:
+            return train(run)
+        finally:
+            run.engine.shutdown()
     finally:
-        run.engine.shutdown()
-        shutdown_distributed(run.ctx)
+        shutdown_distributed(ctx)

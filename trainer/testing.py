@@ -71,6 +71,7 @@ def fixed_batch_update(
     micro_batch_size: int,
     agg_mode: str,
     minibatches: int = 1,
+    share_prompts: bool = False,
 ) -> None:
     """One optimizer step of the real FSDP2 backend on a fixed global batch; rank r takes slice r.
 
@@ -111,7 +112,8 @@ def fixed_batch_update(
         metrics, _ = update_policy(
             backend,
             local,
-            ForwardSpec(micro_batch_size=micro_batch_size, temperature=1.0, chunk_size=16, exact_layout=False),
+            ForwardSpec(micro_batch_size=micro_batch_size, temperature=1.0, chunk_size=16, exact_layout=False,
+                        share_prompts=share_prompts),
             LossSpec(ppo_clip_loss, PPOClipConfig(), agg_mode, 7.0, None, 0.0, 0.01),
             minibatches=minibatches,
             epochs=1,

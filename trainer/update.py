@@ -32,6 +32,8 @@ class ForwardSpec:
     """Whether the entropy term is in the loss (else it is a metric, computed without gradient)."""
     recompute_above_bytes: float = 0.0
     """Checkpoint output-layer chunks only when a micro-batch's response logits exceed this size."""
+    share_prompts: bool = False
+    """Run each distinct prompt of a micro-batch once and share its KV cache with its samples."""
 
 
 @dataclass
@@ -75,6 +77,7 @@ def forward_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, with_entropy
         use_liger=spec.use_liger,
         entropy_grad=spec.entropy_grad,
         recompute_above_bytes=spec.recompute_above_bytes,
+        share_prompts=spec.share_prompts,
     )
     width = batch.response_ids.shape[1]
     return pad_to_width(logprobs, width), pad_to_width(entropy, width)

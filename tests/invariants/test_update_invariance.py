@@ -18,10 +18,10 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
-def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1):
+def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1, share_prompts=False):
     out = tmp_path / f"{name}.pt"
     init = tmp_path / f"{name}.init"
-    args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches)
+    args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches, share_prompts)
     if world_size == 1:
         fixed_batch_update(0, *args)
     else:
@@ -52,3 +52,13 @@ def test_world_size_2_equals_1_every_mode(tmp_path, model_dir):
         single = _run(tmp_path, model_dir, 1, 16, mode, f"ws1-{mode}")
         double = _run(tmp_path, model_dir, 2, 4, mode, f"ws2-{mode}")  # 2 ranks x 2 micro-batches
         _assert_same(single, double)
+
+
+def test_shared_prompt_forward_under_fsdp_equals_full_forward(tmp_path, model_dir):
+    """Prompt-prefix sharing calls each FSDP2 block twice per forward; the step must not change.
+    Micro-batches of 3 cut groups of 4 samples apart, so partial groups are covered too."""
+    full = _run(tmp_path, model_dir, 1, 16, "token-mean", "full")
+    shared = _run(tmp_path, model_dir, 1, 3, "token-mean", "shared-ws1", share_prompts=True)
+    shared_ws2 = _run(tmp_path, model_dir, 2, 4, "token-mean", "shared-ws2", share_prompts=True)
+    _assert_same(full, shared, rtol=1e-4, atol=1e-6)
+    _assert_same(full, shared_ws2, rtol=1e-4, atol=1e-6)

@@ -131,3 +131,40 @@ def test_entropy_as_a_metric_stays_out_of_the_graph():
     assert lp.requires_grad and not ent.requires_grad
     _, ent_with_grad = chunked_logprobs(hidden, weight, targets, with_entropy=True, recompute=False)
     torch.testing.assert_close(ent, ent_with_grad.detach())
+
+
+@pytest.mark.parametrize("rows", [[0, 0, 0, 1, 1, 1], [0, 1, 1, 2, 2, 2], [0, 0, 1, 2, 2, 3]])
+def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tmp_path, rows):
+    from transformers import AutoModelForCausalLM
+
+    from rlite.logprobs import unique_prompt_rows
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(build_tiny_model_dir(tmp_path / "m"))
+    policy = PolicyModel(lm).train()
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, 250, (4, 6), generator=g)
+    prompt_mask = torch.ones(4, 6, dtype=torch.long)
+    prompt_mask[1, :2] = 0  # a left-padded prompt
+    prompt_mask[3, :1] = 0
+    responses = torch.randint(0, 250, (len(rows), 5), generator=g)
+    response_mask = torch.ones(len(rows), 5)
+    response_mask[2, 3:] = 0  # ended early
+    ids = torch.cat([prompts[rows], responses], 1)
+    mask = torch.cat([prompt_mask[rows], response_mask.long()], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    unique, inverse = unique_prompt_rows(ids[:, :6], mask[:, :6])
+    assert torch.equal(ids[:, :6][unique][inverse], ids[:, :6])
+
+    def run(share):
+        policy.zero_grad(set_to_none=True)
+        lp, ent = policy(ids, mask, positions, 6, response_mask, temperature=0.9, with_entropy=True, share_prompts=share)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    full_lp, full_grads = run(False)
+    shared_lp, shared_grads = run(True)
+    torch.testing.assert_close(shared_lp, full_lp, rtol=1e-5, atol=1e-5)
+    assert full_grads.keys() == shared_grads.keys()
+    for name in full_grads:
+        torch.testing.assert_close(shared_grads[name], full_grads[name], rtol=1e-4, atol=1e-6, msg=name)
