@@ -60,8 +60,10 @@ class TransformersEngine:
         pad_token_id: int,
         eos_token_ids: Iterable[int],
         true_on_policy: bool = False,
+        share_prefill: bool = True,
     ) -> None:
         self.model = model.eval()
+        self.share_prefill = share_prefill
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.true_on_policy = true_on_policy
@@ -92,11 +94,32 @@ class TransformersEngine:
             if self.true_on_policy:
                 tokens, logprobs = self._sample_fixed_shape(ids, mask, params, stop_ids)
             else:
-                tokens, logprobs = self._sample_generate(ids, mask, params, stop_ids)
+                cache = self._prefill_once_per_prompt(prompts, params.n) if self.share_prefill else None
+                tokens, logprobs = self._sample_generate(ids, mask, params, stop_ids, cache)
         return self._to_completions(tokens, logprobs, params, stop_ids)
 
-    def _sample_generate(self, ids, mask, params: SamplingParams, stop_ids):
+    def _prefill_once_per_prompt(self, prompts: list[list[int]], n: int):
+        """KV cache of every prompt but its last token, computed once and repeated for the n samples
+        (``generate`` then feeds only the last prompt token). None when there is nothing to share."""
+        from transformers import DynamicCache
+
+        unique_ids, unique_mask = left_pad(prompts, self.pad_token_id)
+        if n == 1 or unique_ids.shape[1] < 2:
+            return None
+        cache = DynamicCache(config=self.model.config)
+        self.model(
+            input_ids=unique_ids[:, :-1],
+            attention_mask=unique_mask[:, :-1],
+            position_ids=position_ids_from_mask(unique_mask)[:, :-1],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache.batch_repeat_interleave(n)
+        return cache
+
+    def _sample_generate(self, ids, mask, params: SamplingParams, stop_ids, cache=None):
         out = self.model.generate(
+            past_key_values=cache,
             input_ids=ids,
             attention_mask=mask,
             do_sample=not params.greedy,

@@ -1,0 +1,37 @@
+"""The transformers engine: one prefill per prompt gives the same samples as a prefill per sample."""
+
+from __future__ import annotations
+
+import torch
+
+from rlite.engines.base import SamplingParams
+from rlite.engines.hf_engine import TransformersEngine
+from rlite.tokenizer import build_tiny_model_dir
+
+
+def _engine(tmp_path, share):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model_dir(tmp_path / "m"))
+    return TransformersEngine(model, pad_token_id=256, eos_token_ids=[258], share_prefill=share)
+
+
+def test_shared_prefill_gives_the_same_greedy_tokens_and_close_logprobs(tmp_path):
+    prompts = [[10, 11, 12, 13], [20, 21], [30, 31, 32, 33, 34, 35]]
+    params = SamplingParams(n=3, max_new_tokens=5, greedy=True, seed=0)
+    plain = _engine(tmp_path, False).generate(prompts, params)
+    shared = _engine(tmp_path, True).generate(prompts, params)
+    assert [c.token_ids for c in plain] == [c.token_ids for c in shared]
+    assert [c.prompt_index for c in shared] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for a, b in zip(plain, shared):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_is_reproducible_from_the_seed(tmp_path):
+    engine = _engine(tmp_path, True)
+    params = SamplingParams(n=4, max_new_tokens=6, temperature=0.8, seed=123)
+    first = engine.generate([[5, 6, 7], [8, 9]], params)
+    again = engine.generate([[5, 6, 7], [8, 9]], params)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert all(c.finish_reason in ("stop", "length") for c in first)
+    assert all(len(c.logprobs) == len(c.token_ids) for c in first)
