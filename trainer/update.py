@@ -115,55 +115,69 @@ def update_policy(
     for epoch in range(epochs):
         offset = 0
         for mini in split_minibatches(batch, minibatches):
-            mask_all = mini.extras["loss_mask"]
-            totals = all_reduce_sum(torch.tensor([mask_all.sum().item(), float(len(mini))]))
-            n_tok, n_seq = float(totals[0]), float(totals[1])
-            step_sums: dict[str, float] = defaultdict(float)
+            totals = all_reduce_sum(torch.tensor([mini.extras["loss_mask"].sum().item(), float(len(mini))]))
+            counts = dict(global_tokens=float(totals[0]), global_sequences=float(totals[1]), dp_size=dp_size)
+            # per-step sums stay tensors until the step ends: no host sync per micro-batch
+            step_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
             for mb in micro_batches(mini, fwd.micro_batch_size):
-                mask = mb.extras["loss_mask"]
                 logprobs, entropy = forward_logprobs(model, mb, fwd, with_entropy=True)
                 if epoch == 0:
                     first_pass_logprobs[offset : offset + len(mb)] = logprobs.detach()
                 offset += len(mb)
-                old = mb.extras.get("old_logprobs", logprobs.detach())
-                per_token, token_metrics = loss.policy_loss(
-                    logprobs, old, mb.extras["advantages"], mask, loss.policy_cfg
-                )
-                if "is_weights" in mb.extras:
-                    per_token = per_token * mb.extras["is_weights"]
-                if loss.loss_time_corrections:
-                    from rlite.mismatch import compose_corrections
-
-                    weights, kept, corr_metrics = compose_corrections(
-                        loss.loss_time_corrections, old, mb.rollout_logprobs, mask,
-                        advantages=mb.extras["advantages"], logprobs=logprobs.detach(),
-                    )
-                    per_token = per_token * kept * (1.0 if weights is None else weights)
-                    for name, value in corr_metrics.items():
-                        step_sums[name] += value * len(mb) / max(n_seq, 1.0) * dp_size
-                agg = dict(global_tokens=n_tok, global_sequences=n_seq, dp_size=dp_size, horizon=loss.horizon)
-                pg_loss = aggregate_loss(per_token, mask, loss.agg_mode, **agg)
-                total = pg_loss
-                if loss.kl_fn is not None and loss.kl_coef != 0.0:
-                    kl = loss.kl_fn(logprobs, mb.extras["ref_logprobs"])
-                    kl_loss = aggregate_loss(kl, mask, loss.agg_mode, **agg)
-                    total = total + loss.kl_coef * kl_loss
-                    step_sums["actor/kl_loss"] += kl_loss.item()
-                entropy_loss = aggregate_loss(entropy, mask, loss.agg_mode, **agg)
-                if loss.entropy_coef != 0.0:
-                    total = total - loss.entropy_coef * entropy_loss
+                total = micro_batch_loss(mb, logprobs, entropy, loss, counts, step_sums)
                 total.backward()
-                step_sums["actor/pg_loss"] += pg_loss.item()
-                step_sums["actor/entropy"] += (entropy.detach() * mask).sum().item() / max(n_tok, 1.0) * dp_size
-                for name, values in token_metrics.items():
-                    step_sums[f"actor/{name}"] += (values.detach().float() * mask).sum().item() / max(n_tok, 1.0) * dp_size
+            lr = backend.scheduler.get_last_lr()[0]
             grad_norm = backend.clip_and_step(before_step)
             optimizer_steps += 1
-            # every summed value above is this rank's share x dp_size: average over ranks
-            reduced = all_reduce_sum(torch.tensor(list(step_sums.values()), dtype=torch.float64)) / dp_size
-            for (name, _), value in zip(step_sums.items(), reduced.tolist()):
+            # every summed value is this rank's share x dp_size: average over ranks
+            reduced = all_reduce_sum(torch.stack([v.detach().double().cpu() for v in step_sums.values()])) / dp_size
+            for name, value in zip(step_sums, reduced.tolist()):
                 sums[name] += value
             sums["actor/grad_norm"] += grad_norm
-            sums["actor/lr"] += backend.scheduler.get_last_lr()[0]
+            sums["actor/lr"] += lr
     metrics = {name: value / optimizer_steps for name, value in sums.items()}
     return metrics, first_pass_logprobs
+
+
+def micro_batch_loss(
+    mb: RolloutBatch,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    loss: LossSpec,
+    counts: dict[str, float],
+    step_sums: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """This micro-batch's share of the objective: policy term (times correction weights), KL term,
+    entropy bonus, each aggregated with the global counts. Adds its metrics to ``step_sums``."""
+    mask = mb.extras["loss_mask"]
+    old = mb.extras.get("old_logprobs", logprobs.detach())
+    advantages = mb.extras["advantages"]
+    per_token, token_metrics = loss.policy_loss(logprobs, old, advantages, mask, loss.policy_cfg)
+    if "is_weights" in mb.extras:
+        per_token = per_token * mb.extras["is_weights"]
+    n_tok, n_seq, dp_size = counts["global_tokens"], counts["global_sequences"], counts["dp_size"]
+    if loss.loss_time_corrections:
+        from rlite.mismatch import compose_corrections
+
+        weights, kept, corr_metrics = compose_corrections(
+            loss.loss_time_corrections, old, mb.rollout_logprobs, mask, advantages=advantages,
+            logprobs=logprobs.detach(),
+        )
+        per_token = per_token * kept * (1.0 if weights is None else weights)
+        for name, value in corr_metrics.items():  # sequence-weighted average over the mini-batch
+            step_sums[name] += value * len(mb) / max(n_seq, 1.0) * dp_size
+    agg = dict(counts, horizon=loss.horizon)
+    pg_loss = aggregate_loss(per_token, mask, loss.agg_mode, **agg)
+    total = pg_loss
+    if loss.kl_fn is not None and loss.kl_coef != 0.0:
+        kl_loss = aggregate_loss(loss.kl_fn(logprobs, mb.extras["ref_logprobs"]), mask, loss.agg_mode, **agg)
+        total = total + loss.kl_coef * kl_loss
+        step_sums["actor/kl_loss"] += kl_loss.detach()
+    if loss.entropy_coef != 0.0:
+        total = total - loss.entropy_coef * aggregate_loss(entropy, mask, loss.agg_mode, **agg)
+    step_sums["actor/pg_loss"] += pg_loss.detach()
+    token_share = dp_size / max(n_tok, 1.0)  # global token means
+    step_sums["actor/entropy"] += (entropy.detach() * mask).sum() * token_share
+    for name, values in token_metrics.items():
+        step_sums[f"actor/{name}"] += (values.detach().float() * mask).sum() * token_share
+    return total
