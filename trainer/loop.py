@@ -251,9 +251,9 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
     if algo.old_logprob_mode == "bypass":
         batch.extras["old_logprobs"] = batch.rollout_logprobs.clone()
     elif need_old:
-        batch.extras["old_logprobs"] = score_logprobs(run.backend.model, batch, run.forward)
+        batch.extras["old_logprobs"] = score_logprobs(run.backend.model, batch, run.forward, algo.minibatches_per_step)
     if run.reference is not None:
-        batch.extras["ref_logprobs"] = score_logprobs(run.reference, batch, run.forward)
+        batch.extras["ref_logprobs"] = score_logprobs(run.reference, batch, run.forward, algo.minibatches_per_step)
     token_rewards = None
     if algo.kl.in_reward and run.reference is not None:
         kl = run.loss.kl_fn(batch.extras["old_logprobs"], batch.extras["ref_logprobs"]).detach()

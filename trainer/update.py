@@ -84,9 +84,18 @@ def forward_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, with_entropy
 
 
 @torch.no_grad()
-def score_logprobs(model, batch: RolloutBatch, spec: ForwardSpec) -> torch.Tensor:
-    """Log-probs ``[B, T]`` of the batch's responses under ``model`` (no gradient)."""
-    parts = [forward_logprobs(model, mb, spec)[0] for mb in micro_batches(batch, spec.micro_batch_size)]
+def score_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1) -> torch.Tensor:
+    """Log-probs ``[B, T]`` of the batch's responses under ``model`` (no gradient).
+
+    The batch is cut into exactly the mini- and micro-batches that :func:`update_policy` uses, so
+    every row is scored with the same shapes (and so the same rounding) as in training: pi_old of the
+    first mini-batch equals its first training forward bit for bit (ratio exactly 1).
+    """
+    parts = [
+        forward_logprobs(model, mb, spec)[0]
+        for mini in split_minibatches(batch, minibatches)
+        for mb in micro_batches(mini, spec.micro_batch_size)
+    ]
     return torch.cat(parts, dim=0) * batch.response_mask
 
 

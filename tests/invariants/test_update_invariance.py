@@ -62,3 +62,40 @@ def test_shared_prompt_forward_under_fsdp_equals_full_forward(tmp_path, model_di
     shared_ws2 = _run(tmp_path, model_dir, 2, 4, "token-mean", "shared-ws2", share_prompts=True)
     _assert_same(full, shared, rtol=1e-4, atol=1e-6)
     _assert_same(full, shared_ws2, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_first_minibatch_of_an_on_policy_step_has_ratio_exactly_one(tmp_path, model_dir, share_prompts):
+    """pi_old from the no-grad scoring pass equals the training forward bit for bit, so the first
+    mini-batch's ratio is exactly 1 and nothing is clipped (several mini-batches per rollout)."""
+    import torch.distributed as dist
+
+    from rlite.actor import FSDP2Backend
+    from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.policy_losses import PPOClipConfig, ppo_clip_loss
+    from rlite.testing import fixed_batch
+    from rlite.update import ForwardSpec, forward_logprobs, micro_batches, score_logprobs, split_minibatches
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        backend = FSDP2Backend.build(ModelConfig(path=model_dir), ParallelismConfig(), TrainingConfig(),
+                                     torch.device("cpu"), total_optimizer_steps=2)
+        batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
+        spec = ForwardSpec(micro_batch_size=3, temperature=0.9, chunk_size=5, exact_layout=False,
+                           share_prompts=share_prompts)
+        old = score_logprobs(backend.model, batch, spec, minibatches=2)
+        first = split_minibatches(batch, 2)[0]
+        backend.model.train()
+        offset = 0
+        for mb in micro_batches(first, spec.micro_batch_size):
+            logprobs, _ = forward_logprobs(backend.model, mb, spec)
+            mask = mb.response_mask
+            old_mb = old[offset : offset + len(mb)]
+            offset += len(mb)
+            assert torch.equal(logprobs.detach() * mask, old_mb)
+            _, metrics = ppo_clip_loss(logprobs, old_mb, torch.randn_like(logprobs), mask, PPOClipConfig())
+            ratio = torch.exp(logprobs - old_mb)[mask.bool()]
+            assert torch.equal(ratio, torch.ones_like(ratio))
+            assert metrics["pg_clipfrac"].sum() == 0
+    finally:
+        dist.destroy_process_group()
