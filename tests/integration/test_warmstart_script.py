@@ -1,0 +1,25 @@
+"""The quickstart's starting model is made by a deterministic script: two runs write identical weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from rlite.testing import run_in_subprocess_env
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "warmstart" / "make_warmstart.py"
+
+
+def test_make_warmstart_is_deterministic(tmp_path):
+    outs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--steps", "3", "--batch", "8"],
+                       env=run_in_subprocess_env(), check=True, capture_output=True, timeout=300)
+        outs.append(load_file(out / "model.safetensors"))
+    assert outs[0].keys() == outs[1].keys()
+    assert all(outs[0][k].equal(outs[1][k]) for k in outs[0])
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
