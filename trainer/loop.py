@@ -28,7 +28,7 @@ from rlite.distributed import (
 from rlite.engines.base import SamplingParams
 from rlite.metrics import ProgressBar, StepProfiler, StepTimer, plot_run, print_summary, trim_metrics_file
 from rlite.plugin_manager import get_plugin_manager, resolve_choice
-from rlite.plugins.kl import AdaptiveKLController, kl_reward_penalty, mean_sequence_kl
+from rlite.plugins.kl import AdaptiveKLController, kl_reward_penalty
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches, pad_to_width
 from rlite.update import ForwardSpec, LossSpec, score_logprobs, update_policy
 
@@ -204,10 +204,8 @@ def split_groups(batch: RolloutBatch) -> list[RolloutBatch]:
 
 def generate_rollouts(run: Run, prompts: list, step: int, round_index: int = 0) -> RolloutBatch:
     cfg = run.config
-    seed = hash_seed(cfg.training.seed, step, run.ctx.rank) if round_index == 0 else hash_seed(
-        cfg.training.seed, step, run.ctx.rank, round_index
-    )
-    params = sampling_params(cfg, seed=seed)
+    extra_round = (round_index,) if round_index else ()  # round 0 keeps the seed of a run without dynamic sampling
+    params = sampling_params(cfg, seed=hash_seed(cfg.training.seed, step, run.ctx.rank, *extra_round))
     run.engine.resume_memory()
     completions = run.engine.generate([p.prompt_ids for p in prompts], params)
     stale = {c.weight_version for c in completions} - {run.engine.weight_version}
@@ -258,7 +256,8 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
     if algo.kl.in_reward and run.reference is not None:
         kl = run.loss.kl_fn(batch.extras["old_logprobs"], batch.extras["ref_logprobs"]).detach()
         token_rewards = kl_reward_penalty(kl, run.kl_controller.value, batch.response_mask)
-        batch.extras["kl_in_reward"] = kl * batch.response_mask
+        batch.info["actor/reward_kl_penalty_coeff"] = run.kl_controller.value
+        batch.info["actor/reward_kl_penalty"] = update_kl_controller(run, kl, batch.response_mask)
     batch.extras["loss_mask"] = batch.response_mask.clone()
     if algo.mask_truncated:
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.bool)
@@ -267,7 +266,7 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
         from rlite.mismatch import compose_corrections
 
         weights, mask, corr_metrics = compose_corrections(
-            run.corrections, batch.extras["old_logprobs"], batch.rollout_logprobs, batch.response_mask
+            run.corrections, batch.extras["old_logprobs"], batch.rollout_logprobs, batch.extras["loss_mask"]
         )
         batch.extras["loss_mask"] = mask
         if weights is not None:
@@ -278,6 +277,18 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
             batch, cfg.training.micro_batch_size, cfg.rollout.true_on_policy
         )
     batch.extras["advantages"], batch.extras["returns"] = compute_advantages(run, batch, token_rewards)
+
+
+def update_kl_controller(run: Run, kl: torch.Tensor, mask: torch.Tensor) -> float:
+    """Feed this step's KL (global mean over sequences of their token mean) to the controller;
+    the coefficient it returns applies from the next step on. Returns the KL."""
+    counts = mask.sum(-1)
+    nonempty = counts > 0
+    per_sequence = (kl * mask).sum(-1)[nonempty] / counts[nonempty]
+    kl_sum, n = all_reduce_sum(torch.stack([per_sequence.sum(), nonempty.sum().to(kl.dtype)])).tolist()
+    mean_kl = kl_sum / max(n, 1.0)
+    run.kl_controller.update(mean_kl, int(n))
+    return mean_kl
 
 
 def update_critic(run: Run, batch: RolloutBatch) -> dict[str, float]:
@@ -355,12 +366,6 @@ def step_metrics(run: Run, batch: RolloutBatch, train_logprobs: torch.Tensor, re
     adv = batch.extras["advantages"]
     metrics["advantage/mean"] = (adv * mask).sum().item() / max(mask.sum().item(), 1)
     metrics["advantage/zero_variance_groups"] = zero_variance_fraction(batch)
-    if "kl_in_reward" in batch.extras:
-        local_kl = torch.tensor([mean_sequence_kl(batch.extras["kl_in_reward"], mask) * len(batch), float(len(batch))])
-        kl_sum, n = all_reduce_sum(local_kl).tolist()
-        metrics["actor/reward_kl_penalty"] = kl_sum / n
-        metrics["actor/reward_kl_penalty_coeff"] = run.kl_controller.value
-        run.kl_controller.update(kl_sum / n, int(n))
     metrics.update(mismatch_metrics(old, batch.rollout_logprobs, mask))
     metrics.update(batch.info)
     metrics.update({k: float(v) for k, v in reward_stats.items()})
