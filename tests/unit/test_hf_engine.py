@@ -35,3 +35,27 @@ def test_sampling_is_reproducible_from_the_seed(tmp_path):
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
     assert all(c.finish_reason in ("stop", "length") for c in first)
     assert all(len(c.logprobs) == len(c.token_ids) for c in first)
+
+
+def test_lean_decode_loop_matches_generate(tmp_path):
+    """The lean loop (finished rows leave the batch) samples greedily exactly what HF generate does."""
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM as Auto
+
+    model_dir = build_tiny_model_dir(tmp_path / "m")
+    prompts = [[10, 11, 12, 13], [20, 21], [30, 31, 32, 33, 34, 35], [40]]
+    free = TransformersEngine(Auto.from_pretrained(model_dir), pad_token_id=256, eos_token_ids=[258], decode="generate")
+    unstopped = free.generate(prompts, SamplingParams(n=1, max_new_tokens=8, greedy=True, seed=0))
+    stop_id = unstopped[0].token_ids[2]  # stops the first prompt early; the others may run on
+    for n in (1, 3):
+        params = SamplingParams(n=n, max_new_tokens=8, greedy=True, seed=0, stop_token_ids=[stop_id])
+        outs = {}
+        for decode in ("loop", "generate"):
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+            engine = TransformersEngine(model, pad_token_id=256, eos_token_ids=[258], decode=decode)
+            outs[decode] = engine.generate(prompts, params)
+        assert [c.token_ids for c in outs["loop"]] == [c.token_ids for c in outs["generate"]]
+        assert [c.finish_reason for c in outs["loop"]] == [c.finish_reason for c in outs["generate"]]
+        assert "stop" in [c.finish_reason for c in outs["loop"]]
+        for a, b in zip(outs["loop"], outs["generate"]):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)

@@ -61,9 +61,13 @@ class TransformersEngine:
         eos_token_ids: Iterable[int],
         true_on_policy: bool = False,
         share_prefill: bool = True,
+        decode: str = "loop",
     ) -> None:
+        if decode not in ("loop", "generate"):
+            raise ValueError(f"decode must be 'loop' or 'generate', got {decode!r}")
         self.model = model.eval()
         self.share_prefill = share_prefill
+        self.decode = decode
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.true_on_policy = true_on_policy
@@ -93,6 +97,8 @@ class TransformersEngine:
             torch.manual_seed(seed)
             if self.true_on_policy:
                 tokens, logprobs = self._sample_fixed_shape(ids, mask, params, stop_ids)
+            elif self.decode == "loop":
+                tokens, logprobs = self._sample_loop(prompts, ids, mask, params, stop_ids)
             else:
                 cache = self._prefill_once_per_prompt(prompts, params.n) if self.share_prefill else None
                 tokens, logprobs = self._sample_generate(ids, mask, params, stop_ids, cache)
@@ -138,6 +144,51 @@ class TransformersEngine:
         logits = torch.stack(out.logits, dim=1).float()  # raw logits, [B, T, V]
         logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
         logprobs = logprobs.gather(-1, tokens[..., None]).squeeze(-1)
+        return tokens, logprobs
+
+    def _sample_loop(self, prompts, ids, mask, params: SamplingParams, stop_ids):
+        """A lean KV-cache decode loop: one forward of the last token per step, no ``generate``
+        machinery, and finished rows leave the batch (and the cache) as soon as they stop."""
+        batch, _ = ids.shape
+        positions = position_ids_from_mask(mask)
+        cache = self._prefill_once_per_prompt(prompts, params.n) if self.share_prefill else None
+        if cache is None:  # the whole prompt goes through the first forward
+            from transformers import DynamicCache
+
+            cache, step_ids, step_positions = DynamicCache(config=self.model.config), ids, positions
+        else:  # the cache holds every prompt token but the last
+            step_ids, step_positions = ids[:, -1:], positions[:, -1:]
+        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(batch, params.max_new_tokens)
+        rows = torch.arange(batch)  # the rows still generating
+        attention = mask
+        stop = torch.tensor(stop_ids, dtype=torch.long)
+        next_position = positions[:, -1] + 1
+        for t in range(params.max_new_tokens):
+            logits = self.model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=step_positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1].float() / params.temperature
+            if params.greedy:
+                chosen = logits.argmax(-1)
+            else:
+                chosen = torch.multinomial(filter_logits(logits, params.top_k, params.top_p).softmax(-1), 1).squeeze(1)
+            tokens[rows, t] = chosen
+            logprobs[rows, t] = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None]).squeeze(1)
+            going = ~torch.isin(chosen, stop) if len(stop_ids) else torch.ones_like(chosen, dtype=torch.bool)
+            if not bool(going.any()):
+                break
+            if not bool(going.all()):
+                keep = going.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                rows, chosen, attention, next_position = rows[keep], chosen[keep], attention[keep], next_position[keep]
+            attention = torch.cat([attention, torch.ones(len(rows), 1, dtype=attention.dtype)], dim=1)
+            step_ids, step_positions = chosen[:, None], next_position[:, None]
+            next_position = next_position + 1
         return tokens, logprobs
 
     def _sample_fixed_shape(self, ids, mask, params: SamplingParams, stop_ids):
