@@ -83,7 +83,7 @@ def greedy_accuracy(model, tokenizer, rows) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(HERE / "addition-qwen2-1m"))
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=0)
@@ -92,7 +92,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer = build_byte_tokenizer()
-    train_rows, eval_rows = make_task("addition", num_train=2000, num_eval=64, seed=0, digits=2)
+    train_rows, eval_rows = make_task("addition", num_train=2000, num_eval=256, seed=0, digits=2)
     examples = encode(tokenizer, train_rows)
     model = build_model(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
