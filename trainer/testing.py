@@ -41,6 +41,25 @@ def tiny_config(model_dir: str | Path, run_dir: str | Path, *overrides: str, pm=
     return load_config(None, base + list(overrides), pm=pm)
 
 
+def tiny_qwen2(vocab_size: int = 96, *, tie: bool = False, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """An in-memory random Qwen2ForCausalLM of a few ten thousand parameters (eval mode); seeds the
+    global RNG with ``seed`` first, so the weights are a function of the arguments."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
 def fixed_batch(num_prompts: int, samples: int, prompt_len: int, max_len: int, vocab: int, seed: int = 0):
     """A deterministic RolloutBatch with ragged prompts and responses and scores with spread."""
     from rlite.engines.base import Completion

@@ -20,20 +20,9 @@ PAD, EOS = 0, 1
 
 
 def _tiny_model(seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from rlite.testing import tiny_qwen2
 
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+    return tiny_qwen2(64, tie=True, seed=seed)
 
 
 def _bare_engine_kwargs() -> dict:

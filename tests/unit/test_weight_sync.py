@@ -40,20 +40,9 @@ def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 def tiny_qwen2(tie: bool = False, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from rlite.testing import tiny_qwen2 as build
 
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+    return build(96, tie=tie, seed=seed)
 
 
 @pytest.fixture
