@@ -88,11 +88,16 @@ class Critic:
         return pad_to_width(values, batch.response_ids.shape[1])
 
     @torch.no_grad()
-    def values(self, batch: RolloutBatch, micro_batch_size: int, exact_layout: bool) -> torch.Tensor:
-        parts = [
-            self._forward(batch.select(slice(i, i + micro_batch_size)), exact_layout)
-            for i in range(0, len(batch), micro_batch_size)
-        ]
+    def values(self, batch: RolloutBatch, micro_batch_size: int, exact_layout: bool, minibatches: int = 1) -> torch.Tensor:
+        """V_old on the same mini/micro-batch partition as :meth:`update` (same shapes, same rounding)."""
+        parts = []
+        size = len(batch) // minibatches
+        for index in range(minibatches):
+            mini = batch.select(slice(index * size, (index + 1) * size))
+            parts += [
+                self._forward(mini.select(slice(i, i + micro_batch_size)), exact_layout)
+                for i in range(0, len(mini), micro_batch_size)
+            ]
         return torch.cat(parts) * batch.response_mask
 
     def update(

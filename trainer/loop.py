@@ -274,7 +274,7 @@ def prepare_training_targets(run: Run, batch: RolloutBatch) -> None:
         batch.info.update(corr_metrics)
     if run.critic is not None:
         batch.extras["old_values"] = run.critic.values(
-            batch, cfg.training.micro_batch_size, cfg.rollout.true_on_policy
+            batch, cfg.training.micro_batch_size, cfg.rollout.true_on_policy, algo.minibatches_per_step
         )
     batch.extras["advantages"], batch.extras["returns"] = compute_advantages(run, batch, token_rewards)
 
