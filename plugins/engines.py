@@ -79,6 +79,14 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         ) from None
     from rlite.engines.sglang_engine import SGLangEngine
 
+    engine_kwargs = dict(cfg.engine_kwargs)
+    load_format = "dummy"  # weights arrive with the first sync
+    if rollout_config.lora_sync == "adapter":  # the engine keeps the real base and serves adapters
+        lora = model_config.lora
+        engine_kwargs.setdefault("enable_lora", True)
+        engine_kwargs.setdefault("max_lora_rank", lora.rank)
+        engine_kwargs.setdefault("lora_target_modules", list(lora.target_modules))
+        load_format = "auto"
     return SGLangEngine(
         model_config.path,
         eos_token_ids=_eos_ids(tokenizer),
@@ -90,7 +98,8 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         tp_size=cfg.tp_size,
         launch=cfg.launch,
         mem_fraction_static=cfg.mem_fraction_static,
-        engine_kwargs=dict(cfg.engine_kwargs),
+        load_format=load_format,
+        engine_kwargs=engine_kwargs,
     )
 
 

@@ -188,6 +188,8 @@ class RolloutConfig:
     """Size of the flattened weight buckets sent to the engine, in MB."""
     timeout_s: float = 600.0
     """Timeout of any single engine call (generate, weight update); a hung engine fails loudly."""
+    lora_sync: str = "merged"
+    """With LoRA: ``merged`` sends W + scale * B @ A to the engine; ``adapter`` sends only the adapter (engines that serve adapters, e.g. sglang)."""
     true_on_policy: bool = False
     """Sample with the trainer's own fixed-shape forward so rollout log-probs equal the trainer's bitwise (slow; transformers engine)."""
 
@@ -196,6 +198,7 @@ class RolloutConfig:
             _check(getattr(self, key) > 0, f"rollout.{key} must be positive, got {getattr(self, key)}")
         _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _check_choice("rollout.lora_sync", self.lora_sync, ("merged", "adapter"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -450,6 +453,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.rewards), "rewards: list at least one reward function")
+        _check(
+            self.rollout.lora_sync == "merged" or self.model.lora.enabled,
+            "rollout.lora_sync=adapter needs model.lora.enabled=true (there is no adapter to send otherwise)",
+        )
         groups = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         mb = self.algorithm.minibatches_per_step
         _check(

@@ -337,6 +337,12 @@ def sync_weights_to_engine(run: Run, version: int) -> None:
     from rlite.engines.weight_sync import iter_full_tensors
 
     run.engine.release_memory()
+    if run.config.rollout.lora_sync == "adapter":  # the engine keeps its base and serves the adapter
+        from rlite.engines.weight_sync import iter_lora_adapter_tensors, lora_adapter_config
+
+        lm = run.backend.model.lm
+        run.engine.update_lora_adapter(iter_lora_adapter_tensors(lm), lora_adapter_config(lm), version)
+        return
     named = iter_full_tensors(run.backend.model.lm, lora_merge=run.backend.lora)
     if run.quantizer is not None:  # the engine samples with quantized weights; the trainer keeps full precision
         quantize, quant_cfg = run.quantizer
@@ -602,6 +608,12 @@ def build_run(cfg: RunConfig) -> Run:
     # the engine last: a failure above leaves no engine process behind
     make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
     run.engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
+    if cfg.rollout.lora_sync == "adapter" and not getattr(run.engine, "takes_lora_adapters", False):
+        run.engine.shutdown()
+        raise ConfigError(
+            f"rollout.lora_sync=adapter: the {cfg.rollout.engine.name!r} engine cannot serve adapters; "
+            "use rollout.lora_sync=merged or an engine that can (sglang)"
+        )
     try:
         sync_weights_to_engine(run, version=run.start_step)
     except BaseException:

@@ -483,6 +483,8 @@ class SGLangEngine:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         """Where buckets are packed: CPU-offloaded trainer weights go to the GPU before the handoff."""
         self.weight_version = 0
+        self.lora_name: str | None = None
+        """The adapter every request names (adapter-only LoRA sync), or None."""
         self._released: list[str] = []
         self._weights_backup = bool((engine_kwargs or {}).get("enable_weights_cpu_backup", False))
         self._weights_lost = False
@@ -530,7 +532,8 @@ class SGLangEngine:
         )
         if seeds is None:
             sampling = sampling * len(expanded)
-        outputs = self.backend.generate(input_ids=expanded, sampling_params=sampling, return_logprob=True)
+        adapter = {"lora_path": [self.lora_name] * len(expanded)} if self.lora_name is not None else {}
+        outputs = self.backend.generate(input_ids=expanded, sampling_params=sampling, return_logprob=True, **adapter)
         if isinstance(outputs, dict):
             outputs = [outputs]
         if len(outputs) != len(expanded):
@@ -550,6 +553,31 @@ class SGLangEngine:
         return completions
 
     # -- weights ------------------------------------------------------------------------------
+    takes_lora_adapters = True
+    """This engine can serve a LoRA adapter on top of its base weights (``update_lora_adapter``)."""
+
+    def update_lora_adapter(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any], version: int
+    ) -> None:
+        """Adapter-only sync: load the new adapter under a versioned name, then drop the old one.
+
+        The engine must have been started with its real base weights and ``enable_lora`` (the
+        ``sglang`` engine plugin does this when ``rollout.lora_sync: adapter``). Generation then
+        names the adapter in every request, so a sample can never come from a stale adapter.
+        """
+        self._resume(WEIGHT_TAGS)
+        name = f"rlite_v{int(version)}"
+        tensors = {key: tensor.contiguous() for key, tensor in named_tensors}
+        _check(
+            self.backend.load_lora_adapter_from_tensors(lora_name=name, tensors=tensors, config_dict=config),
+            "load_lora_adapter_from_tensors",
+        )
+        previous, self.lora_name = self.lora_name, name
+        if previous is not None:
+            _check(self.backend.unload_lora_adapter(lora_name=previous), "unload_lora_adapter")
+        _check(self.backend.update_weight_version(str(int(version))), "update_weight_version")
+        self.weight_version = int(version)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None, version: int) -> None:
         """Flattened CUDA-IPC buckets through ``update_weights_from_tensor``, then switch to ``version``."""
         self._resume(WEIGHT_TAGS)

@@ -177,6 +177,23 @@ def _strip_modules_to_save(name: str) -> str:
     return f"{head}.{tail.partition('.')[2]}"
 
 
+def iter_lora_adapter_tensors(model: torch.nn.Module, adapter: str = "default") -> Iterator[tuple[str, torch.Tensor]]:
+    """Only the LoRA matrices of a peft model (full tensors; a collective under FSDP2), named as peft
+    saves an adapter (``...q_proj.lora_A.weight``: the adapter name removed). This is what an engine
+    that serves adapters on top of a fixed base (SGLang's ``load_lora_adapter_from_tensors``) loads,
+    instead of the merged weights."""
+    marker = f".{adapter}."
+    for name, param in model.named_parameters():
+        if (".lora_A." in name or ".lora_B." in name) and marker in name:
+            yield name.replace(marker, ".", 1), _full(param)
+
+
+def lora_adapter_config(model: torch.nn.Module, adapter: str = "default") -> dict:
+    """The adapter's peft config as plain JSON-able values (sets become sorted lists)."""
+    config = model.peft_config[adapter].to_dict()
+    return {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+
+
 def drain(named_tensors: NamedTensors) -> None:
     """Exhaust a collective stream on a rank that has no engine to feed."""
     for _ in named_tensors:
