@@ -224,3 +224,21 @@ def test_plugins_json(fake_plugin, capsys) -> None:
         "error": None,
     }
     assert plugins["rlite.plugins.advantages"]["distribution"] == "rlite (built-in)"
+
+
+def test_train_warns_about_plugins_that_failed_to_load(tmp_path, monkeypatch, capsys):
+    import rlite.cli as cli
+    import rlite.loop
+    from rlite.plugin_manager import PluginInfo, build_plugin_manager
+
+    pm = build_plugin_manager(autoload=False)
+    pm.failed.append(PluginInfo("broken", "rlite-broken", "1.0", [], error="failed to load 'x:y': ImportError: nope"))
+    monkeypatch.setattr(cli, "build_manager", lambda **kwargs: pm)
+    ran = []
+    monkeypatch.setattr(rlite.loop, "run_training", lambda cfg: ran.append(cfg))
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {path: /nowhere}\ndata: {task: addition}\n")
+    assert cli.main(["train", str(config)]) == 0
+    assert ran
+    err = capsys.readouterr().err
+    assert "plugin 'broken' (rlite-broken) is skipped" in err and "ImportError: nope" in err

@@ -112,6 +112,9 @@ def build_manager(autoload: bool | None = None, only: list[str] | None = None) -
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg, pm = load_run_config(args.config, args.overrides)
+    for broken in pm.failed:  # the run goes on without it, but never silently
+        print(f"rlite train: warning: plugin {broken.name!r} ({broken.distribution}) is skipped: {broken.error}",
+              file=sys.stderr)
     set_plugin_manager(pm)
     from rlite.loop import run_training  # heavy (torch, transformers): only when training
 
