@@ -54,6 +54,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine_info import cpu_model  # benchmarks/ is on sys.path when a script here runs
+
 REPO = Path(__file__).resolve().parents[1]
 WARMSTART = REPO / "examples" / "warmstart" / "addition-qwen2-1m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -867,14 +869,7 @@ def header(args) -> str:
         load_text = f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}"
     except OSError:
         load_text = "?"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return (
         f"date {datetime.datetime.now().isoformat(timespec='minutes')}, {cpu}, {os.cpu_count()} CPUs, "
         f"load average (1/5/15 min) {load_text}, python {platform.python_version()}, torch {torch.__version__}, "

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine_info import cpu_model  # benchmarks/ is on sys.path when a script here runs
 
 from rlite.engines.process_engine import ProcessEngine
 
@@ -166,14 +167,7 @@ def bench_bytes(shapes, weights, repeats: int) -> dict[str, float]:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, torch {torch.__version__}, {platform.python_version()}"
 
