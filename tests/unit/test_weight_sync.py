@@ -114,6 +114,19 @@ def test_checksum_is_a_wrapping_int64_sum_and_sees_one_flipped_bit():
         bucket_checksum(buffer[:7])
 
 
+def test_checksum_on_several_threads_equals_one_thread_and_restores_the_setting():
+    # words near 2**63 make the partial sums overflow: the wrapping sum must not depend on the split
+    g = torch.Generator().manual_seed(2)
+    words = torch.randint(2**62, 2**63 - 1, (1 << 16,), dtype=torch.int64, generator=g)
+    buffer = words.view(torch.uint8)
+    expected = int(words.numpy().view(np.uint64).sum(dtype=np.uint64))
+    before = torch.get_num_threads()
+    assert bucket_checksum(buffer, threads=1) == expected
+    assert bucket_checksum(buffer, threads=2) == expected
+    assert bucket_checksum(buffer, threads=4) == expected
+    assert torch.get_num_threads() == before
+
+
 # -- full tensors ---------------------------------------------------------------------------------
 
 
