@@ -1,7 +1,7 @@
 """SGLang engine contract on CPU: call order against a rule-enforcing fake, payloads, SGLang's deserializer.
 
-The tests that need SGLang's own code (``MultiprocessingSerializer``, ``FlattenedTensorBucket``) run
-only where ``sglang`` is importable; ``tests/sglang_compat/run.sh`` builds a small venv for them.
+The tests that need SGLang's own code (``MultiprocessingSerializer``, ``FlattenedTensorBucket``, the
+LoRA route's ``Base64Bytes`` and its ``lora`` argument parser) run only where ``sglang`` is importable; ``tests/sglang_compat/run.sh`` builds a small venv for them.
 There, ``RLITE_SGLANG_NARROW_IMPORT=1`` imports just ``sglang.srt.utils.common`` and
 ``sglang.srt.weight_sync`` (skipping ``sglang/__init__``, which needs transformers and more), and
 ``RLITE_REQUIRE_SGLANG=1`` turns a failed import into a failure instead of a skip.
@@ -14,6 +14,7 @@ import importlib.util
 import os
 import pickle
 import sys
+import time
 import types
 
 import pytest
@@ -571,3 +572,290 @@ def test_in_process_mode_builds_the_engine_in_a_worker_and_times_out_hung_calls(
     finally:
         release.set()
         engine.shutdown()
+
+
+# -- adapter-only LoRA sync over HTTP (launch="server") against a recording server in a thread -----
+
+
+def adapter_tensors() -> dict[str, torch.Tensor]:
+    """A LoRA adapter as peft names it, in several dtypes (what ``iter_lora_adapter_tensors`` yields)."""
+    g = torch.Generator().manual_seed(3)
+    prefix = "base_model.model.model.layers.0.self_attn"
+    return {
+        f"{prefix}.q_proj.lora_A.weight": torch.randn(4, 16, generator=g).to(torch.bfloat16),
+        f"{prefix}.q_proj.lora_B.weight": torch.randn(16, 4, generator=g).to(torch.bfloat16),
+        f"{prefix}.v_proj.lora_A.weight": torch.randn(4, 16, generator=g),
+        f"{prefix}.v_proj.lora_B.weight": torch.randn(8, 4, generator=g).half(),
+    }
+
+
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+LOAD_KEYS = {"lora_name", "config_dict", "serialized_named_tensors", "load_format", "pinned"}
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), (
+            name
+        )
+
+
+class RecordingServer:
+    """An HTTP server on 127.0.0.1 (stdlib, in a thread) that records every POST path and JSON body.
+
+    Answers like SGLang's routes: ``LoRAUpdateOutput``-shaped dicts, ``/generate`` outputs stamped with
+    the last ``/update_weight_version``. ``replies[path] = (status, body_or_text, delay_s)`` overrides one.
+    """
+
+    def __init__(self):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.calls: list[tuple[str, dict]] = []
+        self.replies: dict[str, tuple[int, object, float]] = {}
+        self.version = "default"
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+                outer.calls.append((self.path, body))
+                status, reply, delay = outer.replies.get(self.path, (200, None, 0.0))
+                if delay:
+                    time.sleep(delay)
+                if reply is None:
+                    reply = outer.default_reply(self.path, body)
+                data = (reply if isinstance(reply, str) else json.dumps(reply)).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def default_reply(self, path: str, body: dict):
+        if path == "/update_weight_version":
+            self.version = body["new_version"]
+        if path == "/generate":
+            meta = {
+                "output_token_logprobs": [[-0.5, 7, None]],
+                "finish_reason": {"type": "length"},
+                "weight_version": self.version,
+            }
+            return [{"output_ids": [7], "meta_info": meta} for _ in body["input_ids"]]
+        return {"success": True, "error_message": None, "loaded_adapters": {}}
+
+    def paths(self) -> list[str]:
+        return [path for path, _ in self.calls]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recording_server():
+    server = RecordingServer()
+    yield server
+    server.close()
+
+
+def _server_engine(url: str, *, tp_size: int = 1, timeout_s: float = 30.0) -> SGLangEngine:
+    from rlite.engines.sglang_engine import _ServerBackend
+
+    backend = _ServerBackend.connect(url, timeout_s=timeout_s, tp_size=tp_size)
+    return SGLangEngine("unused", eos_token_ids=[1], tp_size=tp_size, backend=backend)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_server_mode_adapter_sync_sends_what_sglang_reads(recording_server, reader):
+    deserialize = reader[0]
+    engine = _server_engine(recording_server.url, tp_size=2)
+    first, second = adapter_tensors(), {k: v * 2 for k, v in adapter_tensors().items()}
+    for version, tensors in ((1, first), (2, second)):
+        engine.update_lora_adapter(iter(tensors.items()), ADAPTER_CONFIG, version)
+        out = engine.generate([[3, 4]], SamplingParams(n=2, max_new_tokens=1))
+        assert [c.weight_version for c in out] == [version, version]
+    assert recording_server.paths() == [
+        "/load_lora_adapter_from_tensors", "/update_weight_version", "/generate",
+        "/load_lora_adapter_from_tensors", "/unload_lora_adapter", "/update_weight_version", "/generate",
+    ]  # fmt: skip
+    calls = recording_server.calls
+    loads = [body for path, body in calls if path == "/load_lora_adapter_from_tensors"]
+    for body, name, tensors in zip(loads, ("rlite_v1", "rlite_v2"), (first, second)):
+        assert set(body) == LOAD_KEYS  # SGLang ignores unknown keys, so a misspelt one would be lost
+        assert body["lora_name"] == name and body["config_dict"] == ADAPTER_CONFIG
+        assert body["load_format"] is None and body["pinned"] is False
+        payloads = body["serialized_named_tensors"]
+        assert len(payloads) == 2  # one per tensor-parallel rank: rank i reads entry i
+        for payload in payloads:
+            assert isinstance(payload, str) and base64.b64decode(payload, validate=True)[:1] == b"\x80"
+            assert_bitwise_equal(deserialize(payload), tensors)
+    assert [body for path, body in calls if path == "/unload_lora_adapter"] == [{"lora_name": "rlite_v1"}]
+    generates = [body for path, body in calls if path == "/generate"]
+    assert [g["lora_path"] for g in generates] == [["rlite_v1"] * 2, ["rlite_v2"] * 2]
+    assert [body["new_version"] for path, body in calls if path == "/update_weight_version"] == ["1", "2"]
+
+
+@pytest.mark.parametrize(
+    "path, status, reply, expected",
+    [
+        (
+            "/load_lora_adapter_from_tensors",
+            400,
+            {"success": False, "error_message": "LoRA is not enabled. Please set `--enable-lora`"},
+            r"SGLang /load_lora_adapter_from_tensors answered 400: .*LoRA is not enabled",
+        ),
+        ("/load_lora_adapter_from_tensors", 500, "Internal Server Error", r"/load_lora_adapter_from_tensors answered 500"),
+        ("/load_lora_adapter_from_tensors", 200, {"success": False, "error_message": "rank mismatch"},
+         r"SGLang load_lora_adapter_from_tensors failed: rank mismatch"),
+        ("/unload_lora_adapter", 400, {"success": False, "error_message": "not loaded"},
+         r"SGLang /unload_lora_adapter answered 400: .*not loaded"),
+    ],
+)  # fmt: skip
+def test_server_mode_adapter_errors_name_the_endpoint(recording_server, path, status, reply, expected):
+    engine = _server_engine(recording_server.url)
+    engine.update_lora_adapter(iter(adapter_tensors().items()), ADAPTER_CONFIG, 1)
+    recording_server.replies[path] = (status, reply, 0.0)
+    with pytest.raises(EngineError, match=expected):
+        engine.update_lora_adapter(iter(adapter_tensors().items()), ADAPTER_CONFIG, 2)
+    assert engine.weight_version == 1  # the failed sync did not switch versions
+    if path == "/load_lora_adapter_from_tensors":
+        assert engine.lora_name == "rlite_v1"  # requests keep naming the adapter that is loaded
+
+
+def test_server_mode_adapter_calls_time_out_and_report_a_dead_server(recording_server):
+    engine = _server_engine(recording_server.url, timeout_s=0.5)
+    recording_server.replies["/load_lora_adapter_from_tensors"] = (200, None, 3.0)
+    with pytest.raises(
+        EngineError, match=r"SGLang /load_lora_adapter_from_tensors failed \(server at .*timed out"
+    ):
+        engine.update_lora_adapter(iter(adapter_tensors().items()), ADAPTER_CONFIG, 1)
+    url = recording_server.url
+    recording_server.close()
+    engine = _server_engine(url, timeout_s=5.0)
+    engine.lora_name = "rlite_v1"
+    with pytest.raises(EngineError, match=r"SGLang /load_lora_adapter_from_tensors failed \(server at "):
+        engine.update_lora_adapter(iter(adapter_tensors().items()), ADAPTER_CONFIG, 2)
+
+
+def test_server_command_spells_lists_as_separate_arguments():
+    from rlite.engines.sglang_engine import server_command
+
+    cmd = server_command(
+        {
+            "model_path": "/m",
+            "enable_lora": True,
+            "max_lora_rank": 4,
+            "lora_target_modules": ["q_proj", "v_proj"],
+            "disable_cuda_graph": False,
+            "mem_fraction_static": None,
+        },
+        port=1234,
+    )
+    assert cmd[1:] == [
+        "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", "1234", "--model-path", "/m",
+        "--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj",
+    ]  # fmt: skip
+
+
+# -- (b) the LoRA request as SGLang's own code reads it (tests/sglang_compat) ----------------------
+
+
+def _sglang_source(relative: str) -> str:
+    from pathlib import Path
+
+    import sglang  # the bare package under RLITE_SGLANG_NARROW_IMPORT: no __spec__, but a __path__
+
+    return (Path(list(sglang.__path__)[0]) / relative).read_text()
+
+
+def _struct_fields(source: str, name: str) -> dict[str, bool]:
+    """``{field: required}`` of a class in SGLang's source (io_struct imports the whole model stack,
+    far beyond the compat venv, so its classes are read, not imported)."""
+    import ast
+
+    (cls,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == name]
+    fields = {"rid": False, "http_worker_ipc": False}  # BaseReq's, both optional
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            fields[stmt.target.id] = stmt.value is None
+    return fields
+
+
+@needs_sglang
+def test_sglang_reads_rlite_lora_requests_as_its_http_routes_do(recording_server):
+    import re
+
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+    from sglang.srt.utils.msgspec_utils import Base64Bytes
+
+    io_struct = _sglang_source("srt/managers/io_struct.py")
+    http_server = _sglang_source("srt/entrypoints/http_server.py")
+    for route, struct in (
+        ("/load_lora_adapter_from_tensors", "LoadLoRAAdapterFromTensorsReqInput"),
+        ("/unload_lora_adapter", "UnloadLoRAAdapterReqInput"),
+    ):
+        assert re.search(
+            rf'@app\.api_route\("{route}".*?\n(?:.*\n){{0,3}}.*Annotated\[{struct}, Body\(\)\]', http_server
+        )
+    engine = _server_engine(recording_server.url, tp_size=2)
+    tensors = adapter_tensors()
+    engine.update_lora_adapter(iter(tensors.items()), ADAPTER_CONFIG, 1)
+    engine.update_lora_adapter(iter(tensors.items()), ADAPTER_CONFIG, 2)
+    bodies = dict(recording_server.calls)
+    for path, struct in (
+        ("/load_lora_adapter_from_tensors", "LoadLoRAAdapterFromTensorsReqInput"),
+        ("/unload_lora_adapter", "UnloadLoRAAdapterReqInput"),
+    ):
+        fields = _struct_fields(io_struct, struct)
+        assert set(bodies[path]) <= set(fields), (
+            f"{path}: keys SGLang would drop: {set(bodies[path]) - set(fields)}"
+        )
+        assert {f for f, required in fields.items() if required} <= set(bodies[path])
+    assert {"success", "error_message"} <= set(_struct_fields(io_struct, "LoRAUpdateOutput"))
+    # the route's validator (Base64Bytes), the tokenizer manager's normalization, then each TP rank's
+    # MultiprocessingSerializer.deserialize of its own entry (tp_worker.deserialize_own_rank)
+    raw = Base64Bytes._decode_value(bodies["/load_lora_adapter_from_tensors"]["serialized_named_tensors"])
+    payloads = normalize_serialized_named_tensor_payloads(raw)
+    assert len(payloads) == 2
+    for rank in range(2):
+        assert_bitwise_equal(SGLANG.serializer.deserialize(payloads[rank]), tensors)
+
+
+@needs_sglang
+def test_sglang_parses_rlites_lora_server_flags():
+    import argparse
+
+    from sglang.srt.arg_groups.arg_utils import add_cli_args_from_dataclass
+    from sglang.srt.arg_groups.fields.lora import Lora
+
+    from rlite.engines.sglang_engine import server_command
+
+    parser = argparse.ArgumentParser()
+    add_cli_args_from_dataclass(parser, Lora)
+    cmd = server_command(
+        {
+            "model_path": "/m",
+            "enable_lora": True,
+            "max_lora_rank": 4,
+            "lora_target_modules": ["q_proj", "v_proj"],
+        },
+        port=1,
+    )
+    args, _ = parser.parse_known_args(cmd[3:])
+    assert args.enable_lora is True and args.max_lora_rank == 4
+    assert args.lora_target_modules == ["q_proj", "v_proj"]

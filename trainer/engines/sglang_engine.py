@@ -29,6 +29,10 @@ every call can time out) and ``"server"`` (``python -m sglang.launch_server`` on
 over HTTP, with a health check and a start timeout). Fallbacks that move no IPC handles:
 :meth:`SGLangEngine.update_weights_from_disk` and :meth:`SGLangEngine.update_weights_from_distributed`
 (NCCL broadcast).
+
+Adapter-only LoRA sync (:meth:`SGLangEngine.update_lora_adapter`) works in both modes: the adapter goes
+through ``load_lora_adapter_from_tensors`` under a versioned name, and every request names it
+(``lora_path``); the HTTP contract is written out at :meth:`_ServerBackend.load_lora_adapter_from_tensors`.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -176,13 +181,17 @@ def completion_from_output(output: dict[str, Any], *, prompt_index: int, weight_
 
 
 def _check(result: Any, what: str) -> Any:
-    """Raise if an SGLang control call reported failure (``(success, message)`` or ``.success``)."""
+    """Raise if an SGLang control call reported failure (``(success, message)`` or ``.success``).
+
+    The reason is ``message``, or ``error_message`` for the LoRA calls (SGLang's ``LoRAUpdateOutput``).
+    """
     if isinstance(result, tuple) and len(result) >= 2 and isinstance(result[0], bool):
         ok, message = result[0], result[1]
     elif hasattr(result, "success"):
-        ok, message = bool(result.success), getattr(result, "message", "")
+        ok = bool(result.success)
+        message = getattr(result, "message", None) or getattr(result, "error_message", None) or ""
     elif isinstance(result, dict) and "success" in result:
-        ok, message = bool(result["success"]), result.get("message", "")
+        ok, message = bool(result["success"]), result.get("message") or result.get("error_message") or ""
     else:
         return result
     if not ok:
@@ -313,6 +322,29 @@ def _child_pids() -> list[int]:
     return [p.pid for p in psutil.Process().children(recursive=True)]
 
 
+def server_command(server_args: dict[str, Any], *, port: int) -> list[str]:
+    """The ``sglang.launch_server`` command line for ``server_args`` (``ServerArgs`` field names).
+
+    ``True`` is a bare flag; ``False`` and ``None`` are left out (SGLang's default); a list, tuple or set
+    is one flag followed by its items (SGLang's ``nargs`` options, e.g. ``--lora-target-modules q_proj
+    v_proj``); a dict is passed as JSON; anything else as ``str``.
+    """
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    for key, value in server_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            cmd += [flag, *map(str, sorted(value) if isinstance(value, (set, frozenset)) else value)]
+        elif isinstance(value, dict):
+            cmd += [flag, json.dumps(value)]
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -323,23 +355,21 @@ class _ServerBackend:
     """``python -m sglang.launch_server`` on 127.0.0.1, spoken to over HTTP."""
 
     output_str = True
+    process: subprocess.Popen | None
+    log_path: Path | None
 
     def __init__(self, server_args: dict[str, Any], *, start_timeout_s: float, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         server_args = dict(server_args)
         self.port = int(server_args.pop("port", None) or _free_port())
         self.url = f"http://127.0.0.1:{self.port}"
+        self.tp_size = int(server_args.get("tp_size") or 1)
+        """One serialized copy of a LoRA adapter per tensor-parallel rank (each rank reads its own)."""
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
         fd, log_name = tempfile.mkstemp(prefix="rlite-sglang-", suffix=".log")
         os.close(fd)
         self.log_path = Path(log_name)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port)]
-        for key, value in server_args.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                cmd.append(flag)
-            elif value is not False and value is not None:
-                cmd += [flag, str(value)]
+        cmd = server_command(server_args, port=self.port)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + start_timeout_s
@@ -360,8 +390,21 @@ class _ServerBackend:
                 raise EngineError(message)
             time.sleep(1.0)
 
+    @classmethod
+    def connect(cls, url: str, *, timeout_s: float, tp_size: int = 1) -> _ServerBackend:
+        """A backend for a server already running at ``url``: this object neither started it nor stops it."""
+        self = cls.__new__(cls)
+        self.timeout_s = timeout_s
+        self.url = url.rstrip("/")
+        self.port = urllib.parse.urlsplit(self.url).port
+        self.tp_size = int(tp_size)
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.process = None
+        self.log_path = None
+        return self
+
     def _log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path is not None else ""
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body or {}).encode()
@@ -376,16 +419,20 @@ class _ServerBackend:
                 f"SGLang {path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}"
             ) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            alive = self.process.poll() is None
-            state = "server still running" if alive else f"server exited with code {self.process.returncode}"
+            if self.process is None:
+                state = f"server at {self.url}"
+            elif self.process.poll() is None:
+                state = "server still running"
+            else:
+                state = f"server exited with code {self.process.returncode}"
             raise EngineError(f"SGLang {path} failed ({state}): {e}") from None
         return json.loads(text) if text.strip().startswith(("{", "[")) else text
 
-    def generate(self, *, input_ids, sampling_params, return_logprob):
-        return self._post(
-            "/generate",
-            {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob},
-        )
+    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None):
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        if lora_path is not None:  # adapter names, one per request (GenerateReqInput.lora_path)
+            body["lora_path"] = lora_path
+        return self._post("/generate", body)
 
     def release_memory_occupation(self, tags=None):
         return self._post("/release_memory_occupation", {"tags": tags})
@@ -422,8 +469,41 @@ class _ServerBackend:
     def update_weights_from_distributed(self, **kwargs):
         return self._post("/update_weights_from_distributed", kwargs)
 
+    # LoRA adapters over HTTP. Contract read from the installed sglang 0.5.23 wheel:
+    #  - entrypoints/http_server.py: POST /load_lora_adapter_from_tensors and /unload_lora_adapter
+    #    validate the JSON body as io_struct.LoadLoRAAdapterFromTensorsReqInput /
+    #    UnloadLoRAAdapterReqInput (unknown keys are ignored, not refused) and answer
+    #    io_struct.LoRAUpdateOutput {"success", "error_message", "loaded_adapters", ...}, with HTTP 400
+    #    when success is false (so _post raises, naming the endpoint).
+    #  - LoadLoRAAdapterFromTensorsReqInput: lora_name: str, config_dict: dict (peft adapter config),
+    #    serialized_named_tensors: List[bytes] given as base64 strings (msgspec_utils.Base64Bytes),
+    #    ONE entry PER TP RANK (tp_worker.deserialize_own_rank reads [tp_rank]); optional pinned=False,
+    #    added_tokens_config=None, load_format=None, expected_checksums=None, lora_id (set by SGLang).
+    #  - With load_format None each entry is MultiprocessingSerializer.serialize({name: tensor})
+    #    (tp_worker.load_lora_adapter_from_tensors uses the deserialized dict as is), as
+    #    Engine._serialize_tensors_per_rank does it: one serialize call per rank.
+    #  - UnloadLoRAAdapterReqInput: lora_name: str (lora_id is set by SGLang).
+    def load_lora_adapter_from_tensors(
+        self, *, lora_name: str, tensors: dict[str, torch.Tensor], config_dict: dict[str, Any]
+    ):
+        body = {
+            "lora_name": lora_name,
+            "config_dict": config_dict,
+            "serialized_named_tensors": [
+                serialize_payload(tensors, output_str=True) for _ in range(self.tp_size)
+            ],
+            "load_format": None,
+            "pinned": False,
+        }
+        return self._post("/load_lora_adapter_from_tensors", body)
+
+    def unload_lora_adapter(self, *, lora_name: str):
+        return self._post("/unload_lora_adapter", {"lora_name": lora_name})
+
     def kill(self) -> None:
         """SIGKILL the server's whole session (its schedulers too, even if the server itself exited)."""
+        if self.process is None:  # connected to a server started elsewhere
+            return
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -431,6 +511,8 @@ class _ServerBackend:
         self.process.wait(timeout=30)
 
     def shutdown(self) -> None:
+        if self.process is None:  # connected to a server started elsewhere: not ours to stop
+            return
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
@@ -533,7 +615,9 @@ class SGLangEngine:
         if seeds is None:
             sampling = sampling * len(expanded)
         adapter = {"lora_path": [self.lora_name] * len(expanded)} if self.lora_name is not None else {}
-        outputs = self.backend.generate(input_ids=expanded, sampling_params=sampling, return_logprob=True, **adapter)
+        outputs = self.backend.generate(
+            input_ids=expanded, sampling_params=sampling, return_logprob=True, **adapter
+        )
         if isinstance(outputs, dict):
             outputs = [outputs]
         if len(outputs) != len(expanded):
