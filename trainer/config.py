@@ -328,6 +328,8 @@ class TrainingConfig:
     """Run each prompt once per micro-batch and share its KV cache with its n samples (off with activation checkpointing or true on-policy)."""
     logprob_recompute_mb: float = 256.0
     """Recompute output-layer chunks in backward only when a micro-batch's response logits would exceed this many MB (else keep them)."""
+    keep_freed_memory: bool = True
+    """glibc only: keep freed host memory in the process for the next step instead of returning it to the OS (no fresh page faults for every step's large tensors; ``rlite.allocator``)."""
     num_threads: Optional[int] = None
     """torch intra-op threads per process (None = torch's default; torchrun sets 1 unless OMP_NUM_THREADS is given)."""
     logprob_chunk_size: int = 1024

@@ -51,8 +51,16 @@ def init_distributed(timeout_s: float = 1800.0) -> DistContext:
     return DistContext(rank, world, local_rank, device, owns)
 
 
-def shutdown_distributed(ctx: DistContext) -> None:
+def shutdown_distributed(ctx: DistContext, *, finished: bool = False) -> None:
+    """Destroy the process group this run created.
+
+    ``finished=True`` (the run ended normally on every rank) first waits for the other ranks, so no
+    rank tears its group down while another still works in it (rank 0 writing the export): gloo
+    aborted a rank that did in one of nine two-rank test runs here.
+    """
     if ctx.owns_group and dist.is_initialized():
+        if finished and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -343,7 +343,9 @@ def sync_weights_to_engine(run: Run, version: int) -> None:
         lm = run.backend.model.lm
         run.engine.update_lora_adapter(iter_lora_adapter_tensors(lm), lora_adapter_config(lm), version)
         return
-    named = iter_full_tensors(run.backend.model.lm, lora_merge=run.backend.lora)
+    # an in-process engine that shares the trainer's weights gets the parameters' own storage
+    views = getattr(run.engine, "share_weights", False) and run.quantizer is None and not run.backend.lora
+    named = iter_full_tensors(run.backend.model.lm, lora_merge=run.backend.lora, views=views)
     if run.quantizer is not None:  # the engine samples with quantized weights; the trainer keeps full precision
         quantize, quant_cfg = run.quantizer
         named = ((name, quantize(name, tensor, quant_cfg)) for name, tensor in named)
@@ -528,6 +530,10 @@ def build_run(cfg: RunConfig) -> Run:
     ctx = init_distributed()
     if cfg.training.num_threads is not None:
         torch.set_num_threads(cfg.training.num_threads)
+    if cfg.training.keep_freed_memory:
+        from rlite.allocator import keep_freed_memory
+
+        keep_freed_memory()
     torch.manual_seed(cfg.training.seed)
     pm = get_plugin_manager()
     run_dir = Path(cfg.logging.run_dir)
@@ -695,11 +701,14 @@ def run_training(cfg: RunConfig) -> dict[str, Any]:
     """Build everything from the config, train, and tear down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ctx = init_distributed()
+    finished = False
     try:
         run = build_run(cfg)
         try:
-            return train(run)
+            summary = train(run)
         finally:
             run.engine.shutdown()
+        finished = True
+        return summary
     finally:
-        shutdown_distributed(ctx)
+        shutdown_distributed(ctx, finished=finished)

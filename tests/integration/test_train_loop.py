@@ -45,6 +45,12 @@ class DigitReward:
 
         register("digit_fraction", fraction_of_digit, DigitRewardConfig)
 
+        def even_code_points(completion, sample, cfg):
+            # dense: almost every completion scores differently, so every group has a non-zero advantage
+            return sum(ord(ch) % 2 == 0 for ch in completion) / max(len(completion), 1)
+
+        register("even_chars", even_code_points)
+
 
 @pytest.fixture
 def pm_with_digit_reward():
@@ -67,6 +73,7 @@ def test_reward_rises_on_held_out_prompts_and_parameters_change(tmp_path, model_
         "rollout.samples_per_prompt=8",
         "rollout.max_new_tokens=6",
         "training.micro_batch_size=32",
+        "data.num_eval=32",  # 192 sampled eval tokens: a '1' at a few per cent is seen
         pm=pm_with_digit_reward,
     )
     run = build_run(cfg)
@@ -203,7 +210,7 @@ def test_sigkill_during_checkpoint_save_leaves_previous_checkpoint_usable(tmp_pa
 
 def test_lora_trains_only_adapters_and_engine_samples_merged_weights(tmp_path, model_dir, pm_with_digit_reward):
     cfg = tiny_config(model_dir, tmp_path / "run", "model.lora.enabled=true", "model.lora.rank=4",
-                      "training.lr=5e-2", "training.steps=3", "rewards=[digit_fraction]",
+                      "training.lr=5e-2", "training.steps=3", "rewards=[even_chars]",
                       "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6", pm=pm_with_digit_reward)
     run = build_run(cfg)
     named = lambda: {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}  # noqa: E731
@@ -240,10 +247,11 @@ def test_lora_trains_only_adapters_and_engine_samples_merged_weights(tmp_path, m
 class SyncAuditor:
     """Checks after every sync that the engine holds exactly the trainer's weights."""
 
-    def __init__(self):
+    def __init__(self, expect_shared: bool | None = None):
         self.model = None
         self.previous = None
         self.checked_versions = []
+        self.expect_shared = expect_shared
 
     @hookimpl
     def after_optimizer_step(self, step, model):
@@ -261,20 +269,32 @@ class SyncAuditor:
         assert engine_weights.keys() <= trainer.keys()
         for name, tensor in engine_weights.items():
             assert torch.equal(tensor, trainer[name]), f"step {step}: engine weight {name} differs"
+        if self.expect_shared is not None and hasattr(engine, "shared_bytes"):  # in-process engine
+            own = dict(iter_full_tensors(self.model.lm, lora_merge=False, views=True))
+            same = {n for n, t in engine_weights.items() if t.data_ptr() == own[n].data_ptr()}
+            total = sum(t.numel() * t.element_size() for t in engine_weights.values())
+            if self.expect_shared:  # the engine's weights are the trainer's storage: no second copy
+                assert same == set(engine_weights) and engine.shared_bytes == total
+            else:
+                assert not same and engine.shared_bytes == 0
         self.checked_versions.append((step, weight_version, engine.weight_version))
 
 
-@pytest.mark.parametrize("process", [False, True], ids=["in-process", "spawned-process"])
-def test_engine_weights_equal_trainer_weights_after_every_sync(tmp_path, model_dir, process):
+@pytest.mark.parametrize(
+    ("process", "share"), [(False, True), (False, False), (True, False)],
+    ids=["in-process-shared", "in-process-copy", "spawned-process"],
+)
+def test_engine_weights_equal_trainer_weights_after_every_sync(tmp_path, model_dir, process, share):
     pm = build_plugin_manager(autoload=False)
-    auditor = SyncAuditor()
+    auditor = SyncAuditor(expect_shared=share)
     pm.register(auditor, name="sync-auditor")
     pm.register(DigitReward(), name="digit-reward")
     set_plugin_manager(pm)
     try:
-        cfg = tiny_config(model_dir, tmp_path / "run", "training.steps=3", "rewards=[digit_fraction]",
+        cfg = tiny_config(model_dir, tmp_path / "run", "training.steps=3", "rewards=[even_chars]",
                           "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6",
-                          f"rollout.engine={{name: transformers, args: {{process: {str(process).lower()}}}}}", pm=pm)
+                          f"rollout.engine={{name: transformers, args: {{process: {str(process).lower()}, "
+                          f"share_weights: {str(share).lower()}}}}}", pm=pm)
         run_training(cfg)
     finally:
         set_plugin_manager(None)
@@ -300,7 +320,7 @@ def test_profile_switch_writes_a_trace_of_two_steps(tmp_path, model_dir):
     ids=["bf16-mixed-precision", "cpu-offload", "activation-checkpointing", "no-reshard-cosine"],
 )
 def test_fsdp_options_train(tmp_path, model_dir, pm_with_digit_reward, options):
-    cfg = tiny_config(model_dir, tmp_path / "run", "rewards=[digit_fraction]", "training.steps=3",
+    cfg = tiny_config(model_dir, tmp_path / "run", "rewards=[even_chars]", "training.steps=3",
                       "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6", *options, pm=pm_with_digit_reward)
     run = build_run(cfg)
     before = {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}

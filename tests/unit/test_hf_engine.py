@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlite.engines.base import SamplingParams
@@ -59,3 +60,32 @@ def test_lean_decode_loop_matches_generate(tmp_path):
         assert "stop" in [c.finish_reason for c in outs["loop"]]
         for a, b in zip(outs["loop"], outs["generate"]):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_inverse_cdf_sampler_draws_the_categorical_distribution():
+    from rlite.engines.hf_engine import sample_categorical
+
+    # two rows with different distributions; unnormalised; a zero-probability (filtered) token
+    probs = torch.tensor([[0.5, 0.0, 0.25, 0.125, 0.125], [1e-3, 2.0, 0.0, 0.999, 1.0]])
+    expected = probs / probs.sum(-1, keepdim=True)
+    n = 40_000
+    torch.manual_seed(0)
+    draws = torch.stack([sample_categorical(probs) for _ in range(n)])  # [n, 2]
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=5).double()
+        assert counts[expected[row] == 0].sum() == 0  # a filtered token is never drawn
+        nonzero = expected[row] > 0
+        e = n * expected[row][nonzero].double()
+        chi2 = ((counts[nonzero] - e) ** 2 / e).sum().item()
+        assert chi2 < 20.0, (row, counts, e)  # 99.95th percentile of chi2 with <= 4 dof is ~20
+    # the rarest token (p = 2.5e-4 in row 1) still gets its share
+    assert 2 <= int((draws[:, 1] == 0).sum()) <= 25
+
+
+def test_inverse_cdf_sampler_rejects_invalid_rows():
+    from rlite.engines.base import EngineError
+    from rlite.engines.hf_engine import sample_categorical
+
+    for bad in ([float("nan"), 1.0], [0.0, 0.0], [float("inf"), 1.0]):
+        with pytest.raises(EngineError, match="NaN, infinite or all zero"):
+            sample_categorical(torch.tensor([[0.5, 0.5], bad]))

@@ -51,9 +51,17 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 # --------------------------------------------------------------------------------------------------
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on this rank: all-gathers a DTensor (collective), passes a plain tensor through."""
+def _full(tensor: torch.Tensor, views: bool = False) -> torch.Tensor:
+    """The whole tensor on this rank: all-gathers a DTensor (collective), passes a plain tensor through.
+
+    ``views=True`` returns a DTensor whose mesh has one rank as its local tensor (the parameter's own
+    storage, no copy) instead of the copy an all-gather of one rank makes.
+    """
     if DTensor is not None and isinstance(tensor, DTensor):
+        if views and tensor.device_mesh.size() == 1:
+            local = tensor.to_local().detach()
+            if local.shape == tensor.shape:
+                return local
         return tensor.full_tensor()
     return tensor.detach()
 
@@ -112,7 +120,7 @@ def _check_mergeable(prefix: str, layer: torch.nn.Module, adapters: list[str]) -
 
 @torch.no_grad()
 def iter_full_tensors(
-    model: torch.nn.Module, *, lora_merge: bool, dtype: torch.dtype | None = None
+    model: torch.nn.Module, *, lora_merge: bool, dtype: torch.dtype | None = None, views: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(hf_name, full_tensor)`` for every parameter of ``model``, one tensor at a time.
 
@@ -123,7 +131,9 @@ def iter_full_tensors(
     ``W' = W + scaling * (B @ A)`` (peft's rounding, bitwise equal to ``merge_and_unload``), names lose
     the ``base_model.model.`` prefix and ``.base_layer``, and ``lora_*`` tensors are dropped; with
     ``lora_merge=False`` the parameters are streamed under their own names. ``dtype`` casts each
-    tensor (e.g. fp32 master weights to bf16 for the engine).
+    tensor (e.g. fp32 master weights to bf16 for the engine). ``views=True`` yields the parameters'
+    own storage where the model runs on one rank (for an engine that shares the trainer's weights);
+    the consumer must not write to them.
     """
     lora_layers = {}
     if lora_merge:
@@ -146,7 +156,7 @@ def iter_full_tensors(
             out_name = name
             if lora_merge:
                 out_name = _hf_name(_strip_modules_to_save(name) if ".modules_to_save." in name else name)
-            yield out_name, cast(_full(param))
+            yield out_name, cast(_full(param, views))
             continue
         adapters = _active_adapters(layer)
         rest = name[len(layer_name) + 1 :]
