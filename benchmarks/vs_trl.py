@@ -324,7 +324,7 @@ def child_rlite(spec: dict) -> dict:
         "training.warmup_steps=0",
         "training.weight_decay=0.0",
         "training.grad_clip=1.0",
-        f"training.micro_batch_size={spec['prompts'] * spec['samples']}",
+        f"training.micro_batch_size={spec.get('rlite_micro_batch') or spec['prompts'] * spec['samples']}",
         f"training.logprob_chunk_size={spec['logprob_chunk_size']}",
         "training.eval_every=0",
         "checkpoint.every=0",
@@ -832,6 +832,7 @@ def run_job(name: str, args, work_root: Path) -> str:
         run_dir=str(work),
         seed=args.seed,
         profile=args.profile,
+        rlite_micro_batch=args.rlite_micro_batch,
     )
     results = {}
     for framework in args.frameworks:
@@ -903,6 +904,13 @@ def main(argv=None) -> int:
         "--profile",
         action="store_true",
         help="run each training loop under cProfile (slower: for finding overheads, not for timings)",
+    )
+    parser.add_argument(
+        "--rlite-micro-batch",
+        type=int,
+        default=None,
+        help="rlite's training.micro_batch_size (default: the whole batch, like TRL's one micro-batch); "
+        "gradients accumulate over micro-batches, so the update is the same and only memory changes",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
     parser.add_argument("--out-dir", default=None, help="logs, runs and results (default: a new temp folder)")

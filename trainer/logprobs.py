@@ -107,6 +107,56 @@ def unique_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> t
     return unique_rows, inverse
 
 
+BUCKET_OVERHEAD_TOKENS = 32
+"""What one more response forward costs, in tokens of compute (Python and kernel launches of every
+layer, forward and backward); :func:`length_buckets` splits a micro-batch only where that pays."""
+
+
+def length_buckets(
+    lengths: list[int], *, overhead: int | None = None, max_buckets: int = 4
+) -> list[tuple[list[int], int]]:
+    """Group rows into at most ``max_buckets`` runs of similar length: ``[(rows, width), ...]``.
+
+    Rows are sorted by length and cut where it minimises ``sum(len(rows) * width) + overhead *
+    buckets`` (``width`` = the longest length in the bucket; ``overhead``, default
+    :data:`BUCKET_OVERHEAD_TOKENS`, prices one more forward in tokens), by dynamic programming over the distinct lengths (lengths are first rounded up to at
+    most 64 distinct values). Every row is in exactly one bucket, in ascending order inside it; the
+    result depends only on ``lengths``, so scoring and training cut a micro-batch the same way.
+    """
+    if not lengths:
+        return []
+    overhead = BUCKET_OVERHEAD_TOKENS if overhead is None else overhead
+    step = max(1, -(-max(lengths) // 64))
+    keys = [-(-length // step) * step for length in lengths]
+    values = sorted(set(keys))
+    counts = [keys.count(v) for v in values]
+    m, inf = len(values), float("inf")
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    # best[k][j]: cost of the first j distinct lengths in k buckets; cut[k][j]: where the last begins
+    best = [[inf] * (m + 1) for _ in range(max_buckets + 1)]
+    cut = [[0] * (m + 1) for _ in range(max_buckets + 1)]
+    best[0][0] = 0.0
+    for k in range(1, max_buckets + 1):
+        for j in range(1, m + 1):
+            for i in range(j):
+                cost = best[k - 1][i] + (prefix[j] - prefix[i]) * values[j - 1] + overhead
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    k = min(range(1, max_buckets + 1), key=lambda b: best[b][m])
+    bounds, j = [], m
+    while j > 0:
+        bounds.append((cut[k][j], j))
+        j, k = cut[k][j], k - 1
+    buckets = []
+    for i, j in reversed(bounds):
+        members = set(values[i:j])
+        rows = [r for r, key in enumerate(keys) if key in members]
+        buckets.append((rows, max(lengths[r] for r in rows)))
+    return buckets
+
+
 def causal_lm_of(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside a plain or peft-wrapped model."""
     if hasattr(model, "get_base_model"):  # peft
@@ -154,7 +204,7 @@ class PolicyModel(nn.Module):
             unique_rows, inverse = unique_prompt_rows(input_ids[:, :response_start], attention_mask[:, :response_start])
             if len(unique_rows) < batch:
                 h = self._shared_prompt_hidden(
-                    input_ids, attention_mask, position_ids, response_start, unique_rows, inverse
+                    input_ids, attention_mask, position_ids, response_start, unique_rows, inverse, response_mask
                 )
                 return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy,
                                    use_liger, entropy_grad, recompute_above_bytes)
@@ -174,18 +224,23 @@ class PolicyModel(nn.Module):
         return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
                            entropy_grad, recompute_above_bytes)
 
-    def _shared_prompt_hidden(self, input_ids, attention_mask, position_ids, response_start, unique_rows, inverse):
+    def _shared_prompt_hidden(
+        self, input_ids, attention_mask, position_ids, response_start, unique_rows, inverse, response_mask
+    ):
         """Hidden states predicting the response tokens, running each distinct prompt once.
 
         The prompt's keys and values are computed for the distinct prompts and gathered to every row
         (autograd flows through the gather, so each prompt token's gradient sums over its samples);
         then the responses run against that cache. Same maths as the full forward, fewer FLOPs.
+        Responses run in a few groups of similar length (:func:`length_buckets`), each only as wide as
+        its longest member, so the padding after short responses costs (almost) nothing.
         """
         from transformers import DynamicCache
 
-        decoder = self.causal_lm.get_decoder()
+        lm = self.causal_lm
+        decoder = lm.get_decoder()
         prompt = slice(0, response_start)
-        cache = DynamicCache(config=self.causal_lm.config)
+        cache = DynamicCache(config=lm.config)
         prompt_out = decoder(
             input_ids=input_ids[unique_rows, prompt],
             attention_mask=attention_mask[unique_rows, prompt],
@@ -194,19 +249,31 @@ class PolicyModel(nn.Module):
             use_cache=True,
         )
         last_prompt_hidden = prompt_out.last_hidden_state[:, -1:][inverse]
-        width = input_ids.shape[1] - response_start
+        batch, width = input_ids.shape[0], input_ids.shape[1] - response_start
         if width == 1:
             return last_prompt_hidden
-        cache.reorder_cache(inverse)
-        responses = slice(response_start, response_start + width - 1)
-        response_out = decoder(
-            input_ids=input_ids[:, responses],
-            attention_mask=attention_mask[:, : response_start + width - 1],
-            position_ids=position_ids[:, responses],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return torch.cat([last_prompt_hidden, response_out.last_hidden_state], dim=1)
+        # response token t is predicted from response token t - 1: a row of length L runs L - 1 tokens
+        positions = torch.arange(1, width + 1, device=response_mask.device)
+        needs = ((response_mask.bool() * positions).amax(-1) - 1).clamp(min=0).tolist()
+        prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        hidden = last_prompt_hidden.new_zeros(batch, width - 1, last_prompt_hidden.shape[-1])
+        for rows, run in length_buckets(needs):
+            if run == 0:
+                continue
+            index = torch.tensor(rows, dtype=torch.long, device=input_ids.device)
+            source = inverse[index]
+            bucket_cache = DynamicCache(ddp_cache_data=[(k[source], v[source]) for k, v in prompt_kv], config=lm.config)
+            responses = slice(response_start, response_start + run)
+            out = decoder(
+                input_ids=input_ids[index, responses],
+                attention_mask=attention_mask[index, : response_start + run],
+                position_ids=position_ids[index, responses],
+                past_key_values=bucket_cache,
+                use_cache=True,
+            ).last_hidden_state
+            out = torch.nn.functional.pad(out, (0, 0, 0, width - 1 - run))
+            hidden = hidden.index_copy(0, index, out)
+        return torch.cat([last_prompt_hidden, hidden], dim=1)
 
     def _score(self, h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
                entropy_grad, recompute_above_bytes):

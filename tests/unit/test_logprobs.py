@@ -133,11 +133,16 @@ def test_entropy_as_a_metric_stays_out_of_the_graph():
     torch.testing.assert_close(ent, ent_with_grad.detach())
 
 
+@pytest.mark.parametrize("overhead", [32, 0], ids=["one-bucket", "length-buckets"])
 @pytest.mark.parametrize("rows", [[0, 0, 0, 1, 1, 1], [0, 1, 1, 2, 2, 2], [0, 0, 1, 2, 2, 3]])
-def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tmp_path, rows):
+def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tmp_path, rows, overhead, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    import rlite.logprobs
     from rlite.logprobs import unique_prompt_rows
+
+    # overhead 0: every distinct response length runs as its own (narrower) forward
+    monkeypatch.setattr(rlite.logprobs, "BUCKET_OVERHEAD_TOKENS", overhead)
 
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_pretrained(build_tiny_model_dir(tmp_path / "m"))
@@ -150,6 +155,8 @@ def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tmp_path
     responses = torch.randint(0, 250, (len(rows), 5), generator=g)
     response_mask = torch.ones(len(rows), 5)
     response_mask[2, 3:] = 0  # ended early
+    response_mask[4, 1:] = 0  # one token: predicted from the prompt alone
+    response_mask[0, 4:] = 0
     ids = torch.cat([prompts[rows], responses], 1)
     mask = torch.cat([prompt_mask[rows], response_mask.long()], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -168,3 +175,29 @@ def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tmp_path
     assert full_grads.keys() == shared_grads.keys()
     for name in full_grads:
         torch.testing.assert_close(shared_grads[name], full_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_length_buckets_cover_every_row_once_at_the_lowest_cost():
+    import itertools
+    import random
+
+    from rlite.logprobs import length_buckets
+
+    def cost(buckets, overhead):
+        return sum(len(rows) * width + overhead for rows, width in buckets)
+
+    rng = random.Random(0)
+    for _trial in range(40):
+        lengths = [rng.randint(0, 12) for _ in range(rng.randint(1, 7))]
+        overhead = rng.choice([0, 3, 10, 100])
+        buckets = length_buckets(lengths, overhead=overhead, max_buckets=3)
+        assert sorted(r for rows, _ in buckets for r in rows) == list(range(len(lengths)))
+        assert all(width == max(lengths[r] for r in rows) for rows, width in buckets)
+        # brute force over every split of the sorted lengths into at most 3 runs
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        best = float("inf")
+        for k in range(1, 4):
+            for cuts in itertools.combinations(range(1, len(order)), k - 1):
+                parts = [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]
+                best = min(best, cost([(p, max(lengths[i] for i in p)) for p in parts], overhead))
+        assert cost(buckets, overhead) == best, (lengths, overhead, buckets)
