@@ -265,6 +265,8 @@ def child_rlite(spec: dict) -> dict:
         "step_metrics",
     ):
         clock.wrap(rlite.loop, name, name)
+    # the engine's sampler: the lean decode loop (default) or HF generate
+    clock.wrap(rlite.engines.hf_engine.TransformersEngine, "_sample_loop", "hf_generate")
     clock.wrap(rlite.engines.hf_engine.TransformersEngine, "_sample_generate", "hf_generate")
     clock.wrap(rlite.update, "forward_logprobs", "forward_logprobs")
     clock.wrap(rlite.actor.FSDP2Backend, "clip_and_step", "clip_and_step")
@@ -348,7 +350,7 @@ def child_rlite(spec: dict) -> dict:
 
     def derive(get):
         return {
-            "generation: HF generate (+ rollout log-probs)": get("hf_generate"),
+            "generation: decode loop (+ rollout log-probs)": get("hf_generate"),
             "generation: padding, completions, decode": minus(get("generate_rollouts"), get("hf_generate")),
             "reward": get("score_batch"),
             "old log-probs + advantages": get("prepare_training_targets"),
