@@ -4,9 +4,10 @@ For each model size (fp32 tensors of 4 MB plus one bf16 tensor), on CPU, one eng
 
 * **shared memory** (``ProcessEngine`` + ``SharedBucketSender``): the first sync allocates the
   buckets in shared memory, packs them and sends their handles (one-time); every later sync is the
-  trainer's ``copy_`` into the buckets (reported separately) plus the **handoff**: a checksum on the
-  trainer's side (reported separately), the messages, the engine's checksum verification and its
-  acknowledgements. "handoff, no verify" is the same with the engine's checksum turned off.
+  trainer's ``copy_`` into the buckets and its checksum (both reported separately) plus the
+  **handoff**: the messages, what is left of the engine's checksum verification (it sums each bucket
+  while the trainer computes its own checksum, so on a machine with a core free for it nothing is
+  left) and the acknowledgements. "handoff, no verify" is the same with the engine's checksum off.
 * **bytes**: ``torch.save`` of the state dict, the bytes through the same kind of pipe, ``torch.load``
   and ``copy_`` into the engine's parameters, then an ack. The **handoff** is everything after
   ``torch.save``.

@@ -235,6 +235,7 @@ class LazyChannel:
         self.outbox: collections.deque = collections.deque()
         self.loaded: dict[str, torch.Tensor] = {}
         self.sent: list[tuple] = []
+        self.errors: dict[int, str] = {}
 
     def send(self, message):
         self.sent.append(message)
@@ -255,9 +256,21 @@ class LazyChannel:
             try:
                 views = self.receiver.receive(meta, handle)
             except EngineError as e:
+                if meta.checksum is None:
+                    self.errors[meta.index] = str(e)
+                    return []
                 return [("ack", meta.index, meta.version, False, str(e))]
             self.loaded.update({n: v.clone() for n, v in views})
-            return [("ack", meta.index, meta.version, True, "")]
+            return [] if meta.checksum is None else [("ack", meta.index, meta.version, True, "")]
+        if op == "bucket_checksum":
+            index, version, checksum = args
+            if index in self.errors:
+                return [("ack", index, version, False, self.errors.pop(index))]
+            try:
+                self.receiver.confirm(index, version, checksum)
+            except EngineError as e:
+                return [("ack", index, version, False, str(e))]
+            return [("ack", index, version, True, "")]
         if op == "end_sync":
             try:
                 self.receiver.end(*args)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from rlite.engines.base import Completion, EngineError, SamplingParams
-from rlite.engines.weight_sync import SharedBucketReceiver, SharedBucketSender, SyncStats, idle_cpu_count
+from rlite.engines.weight_sync import SharedBucketReceiver, SharedBucketSender, SyncStats
 
 _DIRECT_SEND_BYTES = 16 << 10
 """Messages up to this size fit in the pipe's buffer and are written directly; larger ones are written
@@ -169,9 +169,9 @@ class ProcessEngine:
         ``engine_factory(**factory_kwargs)`` replaces the transformers engine built from ``model_dir``
         in the child (for tests and benchmarks); it must be a module-level function and return an object
         with ``model`` (an ``nn.Module``), ``weight_version`` and the engine methods.
-        ``verify_threads`` (default: every core this process may use) is how many threads the engine
-        uses for the checksum of each bucket: the trainer waits for the acknowledgement meanwhile, so
-        its cores are free, and the verified handoff takes about half the time on two cores.
+        ``verify_threads`` (default: ``num_threads``) is how many threads the engine uses for the
+        checksum of each bucket; it sums a bucket while the trainer sums the same bytes on its own
+        core, so the verification adds nothing to a sync on a machine with a core free for it.
         """
         if engine_factory is None:
             engine_factory = build_transformers_engine
@@ -197,7 +197,7 @@ class ProcessEngine:
                 factory_kwargs or {},
                 num_threads,
                 verify_checksums,
-                verify_threads or idle_cpu_count(),
+                verify_threads,
             ),
             name="rlite-engine",
             daemon=True,
@@ -344,6 +344,7 @@ class _EngineServer:
         self.loader = _ViewLoader(engine.model)
         self.weights_valid = True
         self.invalid_reason = ""
+        self.bucket_errors: dict[int, str] = {}
 
     def handle(self, message: tuple) -> tuple | None:
         op, *args = message
@@ -352,11 +353,27 @@ class _EngineServer:
             try:
                 self.loader.load(self.receiver.receive(meta, handle))
             except Exception as e:
-                return ("ack", meta.index, meta.version, False, f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+                if meta.checksum is None:  # answered with the checksum message that follows
+                    self.bucket_errors[meta.index] = error
+                    return None
+                return ("ack", meta.index, meta.version, False, error)
+            if meta.checksum is None:
+                return None
             return ("ack", meta.index, meta.version, True, "")
+        if op == "bucket_checksum":
+            index, version, checksum = args
+            error = self.bucket_errors.pop(index, None)
+            if error is None:
+                try:
+                    self.receiver.confirm(index, version, checksum)
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+            return ("ack", index, version, error is None, error or "")
         if op == "begin_sync":
             (version,) = args
             self.receiver.begin(version)
+            self.bucket_errors = {}
             self.loader.seen = set()
             self.weights_valid, self.invalid_reason = False, f"weight sync v{version} did not complete"
             return ("ack", "begin_sync", version, True, "")
@@ -410,7 +427,7 @@ def _serve(
     factory_kwargs: dict[str, Any],
     num_threads: int,
     verify_checksums: bool,
-    verify_threads: int,
+    verify_threads: int | None,
 ) -> None:
     """Entry point of the engine process: build the engine, then answer messages until told to stop."""
     torch.set_num_threads(num_threads)

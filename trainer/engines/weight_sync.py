@@ -23,7 +23,6 @@ See ``docs/weight_sync.md`` for the protocol and measurements.
 from __future__ import annotations
 
 import collections
-import os
 import pickle
 import time
 from collections.abc import Iterable, Iterator
@@ -239,7 +238,8 @@ class BucketMeta:
     version: int
     nbytes: int
     """Bytes of the buffer covered by the checksum (the aligned end of the last tensor)."""
-    checksum: int
+    checksum: int | None
+    """None: the checksum follows in a ``bucket_checksum`` message (the receiver sums meanwhile)."""
     tensors: tuple[TensorMeta, ...]
 
 
@@ -333,14 +333,6 @@ def bucket_checksum(buffer: torch.Tensor, *, threads: int | None = None) -> int:
         torch.set_num_threads(previous)
 
 
-def idle_cpu_count() -> int:
-    """CPU cores this process may run on: the receiver's checksum threads while the trainer waits."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - macOS
-        return max(1, os.cpu_count() or 1)
-
-
 # --------------------------------------------------------------------------------------------------
 # shared-memory / CUDA-IPC handoff
 # --------------------------------------------------------------------------------------------------
@@ -404,8 +396,12 @@ class SharedBucketSender:
     Messages sent on ``channel``, each answered by the receiver, in order, with an ack:
 
     * ``("begin_sync", version)`` -> ``("ack", "begin_sync", version, True, "")``
-    * ``("bucket", BucketMeta, handle_or_None)`` -> ``("ack", index, version, ok, error)``;
-      the handle is sent with a bucket's first use only.
+    * ``("bucket", BucketMeta, handle_or_None)`` with ``meta.checksum = None``, unanswered: the
+      receiver maps the buffer and starts summing it at once, while the trainer sums the same bytes;
+    * ``("bucket_checksum", index, version, checksum)`` -> ``("ack", index, version, ok, error)``: the
+      receiver compares the two sums (and reports any error of the bucket message here). The handle
+      is sent with a bucket's first use only. The verification so runs alongside the trainer's own
+      checksum instead of after it, and adds nothing to the sync where a core is free for it.
     * ``("end_sync", version, n_buckets)`` -> ``("ack", "end_sync", version, ok, error)``
     * ``("abort_sync", version)`` after a failure -> ``("ack", "abort_sync", version, True, "")``
 
@@ -526,16 +522,20 @@ class SharedBucketSender:
 
     def _send_bucket(self, index: int, stats: SyncStats, *, handle: bytes | None) -> None:
         slot = self.slots[index]
-        t = time.perf_counter()
-        checksum = bucket_checksum(slot.buffer[: slot.nbytes])  # .item() also syncs a CUDA copy
-        if self._debug_corrupt:
+        version = stats.version + self._debug_version_offset
+        reference = None
+        if self._debug_corrupt:  # the sum of the bytes as written, then a flipped byte "in transit"
             self._debug_corrupt = False
+            reference = bucket_checksum(slot.buffer[: slot.nbytes])
             slot.buffer[0] ^= 0xFF
+        if slot.buffer.device.type == "cuda":
+            torch.cuda.current_stream(slot.buffer.device).synchronize()  # the copies are done
+        # the receiver starts summing now, while this process sums the same bytes
+        self.channel.send(("bucket", BucketMeta(index, version, slot.nbytes, None, slot.metas), handle))
+        t = time.perf_counter()
+        checksum = reference if reference is not None else bucket_checksum(slot.buffer[: slot.nbytes])
         stats.checksum_s += time.perf_counter() - t
-        meta = BucketMeta(
-            index, stats.version + self._debug_version_offset, slot.nbytes, checksum, slot.metas
-        )
-        self._post(("bucket", meta, handle), index)
+        self._post(("bucket_checksum", index, version, checksum), index)
         slot.awaiting_ack = True
         stats.buckets += 1
         stats.nbytes += slot.nbytes
@@ -575,23 +575,25 @@ class SharedBucketReceiver:
     """Engine side of the shared-bucket protocol: maps the buffers, verifies, hands out views.
 
     The engine's message loop calls :meth:`begin`, :meth:`receive` per bucket (loading the views it
-    returns into its model) and :meth:`end`, and answers each message with an ack.
+    returns into its model), :meth:`confirm` when the trainer's checksum of the bucket arrives, and
+    :meth:`end`, and answers the messages with acks (see :class:`SharedBucketSender`). A bucket counts
+    as received only once its checksum is confirmed.
     """
 
     def __init__(self, *, verify_checksums: bool = True, verify_threads: int | None = None) -> None:
         """``verify_threads``: CPU threads for the checksum of each bucket (default: the process's
-        own setting). The trainer is blocked waiting for the acknowledgement while the engine
-        verifies, so a colocated engine can use the trainer's cores too (``ProcessEngine`` does).
-        """
+        own setting; the trainer sums the same bucket at the same time on its own core)."""
         self.verify_checksums = verify_checksums
         self.verify_threads = verify_threads
         self.buffers: dict[int, torch.Tensor] = {}
         self.version: int | None = None
         """Version of the sync in progress (None between syncs)."""
         self.received: set[int] = set()
+        self.sums: dict[int, int | None] = {}
+        """This side's checksums of buckets whose trainer checksum has not arrived yet."""
 
     def begin(self, version: int) -> None:
-        self.version, self.received = int(version), set()
+        self.version, self.received, self.sums = int(version), set(), {}
 
     def receive(self, meta: BucketMeta, handle: bytes | None) -> list[tuple[str, torch.Tensor]]:
         """Verify one bucket and return its tensors as views into the shared buffer."""
@@ -610,17 +612,31 @@ class SharedBucketReceiver:
             raise EngineError(
                 f"bucket {meta.index} buffer holds {buffer.numel()} bytes, meta says {meta.nbytes}"
             )
-        if self.verify_checksums:
-            got = bucket_checksum(buffer[: meta.nbytes], threads=self.verify_threads)
-            if got != meta.checksum:
-                raise EngineError(
-                    f"checksum mismatch in bucket {meta.index} v{meta.version}: trainer {meta.checksum:#018x}, "
-                    f"engine reads {got:#018x}"
-                )
+        got = bucket_checksum(buffer[: meta.nbytes], threads=self.verify_threads) if self.verify_checksums else None
         if buffer.device.type == "cuda":
             torch.cuda.synchronize(buffer.device)  # our reads are done before the ack frees the buffer
-        self.received.add(meta.index)
+        if meta.checksum is None:  # the trainer's checksum follows (confirm)
+            self.sums[meta.index] = got
+        else:
+            self._compare(meta.index, meta.version, meta.checksum, got)
+            self.received.add(meta.index)
         return unpack_bucket(buffer, meta.tensors)
+
+    def confirm(self, index: int, version: int, checksum: int) -> None:
+        """Compare the trainer's checksum of bucket ``index`` with this side's sum of it."""
+        if self.version is None or version != self.version:
+            raise EngineError(f"version mismatch: checksum of bucket {index} v{version}, the sync is v{self.version}")
+        if index not in self.sums:
+            raise EngineError(f"the checksum of bucket {index} v{version} came before the bucket")
+        self._compare(index, version, checksum, self.sums.pop(index))
+        self.received.add(index)
+
+    @staticmethod
+    def _compare(index: int, version: int, expected: int, got: int | None) -> None:
+        if got is not None and got != expected:
+            raise EngineError(
+                f"checksum mismatch in bucket {index} v{version}: trainer {expected:#018x}, engine reads {got:#018x}"
+            )
 
     def end(self, version: int, n_buckets: int) -> None:
         if self.version != version:
