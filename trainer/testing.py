@@ -139,8 +139,20 @@ def fixed_batch_update(
             dp_size=world_size,
         )
         params = {name: t.detach().clone() for name, t in iter_full_tensors(backend.model.lm, lora_merge=False)}
+        # the stream (next all-gather in flight) gives exactly what a plain full_tensor() gives
+        from rlite.engines.weight_sync import _finish_full, _start_full
+
+        lm = backend.model.lm
+        reference = {name: p.detach().full_tensor() for name, p in lm.named_parameters()}
+        stream_exact = params.keys() == reference.keys() and all(torch.equal(params[n], reference[n]) for n in params)
+        probe = _start_full(next(lm.parameters()))
+        async_gather = type(probe).__name__ == "AsyncCollectiveTensor"
+        _finish_full(probe)
         if rank == 0:
-            torch.save({"metrics": metrics, "params": params}, out_file)
+            torch.save(
+                {"metrics": metrics, "params": params, "stream_exact": stream_exact, "async_gather": async_gather},
+                out_file,
+            )
     finally:
         dist.destroy_process_group()
 

@@ -52,6 +52,9 @@ def test_world_size_2_equals_1_every_mode(tmp_path, model_dir):
         single = _run(tmp_path, model_dir, 1, 16, mode, f"ws1-{mode}")
         double = _run(tmp_path, model_dir, 2, 4, mode, f"ws2-{mode}")  # 2 ranks x 2 micro-batches
         _assert_same(single, double)
+        # the weight stream all-gathers asynchronously across 2 ranks and still equals full_tensor()
+        assert double["async_gather"] and double["stream_exact"]
+        assert single["stream_exact"]
 
 
 def test_shared_prompt_forward_under_fsdp_equals_full_forward(tmp_path, model_dir):

@@ -361,3 +361,20 @@ def test_receiver_rejects_buckets_outside_a_sync():
     assert torch.equal(dict(views)["w3"], _weights(1)[2][1])
     with pytest.raises(EngineError, match="never received"):
         receiver.end(1, n_buckets=2)
+
+
+def test_the_next_all_gather_starts_before_the_current_tensor_is_used(monkeypatch):
+    import rlite.engines.weight_sync as ws
+
+    events = []
+    monkeypatch.setattr(ws, "_start_full", lambda t, views=False: events.append(("start", int(t))) or t)
+    monkeypatch.setattr(ws, "_finish_full", lambda t: events.append(("finish", int(t))) or t)
+    plan = [(torch.tensor(i), False, f"entry{i}") for i in range(3)]
+    for entry, full in ws._gather_ahead(plan):
+        events.append(("use", int(full)))
+        assert entry == f"entry{int(full)}"
+    assert events == [
+        ("start", 0), ("start", 1), ("finish", 0), ("use", 0),
+        ("start", 2), ("finish", 1), ("use", 1),
+        ("finish", 2), ("use", 2),
+    ]

@@ -35,9 +35,10 @@ import torch
 from rlite.engines.base import EngineError
 
 try:  # torch.distributed is missing from some builds (e.g. macOS wheels without it)
-    from torch.distributed.tensor import DTensor
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = Replicate = AsyncCollectiveTensor = None  # type: ignore[assignment,misc]
 
 ALIGNMENT = 64
 """Byte alignment of every tensor in a bucket (a multiple of every dtype's size, and of 8 for the checksum)."""
@@ -63,6 +64,36 @@ def _full(tensor: torch.Tensor, views: bool = False) -> torch.Tensor:
                 return local
         return tensor.full_tensor()
     return tensor.detach()
+
+
+def _start_full(tensor: torch.Tensor, views: bool = False) -> torch.Tensor:
+    """Like :func:`_full`, but a DTensor's all-gather is only started (``async_op=True``): the result
+    waits for it when :func:`_finish_full` (or any use) needs the data."""
+    if DTensor is not None and isinstance(tensor, DTensor):
+        if views and tensor.device_mesh.size() == 1:
+            return _full(tensor, views=True)
+        replicated = [Replicate()] * tensor.device_mesh.ndim
+        return tensor.detach().redistribute(placements=replicated, async_op=True).to_local()
+    return tensor.detach()
+
+
+def _finish_full(started: torch.Tensor) -> torch.Tensor:
+    if AsyncCollectiveTensor is not None and isinstance(started, AsyncCollectiveTensor):
+        return started.wait()
+    return started
+
+
+def _gather_ahead(plan: Iterable[tuple[torch.Tensor, bool, Any]]) -> Iterator[tuple[Any, torch.Tensor]]:
+    """``(entry, full tensor)`` for each ``(tensor, views, entry)`` of ``plan``, in order, with the
+    all-gather of the next tensor already in flight while the consumer works on this one."""
+    ahead = None
+    for tensor, views, entry in plan:
+        started = (entry, _start_full(tensor, views))
+        if ahead is not None:
+            yield ahead[0], _finish_full(ahead[1])
+        ahead = started
+    if ahead is not None:
+        yield ahead[0], _finish_full(ahead[1])
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
@@ -124,7 +155,8 @@ def iter_full_tensors(
     """Stream ``(hf_name, full_tensor)`` for every parameter of ``model``, one tensor at a time.
 
     A collective on an FSDP2 model: **every rank must exhaust the iterator** in the same order
-    (ranks without an engine just drain it), since each ``DTensor.full_tensor()`` is an all-gather.
+    (ranks without an engine just drain it), since each ``DTensor`` is all-gathered; the all-gather
+    of the next tensor runs (``async_op=True``) while the consumer copies this one.
     Tied parameters are yielded once, under their first name (``lm_head.weight`` is skipped when it
     is the embedding). With ``lora_merge=True`` each peft LoRA layer is merged,
     ``W' = W + scaling * (B @ A)`` (peft's rounding, bitwise equal to ``merge_and_unload``), names lose
@@ -142,6 +174,8 @@ def iter_full_tensors(
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
+    # what to stream, decided from names alone (the same on every rank): (param, use views, entry)
+    plan = []
     for name, param in model.named_parameters():  # remove_duplicate=True: tied weights once
         if lora_merge and ".original_module." in name:
             continue  # peft modules_to_save keeps the trained copy under modules_to_save.<adapter>
@@ -155,19 +189,26 @@ def iter_full_tensors(
             out_name = name
             if lora_merge:
                 out_name = _hf_name(_strip_modules_to_save(name) if ".modules_to_save." in name else name)
-            yield out_name, cast(_full(param, views))
+            plan.append((param, views, ("plain", out_name, None, None)))
             continue
-        adapters = _active_adapters(layer)
         rest = name[len(layer_name) + 1 :]
         if rest == "base_layer.bias":
-            yield _hf_name(name), cast(_full(param))
+            plan.append((param, False, ("plain", _hf_name(name), None, None)))
             continue
+        adapters = _active_adapters(layer)
         needed = {"base_layer.weight"} | {f"lora_{ab}.{a}.weight" for a in adapters for ab in "AB"}
-        if rest not in needed:
-            continue  # an inactive adapter: not part of the served weights
+        if rest in needed:  # else an inactive adapter: not part of the served weights
+            plan.append((param, False, ("part", layer_name, rest, needed)))
+
+    for (kind, out_name, rest, needed), full in _gather_ahead(plan):
+        if kind == "plain":
+            yield out_name, cast(full)
+            continue
+        layer_name, layer = out_name, lora_layers[out_name]
         parts = pending.setdefault(layer_name, {})
-        parts[rest] = _full(param)
+        parts[rest] = full
         if set(parts) == needed:
+            adapters = _active_adapters(layer)
             _check_mergeable(layer_name, layer, adapters)
             merged = base = parts["base_layer.weight"]
             for adapter in adapters:  # like peft's in-place `weight += delta`: the base dtype stays
