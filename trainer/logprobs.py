@@ -119,9 +119,10 @@ def length_buckets(
 
     Rows are sorted by length and cut where it minimises ``sum(len(rows) * width) + overhead *
     buckets`` (``width`` = the longest length in the bucket; ``overhead``, default
-    :data:`BUCKET_OVERHEAD_TOKENS`, prices one more forward in tokens), by dynamic programming over the distinct lengths (lengths are first rounded up to at
-    most 64 distinct values). Every row is in exactly one bucket, in ascending order inside it; the
-    result depends only on ``lengths``, so scoring and training cut a micro-batch the same way.
+    :data:`BUCKET_OVERHEAD_TOKENS`, prices one more forward in tokens), by dynamic programming over
+    the distinct lengths (first rounded up to at most 64 distinct values). Every row is in exactly
+    one bucket, in ascending order inside it; the result depends only on ``lengths``, so scoring and
+    training cut a micro-batch the same way.
     """
     if not lengths:
         return []

@@ -11,6 +11,7 @@ rollout log-probs equal the trainer's bit for bit (``../docs/mismatch.md``). It 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def _can_share(target: torch.Tensor, tensor: torch.Tensor) -> bool:
     )
 
 
+@functools.cache
 def _growing_layer_class():
     from transformers.cache_utils import DynamicLayer
 
