@@ -153,6 +153,7 @@ def fixed_batch_update(
                 {"metrics": metrics, "params": params, "stream_exact": stream_exact, "async_gather": async_gather},
                 out_file,
             )
+        dist.barrier()  # no rank tears the group down while another still uses it (gloo can crash)
     finally:
         dist.destroy_process_group()
 
