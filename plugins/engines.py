@@ -23,9 +23,9 @@ class TransformersEngineConfig:
     attn_implementation: str = "sdpa"
     """Attention implementation of the engine's model."""
     share_weights: bool = True
-    """In process, on one rank, with the trainer's dtype, no LoRA and no rollout quantization: the
-    engine's parameters are the trainer's own tensors (no second copy of the model; a sync moves no
-    bytes). Off: the engine keeps its own copy and every sync copies into it."""
+    """A sync binds the engine's parameters to the synced tensors instead of copying them (same shape,
+    dtype, device): on one rank, without LoRA or rollout quantization, those are the trainer's own
+    tensors (no second copy of the model; a sync moves no bytes). Off: every sync copies."""
 
 
 def _eos_ids(tokenizer) -> list[int]:
@@ -53,14 +53,7 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
     from rlite.engines.hf_engine import TransformersEngine
 
     engine_model_cfg = type(model_config)(**{**model_config.__dict__, "attn_implementation": cfg.attn_implementation})
-    share = cfg.share_weights and _world_size() == 1
-    return TransformersEngine(load_causal_lm(engine_model_cfg), share_weights=share, **common)
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return TransformersEngine(load_causal_lm(engine_model_cfg), share_weights=cfg.share_weights, **common)
 
 
 @dataclass
