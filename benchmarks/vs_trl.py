@@ -51,6 +51,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -178,6 +179,28 @@ class StepClock:
         self.step_wall: list[float] = []
         self.step_cpu: list[float] = []
         self.last = (time.perf_counter(), time.process_time())
+        self.active: list[str] = []  # the phases running now, innermost last
+        self.peak_rss: dict[str, float] = {}  # MiB: the highest resident memory sampled inside each phase
+        self._sampler: threading.Thread | None = None
+        self._sampling = threading.Event()
+
+    def sample_memory(self, interval: float = 0.002) -> None:
+        """Sample the resident memory every ``interval`` s on a thread and charge it to the innermost
+        active phase: ``peak_rss`` then says which phase reaches the process's peak, and how high the
+        others go. (A peak shorter than the interval can be missed; ``getrusage`` still has it.)"""
+        page = os.sysconf("SC_PAGE_SIZE") / 2**20
+
+        def run() -> None:
+            with open("/proc/self/statm") as statm:
+                while not self._sampling.wait(interval):
+                    statm.seek(0)
+                    rss = int(statm.read().split()[1]) * page
+                    label = self.active[-1] if self.active else "outside the timed phases"
+                    if rss > self.peak_rss.get(label, 0.0):
+                        self.peak_rss[label] = rss
+
+        self._sampler = threading.Thread(target=run, name="rss-sampler", daemon=True)
+        self._sampler.start()
 
     def start(self) -> None:
         """The training loop starts: step 1 is timed from here (and profiled, with ``--profile``)."""
@@ -189,6 +212,9 @@ class StepClock:
     def stop(self) -> None:
         if PROFILER is not None:
             PROFILER.disable()
+        if self._sampler is not None:
+            self._sampling.set()
+            self._sampler.join()
 
     def end_step(self) -> None:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -210,9 +236,11 @@ class StepClock:
 
         def wrapper(*a, **k):
             w0, c0 = time.perf_counter(), time.process_time()
+            clock.active.append(label)
             try:
                 return original(*a, **k)
             finally:
+                clock.active.pop()
                 clock.add(label, time.perf_counter() - w0, time.process_time() - c0)
 
         setattr(owner, attr, wrapper)
@@ -270,12 +298,15 @@ def child_rlite(spec: dict) -> dict:
     clock.wrap(rlite.engines.hf_engine.TransformersEngine, "_sample_generate", "hf_generate")
     clock.wrap(rlite.update, "forward_logprobs", "forward_logprobs")
     clock.wrap(rlite.actor.FSDP2Backend, "clip_and_step", "clip_and_step")
+    clock.wrap(torch.Tensor, "backward", "backward")  # only a label for --memory-phases
 
     class Clock:
         @rlite.hookimpl
         def on_run_start(self, config, run_dir):
             marks["train_start"] = time.perf_counter()
             clock.start()
+            if spec.get("memory_phases"):
+                clock.sample_memory()
 
         @rlite.hookimpl
         def on_metrics(self, step, metrics):
@@ -341,6 +372,7 @@ def child_rlite(spec: dict) -> dict:
     ]
     if spec["system_prompt"] is not None:
         overrides.append(f"data.system_prompt={json.dumps(spec['system_prompt'])}")
+    overrides += spec.get("rlite_set") or []  # --rlite-set, applied last
     cfg = load_config(None, overrides)
     summary = run_training(cfg)
     done = time.perf_counter()
@@ -374,6 +406,7 @@ def child_rlite(spec: dict) -> dict:
         phases=clock.phases(derive),
         rlite_step_phases=[{k: v for k, v in r.items() if k.startswith("time/")} for r in rows],
         peak_rss_mib=peak,
+        peak_rss_by_phase=clock.peak_rss,
         setup_s=marks["train_start"] - start,
         total_s=done - start,
         final_model=str(run_dir / "hf_model"),
@@ -484,6 +517,7 @@ def child_trl(spec: dict) -> dict:
     clock.wrap(GRPOTrainer, "_generate_and_score_completions", "rollout_total")
     clock.wrap(GRPOTrainer, "_compute_loss", "train_forward")
     clock.wrap(GRPOTrainer, "training_step", "training_step")
+    clock.wrap(torch.Tensor, "backward", "backward")  # only a label for --memory-phases
 
     marks: dict = {}
     logs: list[dict] = []
@@ -492,6 +526,8 @@ def child_trl(spec: dict) -> dict:
         def on_train_begin(self, a, state, control, **kw):
             marks["train_start"] = time.perf_counter()
             clock.start()
+            if spec.get("memory_phases"):
+                clock.sample_memory()
 
         def on_pre_optimizer_step(self, a, state, control, **kw):
             marks["opt"] = (time.perf_counter(), time.process_time())
@@ -552,6 +588,7 @@ def child_trl(spec: dict) -> dict:
         rewards=[float(r["reward"]) for r in logs],
         phases=clock.phases(derive),
         peak_rss_mib=peak,
+        peak_rss_by_phase=clock.peak_rss,
         setup_s=marks["train_start"] - start,
         total_s=done - start,
         final_model=str(out_dir / "final"),
@@ -801,6 +838,18 @@ def breakdown(ours: dict, theirs: dict) -> str:
     return "\n".join(lines)
 
 
+def memory_table(results: dict) -> str:
+    """The peak resident memory sampled inside each phase (``--memory-phases``), highest first."""
+    lines = []
+    for framework, result in results.items():
+        for phase, mib in sorted(result.get("peak_rss_by_phase", {}).items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {framework} | {phase} | {mib / 1024:.2f} |")
+    if not lines:
+        return ""
+    head = "\n\nPeak resident memory inside each phase (sampled every 2 ms):\n\n| framework | phase | GiB |\n|---|---|---:|\n"
+    return head + "\n".join(lines)
+
+
 def run_job(name: str, args, work_root: Path) -> str:
     job = dict(JOBS[name])
     if args.steps is not None:
@@ -834,7 +883,9 @@ def run_job(name: str, args, work_root: Path) -> str:
         run_dir=str(work),
         seed=args.seed,
         profile=args.profile,
+        memory_phases=args.memory_phases,
         rlite_micro_batch=args.rlite_micro_batch,
+        rlite_set=args.rlite_set,
     )
     results = {}
     for framework in args.frameworks:
@@ -851,10 +902,11 @@ def run_job(name: str, args, work_root: Path) -> str:
             path.write_text(result["profile"])
             print(f"[vs_trl] cProfile of the {framework} training loop: {path}")
     (work / f"results_{name}.json").write_text(json.dumps({"results": results, "accuracy": acc}, indent=1))
+    memory = memory_table(results)
     if set(results) != {"rlite", "trl"}:
-        return json.dumps({k: stats(v) for k, v in results.items()}, indent=1)
+        return json.dumps({k: stats(v) for k, v in results.items()}, indent=1) + memory
     text = table(name, results["rlite"], results["trl"], acc, job["steps"])
-    text += "\n\nTime per phase:\n\n" + breakdown(results["rlite"], results["trl"])
+    text += "\n\nTime per phase:\n\n" + breakdown(results["rlite"], results["trl"]) + memory
     if acc:
         text += "\n\nGreedy answers (first 3 held-out prompts): " + "; ".join(
             f"{k}: {v['examples']!r}" for k, v in acc.items()
@@ -908,11 +960,23 @@ def main(argv=None) -> int:
         help="run each training loop under cProfile (slower: for finding overheads, not for timings)",
     )
     parser.add_argument(
+        "--memory-phases",
+        action="store_true",
+        help="sample resident memory every 2 ms and print the peak reached inside each phase",
+    )
+    parser.add_argument(
         "--rlite-micro-batch",
         type=int,
         default=None,
         help="rlite's training.micro_batch_size (default: the whole batch, like TRL's one micro-batch); "
         "gradients accumulate over micro-batches, so the update is the same and only memory changes",
+    )
+    parser.add_argument(
+        "--rlite-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra rlite config override (repeatable), applied after the job's own settings",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
     parser.add_argument("--out-dir", default=None, help="logs, runs and results (default: a new temp folder)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -134,17 +135,25 @@ class FSDP2Backend:
         train_cfg: TrainingConfig,
         device: torch.device,
         total_optimizer_steps: int,
+        offload_dir: str | Path | None = None,
     ) -> FSDP2Backend:
         policy = build_policy(model_cfg, par_cfg, device, trainable=True)
         params = [p for p in policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params,
-            lr=train_cfg.lr,
-            betas=tuple(train_cfg.betas),
-            eps=train_cfg.eps,
-            weight_decay=train_cfg.weight_decay,
-            fused=True,  # one kernel over all parameters (CPU and CUDA); 4-6x faster than per-parameter steps
-        )
+        adamw = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
+        if train_cfg.optimizer_offload == "disk":
+            from rlite.optim_offload import DiskOffloadAdamW
+
+            if offload_dir is None:
+                raise ValueError("training.optimizer_offload=disk: the backend was built without a folder for the moments")
+            if any(p.device.type != "cpu" for p in params):
+                raise ValueError(
+                    "training.optimizer_offload=disk steps parameters held in CPU memory: on a GPU also set "
+                    "parallelism.cpu_offload=true (or use optimizer_offload=none)"
+                )
+            optimizer = DiskOffloadAdamW(params, offload_dir, **adamw)
+        else:
+            # fused: one kernel over all parameters (CPU and CUDA); 4-6x faster than per-parameter steps
+            optimizer = torch.optim.AdamW(params, **adamw, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda s: lr_factor(

@@ -25,6 +25,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LR_SCHEDULES = ("constant", "cosine", "linear")
+OPTIMIZER_OFFLOADS = ("none", "disk")
 
 
 class ConfigError(ValueError):
@@ -328,6 +329,12 @@ class TrainingConfig:
     """Run each prompt once per micro-batch and share its KV cache with its n samples (off with activation checkpointing or true on-policy)."""
     logprob_recompute_mb: float = 256.0
     """Recompute output-layer chunks in backward only when a micro-batch's response logits would exceed this many MB (else keep them)."""
+    optimizer_offload: str = "none"
+    """Where AdamW's two moments live between steps: ``none`` (in memory) or ``disk`` (memory-mapped files,
+    written back after each step; the same numbers in half the memory of weights + gradients + moments;
+    ``rlite.optim_offload``)."""
+    optimizer_offload_dir: str = ""
+    """Folder for the ``disk`` moments ("" = ``<run_dir>/optimizer_offload``); a local disk, scratch space."""
     keep_freed_memory: bool = True
     """glibc only: keep freed host memory in the process for the next step instead of returning it to the OS (no fresh page faults for every step's large tensors; ``rlite.allocator``)."""
     num_threads: Optional[int] = None
@@ -346,6 +353,7 @@ class TrainingConfig:
         _check(len(self.betas) == 2, f"training.betas must have two values, got {list(self.betas)}")
         _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check(self.logprob_chunk_size >= 1, "training.logprob_chunk_size must be >= 1")
+        _check_choice("training.optimizer_offload", self.optimizer_offload, OPTIMIZER_OFFLOADS)
 
 
 # --------------------------------------------------------------------------------------------------

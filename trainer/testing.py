@@ -91,6 +91,7 @@ def fixed_batch_update(
     agg_mode: str,
     minibatches: int = 1,
     share_prompts: bool = False,
+    optimizer_offload: str = "none",
 ) -> None:
     """One optimizer step of the real FSDP2 backend on a fixed global batch; rank r takes slice r.
 
@@ -116,9 +117,12 @@ def fixed_batch_update(
         backend = FSDP2Backend.build(
             ModelConfig(path=model_dir),
             ParallelismConfig(),
-            TrainingConfig(lr=1e-2, eps=1.0, grad_clip=0.0, micro_batch_size=micro_batch_size),
+            TrainingConfig(
+                lr=1e-2, eps=1.0, grad_clip=0.0, micro_batch_size=micro_batch_size, optimizer_offload=optimizer_offload
+            ),
             torch.device("cpu"),
             total_optimizer_steps=minibatches,
+            offload_dir=Path(init_file).parent / f"{Path(out_file).stem}-moments-rank{rank}",
         )
         batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
         advantages, _ = grpo_advantages(
@@ -153,6 +157,9 @@ def fixed_batch_update(
                 {"metrics": metrics, "params": params, "stream_exact": stream_exact, "async_gather": async_gather},
                 out_file,
             )
+        close = getattr(backend.optimizer, "close", None)
+        if close is not None:
+            close()
         dist.barrier()  # no rank tears the group down while another still uses it (gloo can crash)
     finally:
         dist.destroy_process_group()

@@ -150,6 +150,38 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir, variant):
     )
 
 
+def test_disk_offloaded_optimizer_trains_and_resumes_bitwise_like_in_memory_adamw(tmp_path, model_dir):
+    """optimizer_offload=disk (moments in files) gives the in-memory AdamW run's weights and metrics
+    exactly, through FSDP2 parameters, a crash after a checkpoint and a resume; the files are removed."""
+    common = ("checkpoint.every=2", "training.eval_every=2", "checkpoint.export_hf=true", "training.steps=4",
+              "training.weight_decay=0.01")
+    run_training(tiny_config(model_dir, tmp_path / "memory", *common))
+
+    offload = (*common, "training.optimizer_offload=disk", f"training.optimizer_offload_dir={tmp_path / 'moments'}")
+    pm = build_plugin_manager(autoload=False)
+    pm.register(CrashAfterCheckpoint(2), name="crash")
+    set_plugin_manager(pm)
+    try:
+        with pytest.raises(SimulatedCrash):
+            run_training(tiny_config(model_dir, tmp_path / "disk", *offload, pm=pm))
+    finally:
+        set_plugin_manager(None)
+    assert not (tmp_path / "moments" / "rank0").exists(), "a crashed run still deletes its scratch files"
+    run_training(tiny_config(model_dir, tmp_path / "disk", *offload, "checkpoint.resume=auto"))
+    assert not (tmp_path / "moments" / "rank0").exists()
+
+    a = load_file(tmp_path / "memory" / "hf_model" / "model.safetensors")
+    b = load_file(tmp_path / "disk" / "hf_model" / "model.safetensors")
+    initial = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert sum(not torch.equal(a[n], initial[n]) for n in a) > len(a) // 2, "the runs must have trained"
+    assert _metrics_without_timing(tmp_path / "memory" / "metrics.jsonl") == _metrics_without_timing(
+        tmp_path / "disk" / "metrics.jsonl"
+    )
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
 def test_exported_model_loads_in_plain_transformers(tmp_path, model_dir, tied):
     if tied:

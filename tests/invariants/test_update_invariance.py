@@ -18,10 +18,10 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
-def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1, share_prompts=False):
+def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1, share_prompts=False, offload="none"):
     out = tmp_path / f"{name}.pt"
     init = tmp_path / f"{name}.init"
-    args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches, share_prompts)
+    args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches, share_prompts, offload)
     if world_size == 1:
         fixed_batch_update(0, *args)
     else:
@@ -55,6 +55,11 @@ def test_world_size_2_equals_1_every_mode(tmp_path, model_dir):
         # the weight stream all-gathers asynchronously across 2 ranks and still equals full_tensor()
         assert double["async_gather"] and double["stream_exact"]
         assert single["stream_exact"]
+    # AdamW with its moments on disk steps each rank's FSDP2 shard exactly like the in-memory AdamW
+    offloaded = _run(tmp_path, model_dir, 2, 4, LOSS_AGG_MODES[-1], "ws2-offload", offload="disk")
+    for name, value in double["params"].items():
+        assert torch.equal(value, offloaded["params"][name]), name
+    assert not list(tmp_path.glob("*-moments-rank*/*.bin")), "the moment files are deleted"
 
 
 def test_shared_prompt_forward_under_fsdp_equals_full_forward(tmp_path, model_dir):
