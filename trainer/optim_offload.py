@@ -1,5 +1,5 @@
-"""AdamW with its moments on disk: the same numbers as ``torch.optim.AdamW(fused=True)`` in a third
-of the memory.
+"""AdamW with its moments on disk: the same numbers as ``torch.optim.AdamW(fused=True)``, and half
+the memory that weights, gradients and moments take together.
 
 Full fine-tuning with AdamW holds four fp32 copies of the model: weights, gradients and the two moments
 ``exp_avg`` (m) and ``exp_avg_sq`` (v). The moments are touched once per optimizer step and never by
@@ -9,7 +9,8 @@ the next page boundary), memory-mapped, and steps in chunks of ``chunk_mb``:
 
 1. ask the kernel to read the next chunk ahead (``madvise(MADV_WILLNEED)``: asynchronous readahead,
    so the disk read overlaps this chunk's arithmetic);
-2. run torch's own fused AdamW kernel (``torch._fused_adamw_``, the one ``AdamW(fused=True)`` runs) on
+2. map the chunk's pages in one call (``MADV_POPULATE_WRITE``, not one fault per page), then run
+   torch's own fused AdamW kernel (``torch._fused_adamw_``, the one ``AdamW(fused=True)`` runs) on
    that chunk of the parameter, its gradient and its moments, in place in the mapping;
 3. unmap the chunk's pages from the process (``madvise(MADV_DONTNEED)``; the data stays in the page
    cache, marked dirty).
@@ -20,13 +21,15 @@ nor page cache until the next step reads them again. The next step waits for tha
 
 Exactness: AdamW is elementwise and the chunks are whole multiples of 4096 elements, so every element
 goes through the same kernel code as in one ``AdamW(fused=True)`` step: the result is bitwise equal
-(``tests/unit/test_optim_offload.py`` checks it over several steps, with weight decay, a changing
-learning rate and FSDP2 parameters). The step count is one per parameter, incremented once per step
+(``tests/unit/test_optim_offload.py`` checks it over several steps with weight decay and a changing
+learning rate; the integration and invariance tests check whole runs on FSDP2 parameters, at world
+sizes 1 and 2, through a checkpoint and a resume). The step count is one per parameter, incremented once per step
 as in torch.
 
-Cost: each step reads and writes 2 x 4 bytes per trainable parameter (1 GiB for a 135M model); the
-reads overlap the arithmetic and the writes happen while the next rollout generates. The files are
-scratch space: checkpoints hold the moments like any optimizer state (``state_dict()`` reads them
+Cost: each step reads and writes 2 x 4 bytes per trainable parameter (1 GiB for a 135M model). The
+reads overlap the arithmetic, the writes happen while the next rollout generates. On this project's
+2-core VM the optimizer step of a 135M model takes 0.9-1.0 s instead of 0.17 s, bound by reading
+1 GiB from disk (``benchmarks/optimizer_offload.py``). The files are scratch space: checkpoints hold the moments like any optimizer state (``state_dict()`` reads them
 through the mapping), and the files are deleted by ``close()``.
 """
 
@@ -35,12 +38,15 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
 import torch
 
 PAGE = mmap.PAGESIZE
+# Linux's MADV_POPULATE_WRITE (Python < 3.13 lacks the name); other systems number their advice differently
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else 0)
 _ALIGN_ELEMS = 4096  # chunk boundaries: whole pages of fp32 and whole vector widths of the kernel
 
 
@@ -74,10 +80,23 @@ class _MomentFile:
         for base in (0, self.v_offset):
             self.map.madvise(advice, base + lo, hi - lo)
 
+    def populate(self, start: int, stop: int) -> None:
+        """Map elements ``[start, stop)`` of both moments writable in one call
+        (``MADV_POPULATE_WRITE``, Linux 5.14+) instead of one page fault per 4 KiB page; a no-op
+        where the kernel lacks it."""
+        global _POPULATE_WRITE
+        if _POPULATE_WRITE:
+            try:
+                self.advise(_POPULATE_WRITE, start, stop)
+            except OSError:
+                _POPULATE_WRITE = 0
+
     def flush(self) -> None:
-        """Write the dirty pages to disk, then drop them from the page cache."""
-        os.fdatasync(self.fd)
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        """Write the dirty pages to disk, then drop them from the page cache (where the OS has
+        ``posix_fadvise``; elsewhere the OS evicts them when it needs the memory)."""
+        getattr(os, "fdatasync", os.fsync)(self.fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         del self.exp_avg, self.exp_avg_sq  # the tensors export the mapping's buffer
@@ -215,6 +234,7 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
                     stop = min(n, start + self.chunk)
                     if stop < n:
                         f.advise(mmap.MADV_WILLNEED, stop, min(n, stop + self.chunk))
+                    f.populate(start, stop)
                     torch._fused_adamw_(
                         [param[start:stop]],
                         [grad[start:stop]],
