@@ -108,6 +108,10 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
     lm = load_causal_lm(model_cfg)
     if trainable and model_cfg.lora.enabled:
         lm = apply_lora(lm, model_cfg.lora)
+    if par_cfg.lean_activations and trainable:
+        from rlite.lean_activations import apply_lean_activations
+
+        apply_lean_activations(lm)
     if par_cfg.activation_checkpointing and trainable:
         causal_lm_of(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False

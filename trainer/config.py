@@ -375,6 +375,9 @@ class ParallelismConfig:
     """Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward instead of storing them."""
+    lean_activations: bool = True
+    """Save fewer activations in recognised SwiGLU MLPs and RMSNorms (Llama, Qwen2/3, Mistral) and recompute two
+    elementwise ops in backward instead: the same forward values, less memory (``rlite.lean_activations``)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3 style); False keeps them until backward."""
 
