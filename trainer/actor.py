@@ -81,7 +81,14 @@ def decoder_layers(policy: PolicyModel) -> list[nn.Module]:
 
 
 def apply_fsdp(policy: PolicyModel, cfg: ParallelismConfig, mesh=None) -> PolicyModel:
-    """Shard each decoder block, then the root (embeddings, final norm, output layer)."""
+    """Shard each decoder block, then the root (embeddings, final norm, output layer); a single process
+    with ``parallelism.shard_single_process=false`` keeps the plain module."""
+    if not cfg.shard_single_process:
+        import torch.distributed as dist
+
+        world = mesh.size() if mesh is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+        if world == 1:
+            return policy
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:

@@ -380,10 +380,20 @@ class ParallelismConfig:
     elementwise ops in backward instead: the same forward values, less memory (``rlite.lean_activations``)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3 style); False keeps them until backward."""
+    shard_single_process: bool = True
+    """Apply ``fully_shard`` at world size 1 too (the code path N ranks run). False leaves a single process's model
+    plain: no per-micro-batch copies of each block's weights and gradients (FSDP2 makes them even at world size 1);
+    needs ``param_dtype=float32`` and no ``cpu_offload``, which FSDP2 implements."""
 
     def __post_init__(self) -> None:
         _check_choice("parallelism.param_dtype", self.param_dtype, DTYPES)
         _check_choice("parallelism.reduce_dtype", self.reduce_dtype, DTYPES)
+        _check(
+            self.shard_single_process or (self.param_dtype == "float32" and not self.cpu_offload),
+            "parallelism.shard_single_process=false leaves the model without FSDP2 at world size 1, so it cannot "
+            "apply parallelism.param_dtype or parallelism.cpu_offload: set param_dtype=float32 and cpu_offload=false, "
+            "or shard_single_process=true",
+        )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -135,6 +135,8 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
                 f"training.optimizer_offload_dir: cannot write optimizer state files under {self.directory} "
                 f"({exc}); point it at a writable folder on a local disk"
             ) from exc
+        for stale in self.directory.glob("param*.bin"):  # left by a killed run: scratch, never read
+            stale.unlink()
         # elements per chunk (m and v together take 8 bytes an element), a whole number of pages
         self.chunk = max(_ALIGN_ELEMS, int(chunk_mb * 2**20 / 8) // _ALIGN_ELEMS * _ALIGN_ELEMS)
         self._files: dict[int, _MomentFile] = {}  # id(param) -> its file

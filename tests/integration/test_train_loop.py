@@ -150,36 +150,64 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir, variant):
     )
 
 
-def test_disk_offloaded_optimizer_trains_and_resumes_bitwise_like_in_memory_adamw(tmp_path, model_dir):
-    """optimizer_offload=disk (moments in files) gives the in-memory AdamW run's weights and metrics
-    exactly, through FSDP2 parameters, a crash after a checkpoint and a resume; the files are removed."""
-    common = ("checkpoint.every=2", "training.eval_every=2", "checkpoint.export_hf=true", "training.steps=4",
-              "training.weight_decay=0.01")
-    run_training(tiny_config(model_dir, tmp_path / "memory", *common))
-
-    offload = (*common, "training.optimizer_offload=disk", f"training.optimizer_offload_dir={tmp_path / 'moments'}")
-    pm = build_plugin_manager(autoload=False)
-    pm.register(CrashAfterCheckpoint(2), name="crash")
-    set_plugin_manager(pm)
-    try:
-        with pytest.raises(SimulatedCrash):
-            run_training(tiny_config(model_dir, tmp_path / "disk", *offload, pm=pm))
-    finally:
-        set_plugin_manager(None)
-    assert not (tmp_path / "moments" / "rank0").exists(), "a crashed run still deletes its scratch files"
-    run_training(tiny_config(model_dir, tmp_path / "disk", *offload, "checkpoint.resume=auto"))
-    assert not (tmp_path / "moments" / "rank0").exists()
-
-    a = load_file(tmp_path / "memory" / "hf_model" / "model.safetensors")
-    b = load_file(tmp_path / "disk" / "hf_model" / "model.safetensors")
+def _assert_same_trained_models(model_dir, run_a, run_b):
+    a = load_file(run_a / "hf_model" / "model.safetensors")
+    b = load_file(run_b / "hf_model" / "model.safetensors")
     initial = load_file(os.path.join(model_dir, "model.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert sum(not torch.equal(a[n], initial[n]) for n in a) > len(a) // 2, "the runs must have trained"
-    assert _metrics_without_timing(tmp_path / "memory" / "metrics.jsonl") == _metrics_without_timing(
-        tmp_path / "disk" / "metrics.jsonl"
-    )
+    rows_a, rows_b = _metrics_without_timing(run_a / "metrics.jsonl"), _metrics_without_timing(run_b / "metrics.jsonl")
+    assert rows_a == rows_b
+    assert all(r["actor/grad_norm"] > 0 for r in rows_a if "actor/grad_norm" in r), "real gradients, not only decay"
+
+
+DENSE = ("rewards=[even_chars]", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6")
+
+
+def test_disk_offloaded_optimizer_trains_and_resumes_bitwise_like_in_memory_adamw(
+    tmp_path, model_dir, pm_with_digit_reward
+):
+    """optimizer_offload=disk (moments in files) gives the in-memory AdamW run's weights and metrics
+    exactly, through FSDP2 parameters, a crash after a checkpoint and a resume; the files are removed."""
+    pm = pm_with_digit_reward
+    common = (*DENSE, "checkpoint.every=2", "training.eval_every=2", "checkpoint.export_hf=true",
+              "training.steps=4", "training.weight_decay=0.01")
+    run_training(tiny_config(model_dir, tmp_path / "memory", *common, pm=pm))
+
+    offload = (*common, "training.optimizer_offload=disk", f"training.optimizer_offload_dir={tmp_path / 'moments'}")
+    pm.register(CrashAfterCheckpoint(2), name="crash")
+    try:
+        with pytest.raises(SimulatedCrash):
+            run_training(tiny_config(model_dir, tmp_path / "disk", *offload, pm=pm))
+    finally:
+        pm.unregister(name="crash")
+    assert not (tmp_path / "moments" / "rank0").exists(), "a crashed run still deletes its scratch files"
+    run_training(tiny_config(model_dir, tmp_path / "disk", *offload, "checkpoint.resume=auto", pm=pm))
+    assert not (tmp_path / "moments" / "rank0").exists()
+    _assert_same_trained_models(model_dir, tmp_path / "memory", tmp_path / "disk")
+
+
+def test_unsharded_single_process_equals_fully_shard_bitwise(tmp_path, model_dir, pm_with_digit_reward):
+    """shard_single_process=false skips FSDP2 at world size 1: the same weights and metrics, with
+    gradient accumulation, a checkpoint, and a resume into the sharded model."""
+    pm = pm_with_digit_reward
+    common = (*DENSE, "training.steps=4", "training.micro_batch_size=4", "checkpoint.export_hf=true",
+              "checkpoint.every=2", "training.eval_every=2")
+    run_training(tiny_config(model_dir, tmp_path / "sharded", *common, pm=pm))
+    plain = tiny_config(model_dir, tmp_path / "plain", *common, "parallelism.shard_single_process=false",
+                        "training.steps=2", pm=pm)
+    run = build_run(plain)
+    try:
+        assert not any(hasattr(p, "full_tensor") for p in run.backend.model.parameters()), "a plain module"
+        train(run)
+    finally:
+        run.engine.shutdown()
+        shutdown_distributed(run.ctx)
+    # the sharded model resumes from the plain model's checkpoint (DCP reshards) and finishes the run
+    run_training(tiny_config(model_dir, tmp_path / "plain", *common, "checkpoint.resume=auto", pm=pm))
+    _assert_same_trained_models(model_dir, tmp_path / "sharded", tmp_path / "plain")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
