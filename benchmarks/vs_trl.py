@@ -35,7 +35,13 @@ Run (from the repository root, with ``pip install -e ".[bench]"``)::
     python benchmarks/vs_trl.py all --out-dir /tmp/vs_trl
 
 Prints the side-by-side tables (markdown) and the per-phase time breakdown of both frameworks; logs of
-every subprocess and a ``results_<job>.json`` land in ``--out-dir``.
+every subprocess and a ``results_<job>.json`` land in ``--out-dir``. ``--memory-phases`` also samples
+each process's resident memory every 2 ms and prints the peak reached inside each phase;
+``--rlite-set key=value`` (repeatable) runs rlite with other settings, e.g. the memory trade-offs of
+``docs/memory.md``::
+
+    python benchmarks/vs_trl.py smollm2 --frameworks rlite --rlite-micro-batch 8 \
+        --rlite-set training.optimizer_offload=disk --rlite-set parallelism.shard_single_process=false
 """
 
 from __future__ import annotations
