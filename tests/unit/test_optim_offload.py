@@ -131,3 +131,24 @@ def test_empty_shard_gets_state_and_steps(tmp_path):
     assert state[0]["exp_avg"].numel() == 0 and state[0]["step"].item() == 1
     assert torch.allclose(full.detach(), torch.full((5,), -1e-3))
     opt.close()
+
+
+def test_full_disk_is_reported_before_any_write(tmp_path, monkeypatch):
+    """The moment files' blocks are reserved when they are created: a full disk is a clear error then,
+    not a SIGBUS at a later write into the mapping."""
+    import errno
+    import os
+
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate on this system")
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    param = torch.nn.Parameter(torch.zeros(10))
+    param.grad = torch.ones(10)
+    opt = DiskOffloadAdamW([param], tmp_path / "moments")
+    with pytest.raises(OSError, match="training.optimizer_offload_dir: cannot reserve"):
+        opt.step()
+    assert torch.equal(param.detach(), torch.zeros(10)), "nothing was stepped"
