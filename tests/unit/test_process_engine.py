@@ -137,15 +137,16 @@ def test_a_missing_parameter_is_refused(engine, trainer_model):
     engine.update_weights(named, 41)
 
 
-def test_a_hung_engine_is_detected_within_the_timeout_and_killed():
-    eng = ProcessEngine(
-        ".",
-        pad_token_id=PAD,
-        eos_token_ids=[EOS],
-        timeout_s=2.0,
-        start_timeout_s=START_TIMEOUT_S,
+def _bare_engine(timeout_s: float) -> ProcessEngine:
+    """An engine process with no model, for the fault tests."""
+    return ProcessEngine(
+        ".", pad_token_id=PAD, eos_token_ids=[EOS], timeout_s=timeout_s, start_timeout_s=START_TIMEOUT_S,
         **_bare_engine_kwargs(),
     )
+
+
+def test_a_hung_engine_is_detected_within_the_timeout_and_killed():
+    eng = _bare_engine(timeout_s=2.0)
     try:
         with pytest.raises(EngineError, match="did not answer within the timeout of 2 s"):
             eng._call("_debug_hang", 3600)
@@ -157,14 +158,7 @@ def test_a_hung_engine_is_detected_within_the_timeout_and_killed():
 
 
 def test_a_killed_engine_is_detected():
-    eng = ProcessEngine(
-        ".",
-        pad_token_id=PAD,
-        eos_token_ids=[EOS],
-        timeout_s=60.0,
-        start_timeout_s=START_TIMEOUT_S,
-        **_bare_engine_kwargs(),
-    )
+    eng = _bare_engine(timeout_s=60.0)
     try:
         os.kill(eng.pid, signal.SIGKILL)
         with pytest.raises(EngineError, match="died \\(exit code -9, killed by signal 9\\)"):
