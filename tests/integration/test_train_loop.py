@@ -166,11 +166,13 @@ def _assert_same_trained_models(model_dir, run_a, run_b):
 DENSE = ("rewards=[even_chars]", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6")
 
 
+@pytest.mark.parametrize("before_crash", ["disk", "none"])
 def test_disk_offloaded_optimizer_trains_and_resumes_bitwise_like_in_memory_adamw(
-    tmp_path, model_dir, pm_with_digit_reward
+    tmp_path, model_dir, pm_with_digit_reward, before_crash
 ):
     """optimizer_offload=disk (moments in files) gives the in-memory AdamW run's weights and metrics
-    exactly, through FSDP2 parameters, a crash after a checkpoint and a resume; the files are removed."""
+    exactly, through FSDP2 parameters, a crash after a checkpoint and a resume (also from a checkpoint
+    of in-memory AdamW); the files are removed."""
     pm = pm_with_digit_reward
     common = (*DENSE, "checkpoint.every=2", "training.eval_every=2", "checkpoint.export_hf=true",
               "training.steps=4", "training.weight_decay=0.01")
@@ -180,7 +182,8 @@ def test_disk_offloaded_optimizer_trains_and_resumes_bitwise_like_in_memory_adam
     pm.register(CrashAfterCheckpoint(2), name="crash")
     try:
         with pytest.raises(SimulatedCrash):
-            run_training(tiny_config(model_dir, tmp_path / "disk", *offload, pm=pm))
+            first = offload if before_crash == "disk" else common
+            run_training(tiny_config(model_dir, tmp_path / "disk", *first, pm=pm))
     finally:
         pm.unregister(name="crash")
     assert not (tmp_path / "moments" / "rank0").exists(), "a crashed run still deletes its scratch files"
