@@ -16,13 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+from machine_info import rss_mib  # benchmarks/ is on sys.path when a script here runs
 
 
 def main(argv=None) -> None:

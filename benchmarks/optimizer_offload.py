@@ -18,11 +18,7 @@ import tempfile
 import time
 
 import torch
-
-
-def rss_gib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**30
+from machine_info import rss_mib  # benchmarks/ is on sys.path when a script here runs
 
 
 def smollm2_shapes() -> list[tuple[int, ...]]:
@@ -58,13 +54,13 @@ def main(argv=None) -> None:
     rows = {}
     for name in ("torch AdamW(fused=True)", "rlite DiskOffloadAdamW"):
         gc.collect()
-        before = rss_gib()
+        before = rss_mib() / 1024
         if name.startswith("torch"):
             opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
         else:
             opt = DiskOffloadAdamW(params, tempfile.mkdtemp(dir=args.dir) + "/moments", lr=1e-5, chunk_mb=args.chunk_mb)
         times = time_steps(opt, args.steps)
-        added = rss_gib() - before
+        added = rss_mib() / 1024 - before
         steady = times[1:] or times
         rows[name] = (statistics.median(t[0] for t in steady), statistics.median(t[1] for t in steady), added)
         if hasattr(opt, "close"):

@@ -455,7 +455,7 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
         keep_last=run.config.checkpoint.keep_last,
         extra_models=extra_models(run),
     )
-    release = getattr(getattr(run.backend, "optimizer", None), "release_pages", None)
+    release = getattr(run.backend.optimizer, "release_pages", None)
     if release is not None:  # the save read the offloaded moments into memory: give those pages back
         release()
     run.pm.hook.on_checkpoint_save(step=step, path=path)
@@ -711,8 +711,7 @@ def run_training(cfg: RunConfig) -> dict[str, Any]:
             summary = train(run)
         finally:
             run.engine.shutdown()
-            # e.g. deletes offloaded moment files
-            close = getattr(getattr(run.backend, "optimizer", None), "close", None)
+            close = getattr(run.backend.optimizer, "close", None)  # e.g. deletes offloaded moment files
             if close is not None:
                 close()
         finished = True

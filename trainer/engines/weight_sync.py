@@ -363,15 +363,15 @@ def bucket_checksum(buffer: torch.Tensor, *, threads: int | None = None) -> int:
     """
     if buffer.numel() % 8:
         raise ValueError(f"checksum needs a multiple of 8 bytes, got {buffer.numel()}")
-    words = buffer.view(torch.int64)
-    if threads is None or buffer.device.type != "cpu" or threads == torch.get_num_threads():
-        return int(words.sum().item()) % (1 << 64)
     previous = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(threads)))
+    wanted = previous if threads is None or buffer.device.type != "cpu" else max(1, int(threads))
+    if wanted != previous:
+        torch.set_num_threads(wanted)
     try:
-        return int(words.sum().item()) % (1 << 64)
+        return int(buffer.view(torch.int64).sum().item()) % (1 << 64)
     finally:
-        torch.set_num_threads(previous)
+        if wanted != previous:
+            torch.set_num_threads(previous)
 
 
 # --------------------------------------------------------------------------------------------------
