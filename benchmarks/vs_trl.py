@@ -172,6 +172,30 @@ def read_jsonl(path: Path) -> list[dict]:
 PROFILER = None  # a cProfile.Profile in a child run with --profile
 
 
+def malloc_live_mib():
+    """A function returning the bytes glibc's malloc has handed out and not yet had back (MiB), or
+    None off glibc. RSS minus this is what the allocator keeps after frees (plus non-malloc memory:
+    code, mapped files)."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = Mallinfo2
+
+    def live() -> float:
+        info = mallinfo2()
+        return (info.uordblks + info.hblkhd) / 2**20
+
+    return live
+
+
 class StepClock:
     """Wall and CPU time (``time.process_time``: all threads of this process) per step and per phase.
 
@@ -187,6 +211,7 @@ class StepClock:
         self.last = (time.perf_counter(), time.process_time())
         self.active: list[str] = []  # the phases running now, innermost last
         self.peak_rss: dict[str, float] = {}  # MiB: the highest resident memory sampled inside each phase
+        self.peak_live: dict[str, float] = {}  # MiB: the most bytes malloc had handed out (glibc only)
         self._sampler: threading.Thread | None = None
         self._sampling = threading.Event()
 
@@ -195,6 +220,7 @@ class StepClock:
         active phase: ``peak_rss`` then says which phase reaches the process's peak, and how high the
         others go. (A peak shorter than the interval can be missed; ``getrusage`` still has it.)"""
         page = os.sysconf("SC_PAGE_SIZE") / 2**20
+        live_mib = malloc_live_mib()
 
         def run() -> None:
             with open("/proc/self/statm") as statm:
@@ -204,6 +230,9 @@ class StepClock:
                     label = self.active[-1] if self.active else "outside the timed phases"
                     if rss > self.peak_rss.get(label, 0.0):
                         self.peak_rss[label] = rss
+                    live = live_mib() if live_mib is not None else 0.0
+                    if live > self.peak_live.get(label, 0.0):
+                        self.peak_live[label] = live
 
         self._sampler = threading.Thread(target=run, name="rss-sampler", daemon=True)
         self._sampler.start()
@@ -413,6 +442,7 @@ def child_rlite(spec: dict) -> dict:
         rlite_step_phases=[{k: v for k, v in r.items() if k.startswith("time/")} for r in rows],
         peak_rss_mib=peak,
         peak_rss_by_phase=clock.peak_rss,
+        peak_live_by_phase=clock.peak_live,
         setup_s=marks["train_start"] - start,
         total_s=done - start,
         final_model=str(run_dir / "hf_model"),
@@ -595,6 +625,7 @@ def child_trl(spec: dict) -> dict:
         phases=clock.phases(derive),
         peak_rss_mib=peak,
         peak_rss_by_phase=clock.peak_rss,
+        peak_live_by_phase=clock.peak_live,
         setup_s=marks["train_start"] - start,
         total_s=done - start,
         final_model=str(out_dir / "final"),
@@ -848,11 +879,17 @@ def memory_table(results: dict) -> str:
     """The peak resident memory sampled inside each phase (``--memory-phases``), highest first."""
     lines = []
     for framework, result in results.items():
+        live = result.get("peak_live_by_phase", {})
         for phase, mib in sorted(result.get("peak_rss_by_phase", {}).items(), key=lambda kv: -kv[1]):
-            lines.append(f"| {framework} | {phase} | {mib / 1024:.2f} |")
+            live_gib = f"{live[phase] / 1024:.2f}" if phase in live else "-"
+            lines.append(f"| {framework} | {phase} | {mib / 1024:.2f} | {live_gib} |")
     if not lines:
         return ""
-    head = "\n\nPeak resident memory inside each phase (sampled every 2 ms):\n\n| framework | phase | GiB |\n|---|---|---:|\n"
+    head = (
+        "\n\nPeak resident memory inside each phase (sampled every 2 ms), and the peak of the bytes malloc had"
+        " handed out (live; RSS above it is kept by the allocator or is not malloc's):\n\n"
+        "| framework | phase | RSS, GiB | live malloc, GiB |\n|---|---|---:|---:|\n"
+    )
     return head + "\n".join(lines)
 
 

@@ -3,6 +3,8 @@
 ``fully_shard`` is applied to every decoder block and then to the root at every world size, so a
 single process runs the very code path that N ranks run (and the mixed-precision policy is always
 installed). Gradients of several micro-batches accumulate in the sharded ``.grad`` of each parameter.
+``parallelism.shard_single_process=false`` keeps a single process's model plain; its weight
+gradients are then added into ``.grad`` in place (:mod:`rlite.grad_accumulation`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rlite.config import LoraConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from rlite.logprobs import PolicyModel, causal_lm_of
@@ -125,7 +127,12 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
     policy = PolicyModel(lm).to(device)
     if not trainable:
         policy.requires_grad_(False)
-    return apply_fsdp(policy, par_cfg)
+    policy = apply_fsdp(policy, par_cfg)
+    if trainable and par_cfg.fused_grad_accumulation and not isinstance(policy, FSDPModule):
+        from rlite.grad_accumulation import accumulate_in_place
+
+        accumulate_in_place(policy)
+    return policy
 
 
 @dataclass

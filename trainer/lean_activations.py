@@ -16,6 +16,8 @@ decoder block two places save tensors that are cheap to recompute from what is s
 
 The forward passes run the same ops in the same order as the Hugging Face modules they replace, so
 forward values are bitwise equal; gradients agree to float rounding (``tests/unit/test_lean_activations.py``).
+Their weight gradients go through :mod:`rlite.grad_accumulation`, so they are added into ``.grad`` in
+place where the model accumulates that way.
 
 :func:`apply_lean_activations` swaps the ``forward`` of every module it recognises exactly: an MLP
 with bias-free ``nn.Linear`` ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU ``act_fn``, and the
@@ -33,6 +35,8 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rlite.grad_accumulation import matmul_grad, vector_grad
 
 RMSNORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
@@ -56,13 +60,13 @@ class SwiGLUFunction(torch.autograd.Function):
         gf = g.float()
         s = torch.sigmoid(gf)
         dp = dy @ w_down
-        dw_down = dy.reshape(-1, dy.shape[-1]).t() @ p.reshape(-1, p.shape[-1])
+        dw_down = matmul_grad(w_down, dy.reshape(-1, dy.shape[-1]), p.reshape(-1, p.shape[-1]))
         du = dp * a
         dg = (dp.float() * u.float() * (s * (1 + gf * (1 - s)))).to(g.dtype)
         dx = dg @ w_gate + du @ w_up
         x2 = x.reshape(-1, x.shape[-1])
-        dw_gate = dg.reshape(-1, dg.shape[-1]).t() @ x2
-        dw_up = du.reshape(-1, du.shape[-1]).t() @ x2
+        dw_gate = matmul_grad(w_gate, dg.reshape(-1, dg.shape[-1]), x2)
+        dw_up = matmul_grad(w_up, du.reshape(-1, du.shape[-1]), x2)
         return dx, dw_gate, dw_up, dw_down
 
 
@@ -85,7 +89,7 @@ class RMSNormFunction(torch.autograd.Function):
         dw = (dy.float() * n.to(x.dtype).float()).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
         h = dy.float() * weight.float()
         dx = r * (h - n * (h * n).mean(-1, keepdim=True))
-        return dx.to(x.dtype), dw, None
+        return dx.to(x.dtype), vector_grad(weight, dw), None
 
 
 def _swiglu_forward(self, x):

@@ -63,11 +63,16 @@ def chunked_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` from hidden states ``[N, H]``.
 
-    ``recompute`` checkpoints each chunk (its logits are recomputed in backward instead of kept);
+    ``recompute`` recomputes each chunk's logits in backward instead of keeping them;
     ``entropy_grad=False`` computes the entropy outside the autograd graph (a metric only).
+    Without a bias and with no gradient through the entropy this is :class:`LinearLogprobFunction`;
+    otherwise each chunk runs under activation checkpointing.
     """
-    outputs_lp, outputs_ent = [], []
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if bias is None and not (with_entropy and entropy_grad and needs_grad):
+        keep_probs = needs_grad and not recompute
+        return LinearLogprobFunction.apply(hidden, weight, targets, temperature, chunk_size, with_entropy, keep_probs)
+    outputs_lp, outputs_ent = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
         if needs_grad and recompute:
@@ -82,6 +87,71 @@ def chunked_logprobs(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(outputs_lp), torch.cat(outputs_ent)
+
+
+class LinearLogprobFunction(torch.autograd.Function):
+    """``log softmax(h W^T / T)[y]`` in chunks of tokens, with its own backward; the entropy, when
+    asked for, is a metric (no gradient).
+
+    Forward, per chunk: ``z = (h W^T) / T``, ``lp = z_y - logsumexp(z)``, ``p = softmax(z)`` and
+    ``H = logsumexp(z) - p . z``. Backward, per chunk, with ``g = dL/dlp``:
+    ``dz = g (onehot(y) - p) / T``, written over ``p`` in place; ``dh = dz W``; ``dW = dz^T h``, added
+    chunk by chunk into one buffer, or straight into ``W.grad`` where the weight accumulates in place
+    (:mod:`rlite.grad_accumulation`). ``keep_probs`` keeps each chunk's ``p`` from the forward;
+    otherwise the backward recomputes the chunk's logits. Either way a chunk's ``[tokens, vocab]``
+    floats are the only large temporary: autograd's version of the same maths holds three or four
+    (logits, softmax, the one-hot scatter, the gradient) and a fresh ``[vocab, hidden]`` gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, keep_probs):
+        n = hidden.shape[0]
+        logprobs = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_zeros(n, dtype=torch.float32)
+        kept = []
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = (hidden[rows] @ weight.t()).float() / temperature
+            lse = torch.logsumexp(z, dim=-1)
+            logprobs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse
+            if with_entropy or keep_probs:
+                p = torch.softmax(z, dim=-1)
+                if with_entropy:  # a batched dot product: no [tokens, vocab] temporary
+                    entropy[rows] = lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+                if keep_probs:
+                    kept.append(p)
+            del z
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.kept, ctx.temperature, ctx.chunk_size = kept, temperature, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        from rlite.grad_accumulation import add_matmul, in_place
+
+        hidden, weight, targets = ctx.saved_tensors
+        temperature, kept = ctx.temperature, ctx.kept
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_h else None
+        grad_weight = None
+        for index, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
+            rows = slice(start, start + ctx.chunk_size)
+            if kept:
+                p, kept[index] = kept[index], None  # freed as soon as it is used
+            else:
+                p = torch.softmax((hidden[rows] @ weight.t()).float() / temperature, dim=-1)
+            g = grad_logprobs[rows, None]
+            dz = p.mul_(-g).scatter_add_(-1, targets[rows, None], g).div_(temperature).to(hidden.dtype)
+            del p
+            if want_h:
+                grad_hidden[rows] = dz @ weight
+            if want_w and in_place(weight):
+                weight.grad = add_matmul(weight.grad, dz, hidden[rows])
+            elif want_w:
+                grad_weight = add_matmul(grad_weight, dz, hidden[rows])
+        ctx.kept = None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def liger_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1.0) -> torch.Tensor:

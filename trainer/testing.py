@@ -92,11 +92,13 @@ def fixed_batch_update(
     minibatches: int = 1,
     share_prompts: bool = False,
     optimizer_offload: str = "none",
+    plain: bool = False,
 ) -> None:
     """One optimizer step of the real FSDP2 backend on a fixed global batch; rank r takes slice r.
 
     Writes the loss metrics and the updated full parameters to ``out_file`` (rank 0). Used by the
-    world-size and micro-batching invariance tests. AdamW runs with eps=1 so that its first step is
+    world-size and micro-batching invariance tests. ``plain`` (world size 1) keeps the model without
+    FSDP2, accumulating its weight gradients in place (``rlite.grad_accumulation``). AdamW runs with eps=1 so that its first step is
     about lr * grad (linear in the gradient) instead of lr * sign(grad), which would turn rounding
     noise in near-zero gradients into full-size weight differences.
     """
@@ -116,7 +118,7 @@ def fixed_batch_update(
 
         backend = FSDP2Backend.build(
             ModelConfig(path=model_dir),
-            ParallelismConfig(),
+            ParallelismConfig(shard_single_process=not plain),
             TrainingConfig(
                 lr=1e-2, eps=1.0, grad_clip=0.0, micro_batch_size=micro_batch_size, optimizer_offload=optimizer_offload
             ),
@@ -144,10 +146,10 @@ def fixed_batch_update(
         )
         params = {name: t.detach().clone() for name, t in iter_full_tensors(backend.model.lm, lora_merge=False)}
         # the stream (next all-gather in flight) gives exactly what a plain full_tensor() gives
-        from rlite.engines.weight_sync import _finish_full, _start_full
+        from rlite.engines.weight_sync import _finish_full, _full, _start_full
 
         lm = backend.model.lm
-        reference = {name: p.detach().full_tensor() for name, p in lm.named_parameters()}
+        reference = {name: _full(p.detach()) for name, p in lm.named_parameters()}
         stream_exact = params.keys() == reference.keys() and all(torch.equal(params[n], reference[n]) for n in params)
         probe = _start_full(next(lm.parameters()))
         async_gather = type(probe).__name__ == "AsyncCollectiveTensor"

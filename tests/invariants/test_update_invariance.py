@@ -18,10 +18,11 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
-def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1, share_prompts=False, offload="none"):
+def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1, share_prompts=False, offload="none",
+         plain=False):
     out = tmp_path / f"{name}.pt"
     init = tmp_path / f"{name}.init"
-    args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches, share_prompts, offload)
+    args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches, share_prompts, offload, plain)
     if world_size == 1:
         fixed_batch_update(0, *args)
     else:
@@ -72,10 +73,24 @@ def test_shared_prompt_forward_under_fsdp_equals_full_forward(tmp_path, model_di
     _assert_same(full, shared_ws2, rtol=1e-4, atol=1e-6)
 
 
+def test_plain_model_accumulating_gradients_in_place_equals_fsdp2(tmp_path, model_dir):
+    """Without FSDP2 the weight gradients are added into .grad in place by rlite's ops (addmm_,
+    index_add_): 4 accumulated micro-batches with shared prompts, with and without the moments on
+    disk, give the step that FSDP2 takes on the whole batch in one pass."""
+    whole = _run(tmp_path, model_dir, 1, 16, "token-mean", "fsdp2-whole")
+    for offload in ("none", "disk"):
+        plain = _run(tmp_path, model_dir, 1, 4, "token-mean", f"plain-{offload}", share_prompts=True,
+                     offload=offload, plain=True)
+        _assert_same(whole, plain, rtol=1e-4, atol=1e-6)
+        assert plain["stream_exact"]
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["fsdp2", "plain"])
 @pytest.mark.parametrize("share_prompts", [False, True])
-def test_first_minibatch_of_an_on_policy_step_has_ratio_exactly_one(tmp_path, model_dir, share_prompts):
+def test_first_minibatch_of_an_on_policy_step_has_ratio_exactly_one(tmp_path, model_dir, share_prompts, plain):
     """pi_old from the no-grad scoring pass equals the training forward bit for bit, so the first
-    mini-batch's ratio is exactly 1 and nothing is clipped (several mini-batches per rollout)."""
+    mini-batch's ratio is exactly 1 and nothing is clipped (several mini-batches per rollout); also
+    for a model without FSDP2, whose training forward runs rlite's in-place-gradient ops."""
     import torch.distributed as dist
 
     from rlite.actor import FSDP2Backend
@@ -86,7 +101,8 @@ def test_first_minibatch_of_an_on_policy_step_has_ratio_exactly_one(tmp_path, mo
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        backend = FSDP2Backend.build(ModelConfig(path=model_dir), ParallelismConfig(), TrainingConfig(),
+        backend = FSDP2Backend.build(ModelConfig(path=model_dir), ParallelismConfig(shard_single_process=not plain),
+                                     TrainingConfig(),
                                      torch.device("cpu"), total_optimizer_steps=2)
         batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
         spec = ForwardSpec(micro_batch_size=3, temperature=0.9, chunk_size=5, exact_layout=False,

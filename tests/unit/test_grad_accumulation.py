@@ -1,0 +1,153 @@
+"""Weight gradients added into ``.grad`` in place: the same gradients as autograd's (to float
+rounding) over several accumulated backward passes, written into the same tensor every time, and
+nothing left for autograd to buffer. Also the fused output layer's log-prob backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from rlite.grad_accumulation import EmbeddingFunction, LinearFunction, accumulate_in_place
+from rlite.lean_activations import apply_lean_activations
+from rlite.logprobs import LinearLogprobFunction, PolicyModel
+from rlite.testing import fixed_batch, tiny_qwen2
+from rlite.update import ForwardSpec, forward_logprobs
+
+
+def _assert_grads_close(reference: nn.Module, model: nn.Module, rel: float = 1e-5) -> None:
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert b.grad is not None, name
+        scale = a.grad.abs().max().item()
+        assert scale > 0, name
+        assert (b.grad - a.grad).abs().max().item() <= rel * scale, name
+
+
+def _score(policy: PolicyModel, mb, share_prompts: bool):
+    spec = ForwardSpec(micro_batch_size=len(mb), temperature=0.9, chunk_size=5, exact_layout=False,
+                       entropy_grad=False, share_prompts=share_prompts)
+    return forward_logprobs(policy, mb, spec, with_entropy=True)[0]
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["hf-modules", "lean-activations"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_in_place_accumulation_gives_autograds_gradients_over_micro_batches(tie, lean):
+    """Three accumulated micro-batches with shared prompts (every weight used by two passes, the
+    tied matrix by three): the same summed gradients, written into one tensor per parameter."""
+    reference = PolicyModel(tiny_qwen2(vocab_size=96, tie=tie)).train()
+    if lean:
+        apply_lean_activations(reference)
+    model = copy.deepcopy(reference)
+    counts = accumulate_in_place(model)
+    n_params = sum(1 for _ in model.parameters())
+    assert counts == {"parameters": n_params, "linear": 2 * 7 + 1, "embedding": 1}
+    batch = fixed_batch(num_prompts=3, samples=4, prompt_len=6, max_len=7, vocab=96)
+    coeff = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(3))
+    storages = None
+    for rows in (slice(0, 4), slice(4, 8), slice(8, 12)):
+        mb = batch.select(rows)
+        for policy in (reference, model):
+            (_score(policy, mb, share_prompts=True) * coeff[rows]).sum().backward()
+        if storages is None:
+            storages = [p.grad.data_ptr() for p in model.parameters()]
+    assert [p.grad.data_ptr() for p in model.parameters()] == storages, "accumulated into the same tensors"
+    _assert_grads_close(reference, model)
+
+
+def test_no_weight_gradient_reaches_autograd():
+    """The ops return no gradient for a weight that accumulates in place, so autograd never calls
+    the weight's accumulation node (where it would buffer and sum a fresh tensor)."""
+    model = PolicyModel(tiny_qwen2(vocab_size=96, tie=True)).train()
+    apply_lean_activations(model)
+    accumulate_in_place(model)
+    seen = []
+    for p in model.parameters():
+        p.register_hook(lambda g, seen=seen: seen.append(g) if g is not None else None)
+    batch = fixed_batch(num_prompts=2, samples=2, prompt_len=5, max_len=4, vocab=96)
+    _score(model, batch, share_prompts=True).sum().backward()
+    assert seen == []
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_unmarked_weights_get_their_gradient_from_autograd():
+    """The functions return the gradient for weights that do not accumulate in place (a frozen-free
+    copy, or parameters of a model sharded by FSDP2)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 8, generator=g, requires_grad=True)
+    linear = nn.Linear(8, 6)
+    y = LinearFunction.apply(x, linear.weight, linear.bias)
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    ref = copy.deepcopy(linear)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref(x_ref).backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(linear.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(linear.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_embedding_gradient_skips_the_padding_row(marked):
+    emb = nn.Embedding(10, 4, padding_idx=0)
+    ref = copy.deepcopy(emb)
+    if marked:
+        accumulate_in_place(emb)
+    ids = torch.tensor([[0, 3, 3, 7], [1, 0, 3, 9]])
+    dy = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        (EmbeddingFunction.apply(ids, emb.weight, 0) if not marked else emb(ids)).backward(dy)
+        ref(ids).backward(dy)
+    torch.testing.assert_close(emb.weight.grad, ref.weight.grad)
+    assert emb.weight.grad[0].abs().sum() == 0 and emb.weight.grad[3].abs().sum() > 0
+
+
+def _reference_logprobs(hidden, weight, targets, temperature):
+    logits = (hidden @ weight.t()).double() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("marked", [False, True])
+@pytest.mark.parametrize("keep_probs", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_fused_output_layer_logprobs_values_and_gradients(chunk, keep_probs, marked):
+    """log p = z_y - logsumexp(z) and the metric entropy against the float64 formulas; backward
+    dz = g (onehot - p) / T against autograd through log_softmax, twice accumulated."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = nn.Parameter(torch.randn(50, 16, generator=g))
+    if marked:
+        accumulate_in_place(nn.ParameterList([weight]))
+    targets = torch.randint(0, 50, (37,), generator=g)
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    ref_w = weight.detach().clone().requires_grad_(True)
+    for seed in (1, 2):
+        coeff = torch.randn(37, generator=torch.Generator().manual_seed(seed))
+        lp, ent = LinearLogprobFunction.apply(hidden, weight, targets, 0.7, chunk, True, keep_probs)
+        assert not ent.requires_grad
+        ref_lp, ref_ent = _reference_logprobs(ref_h, ref_w, targets, 0.7)
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+        (lp * coeff).sum().backward()
+        (ref_lp.float() * coeff).sum().backward()
+    torch.testing.assert_close(hidden.grad, ref_h.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weight.grad, ref_w.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_output_layer_saves_only_its_inputs_when_recomputing():
+    """Recomputing, no [tokens, vocab] tensor is kept for backward."""
+    hidden = torch.randn(256, 8, requires_grad=True)
+    weight = torch.randn(1000, 8, requires_grad=True)
+    targets = torch.randint(0, 1000, (256,))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, _ = LinearLogprobFunction.apply(hidden, weight, targets, 1.0, 64, True, False)
+    assert sorted(saved) == [256, 256 * 8, 1000 * 8], "only targets, hidden and weight are saved"
+    lp.sum().backward()
