@@ -37,12 +37,17 @@ def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
-def test_steps_are_bitwise_torch_fused_adamw(tmp_path):
+@pytest.mark.parametrize("direct_io", [None, False], ids=["direct-where-possible", "buffered"])
+def test_steps_are_bitwise_torch_fused_adamw(tmp_path, direct_io):
+    """Many small chunks (4096 elements) through 3 staging buffers: reads, steps and writes overlap."""
     reference, offloaded = _model(), _model()
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(reference.parameters(), **kw, fused=True)
-    off_opt = DiskOffloadAdamW(offloaded.parameters(), tmp_path / "moments", **kw, chunk_mb=0.05)
+    off_opt = DiskOffloadAdamW(offloaded.parameters(), tmp_path / "moments", **kw, chunk_mb=0.05,
+                               direct_io=direct_io)
     assert off_opt.chunk == 4096
+    if direct_io is False:
+        assert not off_opt.direct_io
     _run(reference, offloaded, ref_opt, off_opt, steps=4)
     assert _equal(reference, offloaded)
     ref_sd, off_sd = ref_opt.state_dict(), off_opt.state_dict()
@@ -152,3 +157,30 @@ def test_full_disk_is_reported_before_any_write(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="training.optimizer_offload_dir: cannot reserve"):
         opt.step()
     assert torch.equal(param.detach(), torch.zeros(10)), "nothing was stepped"
+
+
+@pytest.mark.parametrize("fail", ["read", "write"])
+def test_io_failure_is_an_error_not_a_hang(tmp_path, monkeypatch, fail):
+    """A failing read or write of a chunk stops the step with an error naming the folder; the
+    pipeline's threads end."""
+    import threading
+
+    from rlite import optim_offload
+
+    model = _model()
+    _set_grads(model, 0)
+    opt = DiskOffloadAdamW(model.parameters(), tmp_path / "moments", chunk_mb=0.05)
+    calls = []
+    original = getattr(optim_offload._MomentFile, fail)
+
+    def flaky(self, *args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(5, "Input/output error")
+        return original(self, *args)
+
+    monkeypatch.setattr(optim_offload._MomentFile, fail, flaky)
+    with pytest.raises(OSError, match="moments.*Input/output error"):
+        opt.step()
+    assert not [t for t in threading.enumerate() if t.name.startswith("rlite-optimizer-")]
+    opt.close()
