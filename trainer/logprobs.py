@@ -111,13 +111,13 @@ class LinearLogprobFunction(torch.autograd.Function):
         kept = []
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            z = (hidden[rows] @ weight.t()).float() / temperature
+            z = (hidden[rows] @ weight.t()).float().div_(temperature)  # in place: one [tokens, vocab] buffer
             lse = torch.logsumexp(z, dim=-1)
             logprobs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse
             if with_entropy or keep_probs:
                 p = torch.softmax(z, dim=-1)
-                if with_entropy:  # a batched dot product: no [tokens, vocab] temporary
-                    entropy[rows] = lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+                if with_entropy:  # z is not needed after this: the products go into it (no temporary)
+                    entropy[rows] = lse - z.mul_(p).sum(-1)
                 if keep_probs:
                     kept.append(p)
             del z
@@ -140,7 +140,7 @@ class LinearLogprobFunction(torch.autograd.Function):
             if kept:
                 p, kept[index] = kept[index], None  # freed as soon as it is used
             else:
-                p = torch.softmax((hidden[rows] @ weight.t()).float() / temperature, dim=-1)
+                p = torch.softmax((hidden[rows] @ weight.t()).float().div_(temperature), dim=-1)
             g = grad_logprobs[rows, None]
             dz = p.mul_(-g).scatter_add_(-1, targets[rows, None], g).div_(temperature).to(hidden.dtype)
             del p
