@@ -151,3 +151,31 @@ def test_fused_output_layer_saves_only_its_inputs_when_recomputing():
         lp, _ = LinearLogprobFunction.apply(hidden, weight, targets, 1.0, 64, True, False)
     assert sorted(saved) == [256, 256 * 8, 1000 * 8], "only targets, hidden and weight are saved"
     lp.sum().backward()
+
+
+def test_lora_adapters_accumulate_in_place_and_frozen_weights_get_nothing():
+    """With peft LoRA only the adapters train: their nn.Linear modules are swapped, the frozen base
+    projections keep autograd's path (no gradient), and the summed gradients match autograd's."""
+    from rlite.actor import apply_lora
+    from rlite.config import LoraConfig
+
+    reference = PolicyModel(apply_lora(tiny_qwen2(vocab_size=96), LoraConfig(enabled=True, rank=4))).train()
+    with torch.no_grad():  # peft starts B at zero, which would leave A without a gradient
+        for name, p in reference.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
+    model = copy.deepcopy(reference)
+    counts = accumulate_in_place(model)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert counts["parameters"] == len(trainable) > 0 and counts["linear"] == len(trainable)
+    assert all("lora_" in name for name in trainable) and counts["embedding"] == 0
+    batch = fixed_batch(num_prompts=2, samples=3, prompt_len=5, max_len=6, vocab=96)
+    for rows in (slice(0, 3), slice(3, 6)):
+        for policy in (reference, model):
+            _score(policy, batch.select(rows), share_prompts=True).sum().backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        if not a.requires_grad:
+            assert a.grad is None and b.grad is None, name
+            continue
+        scale = a.grad.abs().max().item()
+        assert scale > 0 and (b.grad - a.grad).abs().max().item() <= 1e-5 * scale, name
