@@ -3,8 +3,9 @@
 Builds fp32 parameters of SmolLM2-135M's shapes (a 49152 x 576 embedding and 30 decoder blocks, no
 model download), gives them gradients, and times optimizer steps of both, one after the other in this
 process, one thread. Prints per-step wall and CPU seconds, the ratio, and the resident memory each
-optimizer added. ``DiskOffloadAdamW``'s write-back thread is waited for between steps (it normally
-overlaps the next rollout), so its step time includes reading the moments back from disk.
+optimizer added. ``DiskOffloadAdamW``'s step reads and writes every moment (with direct I/O where the
+file system takes it; otherwise its background write-back is waited for between steps), so its step
+time is bound by the disk.
 
     python benchmarks/optimizer_offload.py [--steps 4] [--chunk-mb 16] [--dir /tmp]
 """
