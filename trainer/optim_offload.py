@@ -160,20 +160,21 @@ class _Staging:
     def __init__(self, slots: int, chunk: int) -> None:
         self.buffer = mmap.mmap(-1, slots * 2 * chunk * 4)
         flat = torch.frombuffer(self.buffer, dtype=torch.float32)
-        view = memoryview(self.buffer)
+        self.view = memoryview(self.buffer)
         self.tensors = [(flat[(2 * i) * chunk : (2 * i + 1) * chunk], flat[(2 * i + 1) * chunk : (2 * i + 2) * chunk])
                         for i in range(slots)]
-        self.views = [(view[(2 * i) * chunk * 4 : (2 * i + 1) * chunk * 4],
-                       view[(2 * i + 1) * chunk * 4 : (2 * i + 2) * chunk * 4]) for i in range(slots)]
+        self.views = [(self.view[(2 * i) * chunk * 4 : (2 * i + 1) * chunk * 4],
+                       self.view[(2 * i + 1) * chunk * 4 : (2 * i + 2) * chunk * 4]) for i in range(slots)]
 
     def close(self) -> None:
         for m, v in self.views:
             m.release()
             v.release()
+        self.view.release()
         self.tensors = self.views = []
         try:
             self.buffer.close()
-        except BufferError:
+        except BufferError:  # a tensor still views the buffer: the OS unmaps it when that goes
             pass
 
 
