@@ -2,16 +2,18 @@
 
 :class:`PolicyModel` wraps a Hugging Face causal LM so that FSDP2's root unit owns the whole forward:
 the decoder produces hidden states, then only the *response* positions go through the output layer,
-in chunks of ``chunk_size`` tokens under activation checkpointing. Each chunk computes
+in chunks of ``chunk_size`` tokens. Each chunk computes
 
     z = (h @ W^T) / temperature        (float32)
     log p(y) = z_y - logsumexp(z)
     H = logsumexp(z) - sum softmax(z) * z
 
-so the backward pass re-computes one chunk's logits at a time instead of storing all of them. When a
-micro-batch's response logits are small (``training.logprob_recompute_mb``) they are simply kept,
-which saves the recomputation; the entropy is kept out of the autograd graph unless it is in the
-loss (``algorithm.entropy_coef != 0``).
+and the backward pass re-computes one chunk's logits at a time instead of storing all of them. When a
+micro-batch's response logits are small (``training.logprob_recompute_mb``) each chunk's softmax is
+simply kept, which saves the recomputation. The entropy is kept out of the autograd graph unless it
+is in the loss (``algorithm.entropy_coef != 0``); without it (and without an output-layer bias)
+:class:`LinearLogprobFunction` does the work with a hand-written backward, otherwise each chunk runs
+under activation checkpointing.
 Temperature is the sampling temperature: the engine draws from softmax(z) with the same division.
 
 ``use_liger=True`` (CUDA only) gets the log-probs from liger-kernel's fused linear cross-entropy with

@@ -258,10 +258,6 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
             local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
 
-    def _moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        state = self.state[p]
-        return _local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1)
-
     def load_state_dict(self, state_dict) -> None:
         """Load as torch does, then move every loaded moment into its parameter's file."""
         self.wait()
@@ -399,6 +395,9 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
             stepped.put(None)
             for t in threads:
                 t.join(_IO_TIMEOUT_S)
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"optimizer offload: a read or write of the moments under {self.directory} took over "
+                               f"{_IO_TIMEOUT_S:.0f}s")
         if errors:
             raise OSError(f"optimizer offload: reading or writing the moments under {self.directory} failed: "
                           f"{errors[0]}") from errors[0]

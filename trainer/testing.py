@@ -98,9 +98,10 @@ def fixed_batch_update(
 
     Writes the loss metrics and the updated full parameters to ``out_file`` (rank 0). Used by the
     world-size and micro-batching invariance tests. ``plain`` (world size 1) keeps the model without
-    FSDP2, accumulating its weight gradients in place (``rlite.grad_accumulation``). AdamW runs with eps=1 so that its first step is
-    about lr * grad (linear in the gradient) instead of lr * sign(grad), which would turn rounding
-    noise in near-zero gradients into full-size weight differences.
+    FSDP2, accumulating its weight gradients in place (``rlite.grad_accumulation``). AdamW runs with
+    eps=1 so that its first step is about lr * grad (linear in the gradient) instead of
+    lr * sign(grad), which would turn rounding noise in near-zero gradients into full-size weight
+    differences.
     """
     import torch.distributed as dist
 

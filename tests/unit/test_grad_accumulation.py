@@ -1,6 +1,6 @@
 """Weight gradients added into ``.grad`` in place: the same gradients as autograd's (to float
 rounding) over several accumulated backward passes, written into the same tensor every time, and
-nothing left for autograd to buffer. Also the fused output layer's log-prob backward."""
+nothing left for autograd to buffer (the output layer's hand-written backward: test_logprobs.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from rlite.grad_accumulation import EmbeddingFunction, LinearFunction, accumulate_in_place
 from rlite.lean_activations import apply_lean_activations
-from rlite.logprobs import LinearLogprobFunction, PolicyModel
+from rlite.logprobs import PolicyModel
 from rlite.testing import fixed_batch, tiny_qwen2
 from rlite.update import ForwardSpec, forward_logprobs
 
@@ -101,56 +101,6 @@ def test_embedding_gradient_skips_the_padding_row(marked):
         ref(ids).backward(dy)
     torch.testing.assert_close(emb.weight.grad, ref.weight.grad)
     assert emb.weight.grad[0].abs().sum() == 0 and emb.weight.grad[3].abs().sum() > 0
-
-
-def _reference_logprobs(hidden, weight, targets, temperature):
-    logits = (hidden @ weight.t()).double() / temperature
-    logp = torch.log_softmax(logits, -1)
-    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
-
-
-@pytest.mark.parametrize("marked", [False, True])
-@pytest.mark.parametrize("keep_probs", [False, True])
-@pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_fused_output_layer_logprobs_values_and_gradients(chunk, keep_probs, marked):
-    """log p = z_y - logsumexp(z) and the metric entropy against the float64 formulas; backward
-    dz = g (onehot - p) / T against autograd through log_softmax, twice accumulated."""
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
-    weight = nn.Parameter(torch.randn(50, 16, generator=g))
-    if marked:
-        accumulate_in_place(nn.ParameterList([weight]))
-    targets = torch.randint(0, 50, (37,), generator=g)
-    ref_h = hidden.detach().clone().requires_grad_(True)
-    ref_w = weight.detach().clone().requires_grad_(True)
-    for seed in (1, 2):
-        coeff = torch.randn(37, generator=torch.Generator().manual_seed(seed))
-        lp, ent = LinearLogprobFunction.apply(hidden, weight, targets, 0.7, chunk, True, keep_probs)
-        assert not ent.requires_grad
-        ref_lp, ref_ent = _reference_logprobs(ref_h, ref_w, targets, 0.7)
-        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
-        (lp * coeff).sum().backward()
-        (ref_lp.float() * coeff).sum().backward()
-    torch.testing.assert_close(hidden.grad, ref_h.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(weight.grad, ref_w.grad, rtol=1e-4, atol=1e-5)
-
-
-def test_fused_output_layer_saves_only_its_inputs_when_recomputing():
-    """Recomputing, no [tokens, vocab] tensor is kept for backward."""
-    hidden = torch.randn(256, 8, requires_grad=True)
-    weight = torch.randn(1000, 8, requires_grad=True)
-    targets = torch.randint(0, 1000, (256,))
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp, _ = LinearLogprobFunction.apply(hidden, weight, targets, 1.0, 64, True, False)
-    assert sorted(saved) == [256, 256 * 8, 1000 * 8], "only targets, hidden and weight are saved"
-    lp.sum().backward()
 
 
 def test_lora_adapters_accumulate_in_place_and_frozen_weights_get_nothing():

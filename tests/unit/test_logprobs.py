@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlite.logprobs import PolicyModel, chunked_logprobs
+from rlite.grad_accumulation import accumulate_in_place
+from rlite.logprobs import LinearLogprobFunction, PolicyModel, chunked_logprobs
 from rlite.tokenizer import build_tiny_model_dir
 
 
@@ -39,8 +40,10 @@ def test_chunked_logprobs_and_entropy_match_full_softmax_values_and_gradients(te
     torch.testing.assert_close(grad_w, weight.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_chunked_path_keeps_no_full_logits_for_backward():
-    """Saved activations for backward: only hidden and weight (checkpointing), never [N, V] logits."""
+@pytest.mark.parametrize("entropy_grad", [True, False], ids=["checkpointed-chunks", "hand-written-backward"])
+def test_chunked_path_keeps_no_full_logits_for_backward(entropy_grad):
+    """Saved for backward: never [N, V] logits. With the entropy in the graph each chunk is
+    checkpointed; otherwise LinearLogprobFunction keeps exactly its inputs."""
     hidden = torch.randn(256, 8, requires_grad=True)
     weight = torch.randn(1000, 8, requires_grad=True)
     targets = torch.randint(0, 1000, (256,))
@@ -51,9 +54,39 @@ def test_chunked_path_keeps_no_full_logits_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp, _ = chunked_logprobs(hidden, weight, targets, chunk_size=64, with_entropy=True)
+        lp, _ = chunked_logprobs(hidden, weight, targets, chunk_size=64, with_entropy=True, entropy_grad=entropy_grad)
     assert max(saved) < 256 * 1000  # no [tokens, vocab] tensor is kept
+    if not entropy_grad:
+        assert sorted(saved) == [256, 256 * 8, 1000 * 8], "only targets, hidden and weight are saved"
     lp.sum().backward()
+    assert hidden.grad.abs().sum() > 0 and weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("marked", [False, True])
+@pytest.mark.parametrize("keep_probs", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_fused_output_layer_logprobs_values_and_gradients(chunk, keep_probs, marked):
+    """log p = z_y - logsumexp(z) and the metric entropy against the float64 formulas; backward
+    dz = g (onehot - p) / T against autograd through log_softmax, twice accumulated."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(50, 16, generator=g))
+    if marked:
+        accumulate_in_place(torch.nn.ParameterList([weight]))
+    targets = torch.randint(0, 50, (37,), generator=g)
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    ref_w = weight.detach().clone().requires_grad_(True)
+    for seed in (1, 2):
+        coeff = torch.randn(37, generator=torch.Generator().manual_seed(seed))
+        lp, ent = LinearLogprobFunction.apply(hidden, weight, targets, 0.7, chunk, True, keep_probs)
+        assert not ent.requires_grad
+        ref_lp, ref_ent = _reference(ref_h, ref_w, targets, 0.7)
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+        (lp * coeff).sum().backward()
+        (ref_lp.float() * coeff).sum().backward()
+    torch.testing.assert_close(hidden.grad, ref_h.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weight.grad, ref_w.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_policy_model_scores_response_tokens_like_the_hf_forward(tmp_path):
