@@ -16,9 +16,10 @@ buffers that stay in memory, as a three-stage pipeline:
 Reads, arithmetic and writes of neighbouring chunks overlap. Where the file system supports it the
 files are read and written with ``O_DIRECT``: the data moves between the disk and the staging buffers
 without passing through the page cache, so the moments take neither process memory (beyond the
-staging buffers, ``slots x chunk_mb``) nor page cache at any time. Elsewhere (e.g. tmpfs) the I/O is
-buffered and a background thread writes the dirty pages out and drops them after the step
-(``fdatasync``, ``posix_fadvise(POSIX_FADV_DONTNEED)``); the next step waits for it first.
+staging buffers, ``slots x chunk_mb``) nor page cache at any time. Elsewhere (file systems without
+``O_DIRECT``, such as tmpfs on older kernels) the I/O is buffered and a background thread writes the
+dirty pages out and drops them after the step (``fdatasync``, ``posix_fadvise(POSIX_FADV_DONTNEED)``);
+the next step waits for it first.
 
 An earlier version mapped the files and stepped on the mapping. On the virtual machine this project
 runs on, every step then took a gigabyte of page-cache pages from the kernel and gave it back, and the
