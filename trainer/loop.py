@@ -101,6 +101,7 @@ def train(run: Run) -> dict[str, Any]:
                 before_step=functools.partial(
                     pm.hook.before_optimizer_step, step=step, model=run.backend.model, optimizer=run.backend.optimizer
                 ),
+                timer=timer,
             )
             if run.critic is not None:
                 train_metrics.update(update_critic(run, batch))

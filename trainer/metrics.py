@@ -13,7 +13,11 @@ BREAKDOWN = ("generation", "reward", "logprobs", "train", "weight_sync", "eval",
 
 
 class StepTimer:
-    """Wall time per phase of a step; ``timer.phase("generation")`` as a context manager."""
+    """Wall time per phase of a step; ``timer.phase("generation")`` as a context manager.
+
+    A name with a ``/`` is a part of the phase before it (``train/backward`` inside ``train``): it is
+    reported as ``time/train/backward`` and printed under its phase, but not added to
+    ``time/step`` a second time."""
 
     def __init__(self) -> None:
         self.current: dict[str, float] = defaultdict(float)
@@ -31,7 +35,7 @@ class StepTimer:
 
     def step_metrics(self) -> dict[str, float]:
         out = {f"time/{k}": v for k, v in self.current.items()}
-        out["time/step"] = sum(self.current.values())
+        out["time/step"] = sum(v for k, v in self.current.items() if "/" not in k)
         self.current = defaultdict(float)
         return out
 
@@ -132,14 +136,27 @@ def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:
     for key, value in summary.items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     console.print(table)
-    total = sum(breakdown.values()) or 1.0
     times = Table(title="time breakdown")
     times.add_column("phase")
     times.add_column("seconds", justify="right")
     times.add_column("share", justify="right")
-    for name, seconds in sorted(breakdown.items(), key=lambda kv: -kv[1]):
-        times.add_row(name, f"{seconds:.2f}", f"{100 * seconds / total:.1f}%")
+    for name, seconds, share in breakdown_rows(breakdown):
+        times.add_row(name, f"{seconds:.2f}", f"{100 * share:.1f}%")
     console.print(times)
+
+
+def breakdown_rows(breakdown: dict[str, float]) -> list[tuple[str, float, float]]:
+    """``(label, seconds, share of the run)`` rows: phases by time, each followed by its parts
+    (``train/backward`` as ``  backward``), which are not counted twice in the total."""
+    top = {k: v for k, v in breakdown.items() if "/" not in k}
+    total = sum(top.values()) or 1.0
+    rows = []
+    for name, seconds in sorted(top.items(), key=lambda kv: -kv[1]):
+        rows.append((name, seconds, seconds / total))
+        parts = {k: v for k, v in breakdown.items() if k.startswith(name + "/")}
+        for part, part_seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+            rows.append(("  " + part[len(name) + 1 :], part_seconds, part_seconds / total))
+    return rows
 
 
 class StepProfiler:

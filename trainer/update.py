@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,13 +110,17 @@ def update_policy(
     epochs: int,
     dp_size: int,
     before_step: Callable[[], None] | None = None,
+    timer=None,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Train on the batch; return averaged metrics and the log-probs seen by the first forward.
 
     ``batch.extras`` must hold ``advantages`` and ``loss_mask``; ``old_logprobs`` is optional: when it
     is absent (one optimizer step per rollout, no corrections) the first forward's detached log-probs
     are pi_old, so the ratio is exactly 1 by construction. Optional: ``ref_logprobs``, ``is_weights``.
+    ``timer`` (a :class:`rlite.metrics.StepTimer`) times the parts: ``train/forward`` (forward and
+    loss), ``train/backward``, ``train/optimizer`` (clipping and the optimizer step).
     """
+    phase = timer.phase if timer is not None else _untimed
     model = backend.model
     model.train()
     sums: dict[str, float] = defaultdict(float)
@@ -129,14 +134,17 @@ def update_policy(
             # per-step sums stay tensors until the step ends: no host sync per micro-batch
             step_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
             for mb in micro_batches(mini, fwd.micro_batch_size):
-                logprobs, entropy = forward_logprobs(model, mb, fwd, with_entropy=True)
-                if epoch == 0:
-                    first_pass_logprobs[offset : offset + len(mb)] = logprobs.detach()
-                offset += len(mb)
-                total = micro_batch_loss(mb, logprobs, entropy, loss, counts, step_sums)
-                total.backward()
+                with phase("train/forward"):
+                    logprobs, entropy = forward_logprobs(model, mb, fwd, with_entropy=True)
+                    if epoch == 0:
+                        first_pass_logprobs[offset : offset + len(mb)] = logprobs.detach()
+                    offset += len(mb)
+                    total = micro_batch_loss(mb, logprobs, entropy, loss, counts, step_sums)
+                with phase("train/backward"):
+                    total.backward()
             lr = backend.scheduler.get_last_lr()[0]
-            grad_norm = backend.clip_and_step(before_step)
+            with phase("train/optimizer"):
+                grad_norm = backend.clip_and_step(before_step)
             optimizer_steps += 1
             # every summed value is this rank's share x dp_size: average over ranks
             reduced = all_reduce_sum(torch.stack([v.detach().double().cpu() for v in step_sums.values()])) / dp_size
@@ -146,6 +154,11 @@ def update_policy(
             sums["actor/lr"] += lr
     metrics = {name: value / optimizer_steps for name, value in sums.items()}
     return metrics, first_pass_logprobs
+
+
+@contextmanager
+def _untimed(_name: str):
+    yield
 
 
 def micro_batch_loss(

@@ -92,6 +92,12 @@ def test_reward_rises_on_held_out_prompts_and_parameters_change(tmp_path, model_
     assert evals[-1]["eval/sampled_reward"] > evals[0]["eval/sampled_reward"]
     train_rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     assert sum(train_rewards[-3:]) > sum(train_rewards[:3])
+    # the step-time breakdown: the parts of the training phase are reported but not counted twice
+    for row in (r for r in rows if "time/train" in r):
+        parts = [row[f"time/train/{part}"] for part in ("forward", "backward", "optimizer")]
+        assert all(t > 0 for t in parts) and sum(parts) <= row["time/train"]
+        top = [v for k, v in row.items() if k.startswith("time/") and k.count("/") == 1 and k != "time/step"]
+        assert row["time/step"] == pytest.approx(sum(top))
 
 
 def _metrics_without_timing(path):
