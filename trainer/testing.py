@@ -41,13 +41,16 @@ def tiny_config(model_dir: str | Path, run_dir: str | Path, *overrides: str, pm=
     return load_config(None, base + list(overrides), pm=pm)
 
 
-def tiny_qwen2(vocab_size: int = 96, *, tie: bool = False, seed: int = 0, hidden: int = 32, layers: int = 2):
-    """An in-memory random Qwen2ForCausalLM of a few ten thousand parameters (eval mode); seeds the
-    global RNG with ``seed`` first, so the weights are a function of the arguments."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_qwen2(vocab_size: int = 96, *, tie: bool = False, seed: int = 0, hidden: int = 32, layers: int = 2,
+               arch: str = "qwen2"):
+    """An in-memory random Qwen2ForCausalLM (or, with ``arch="llama"``, LlamaForCausalLM) of a few ten
+    thousand parameters (eval mode); seeds the global RNG with ``seed`` first, so the weights are a
+    function of the arguments."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
+    cfg = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -57,7 +60,7 @@ def tiny_qwen2(vocab_size: int = 96, *, tie: bool = False, seed: int = 0, hidden
         max_position_embeddings=64,
         tie_word_embeddings=tie,
     )
-    return Qwen2ForCausalLM(cfg).eval()
+    return model_cls(cfg).eval()
 
 
 def fixed_batch(num_prompts: int, samples: int, prompt_len: int, max_len: int, vocab: int, seed: int = 0):

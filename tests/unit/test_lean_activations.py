@@ -10,16 +10,11 @@ import torch
 from torch import nn
 
 from rlite.lean_activations import RMSNormFunction, SwiGLUFunction, apply_lean_activations
+from rlite.testing import tiny_qwen2
 
 
 def _tiny(kind: str, tie: bool = False):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
-    cfg = cls(vocab_size=97, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, tie_word_embeddings=tie)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    return tiny_qwen2(vocab_size=97, tie=tie, arch=kind)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
