@@ -233,9 +233,10 @@ class StepClock:
                         self.peak_rss[label] = rss
                     samples += 1
                     # mallinfo2 walks malloc's free lists under its locks: every 10th sample only
-                    live = live_mib() if live_mib is not None and samples % 10 == 0 else 0.0
-                    if live > self.peak_live.get(label, 0.0):
-                        self.peak_live[label] = live
+                    if live_mib is not None and samples % 10 == 0:
+                        live = live_mib()
+                        if live > self.peak_live.get(label, 0.0):
+                            self.peak_live[label] = live
 
         self._sampler = threading.Thread(target=run, name="rss-sampler", daemon=True)
         self._sampler.start()

@@ -104,7 +104,6 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         ctx.bias = bias  # only read for its mark and .grad in backward
         return F.linear(x, weight, bias)
 
@@ -114,7 +113,7 @@ class LinearFunction(torch.autograd.Function):
         dx = dy @ weight if ctx.needs_input_grad[0] else None
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = matmul_grad(weight, dy2, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        db = vector_grad(ctx.bias, dy2.sum(0)) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        db = vector_grad(ctx.bias, dy2.sum(0)) if ctx.needs_input_grad[2] else None
         return dx, dw, db
 
 

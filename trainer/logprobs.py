@@ -130,7 +130,7 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        from rlite.grad_accumulation import add_matmul, in_place
+        from rlite.grad_accumulation import add_matmul, in_place, matmul_grad
 
         hidden, weight, targets = ctx.saved_tensors
         temperature, kept = ctx.temperature, ctx.kept
@@ -149,8 +149,8 @@ class LinearLogprobFunction(torch.autograd.Function):
             if want_h:
                 grad_hidden[rows] = dz @ weight
             if want_w and in_place(weight):
-                weight.grad = add_matmul(weight.grad, dz, hidden[rows])
-            elif want_w:
+                matmul_grad(weight, dz, hidden[rows])  # added into weight.grad
+            elif want_w:  # summed across chunks in one buffer
                 grad_weight = add_matmul(grad_weight, dz, hidden[rows])
         ctx.kept = None
         return grad_hidden, grad_weight, None, None, None, None, None

@@ -9,8 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-BREAKDOWN = ("generation", "reward", "logprobs", "train", "weight_sync", "eval", "checkpoint")
-
 
 class StepTimer:
     """Wall time per phase of a step; ``timer.phase("generation")`` as a context manager.

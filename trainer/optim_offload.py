@@ -48,6 +48,7 @@ import queue
 import shutil
 import threading
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -179,6 +180,18 @@ class _Staging:
             pass
 
 
+class _Chunk(NamedTuple):
+    """Elements ``[start, stop)`` of one parameter: what the step pipeline reads, steps and writes."""
+
+    group: dict[str, Any]
+    param: torch.Tensor  # flat local shard
+    grad: torch.Tensor
+    file: _MomentFile
+    step: torch.Tensor
+    start: int
+    stop: int
+
+
 class DiskOffloadAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, no amsgrad) whose moments live in files under ``directory``;
     bitwise equal to ``torch.optim.AdamW(..., fused=True)``. See the module docstring.
@@ -300,7 +313,7 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.wait()
-        work = []  # (group, param, grad, file, step, start, stop): one chunk each, in order
+        work: list[_Chunk] = []  # in order
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -310,14 +323,14 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
                 step_t += 1  # once per parameter and step, as torch's _fused_adam does
                 param, grad = _local(p).view(-1), _local(p.grad).view(-1)
                 for start in range(0, param.numel(), self.chunk):
-                    work.append((group, param, grad, f, step_t, start, min(param.numel(), start + self.chunk)))
+                    work.append(_Chunk(group, param, grad, f, step_t, start, min(param.numel(), start + self.chunk)))
         if work:
             self._pipeline(work)
         if not self.direct_io:
             self._start_flush()  # buffered writes: out to disk and out of the page cache
         return loss
 
-    def _pipeline(self, work: list) -> None:
+    def _pipeline(self, work: list[_Chunk]) -> None:
         """Read chunk i + 1 (reader thread) while chunk i is stepped here and chunk i - 1 is written
         back (writer thread); a staging buffer goes back to the reader once its chunk is written."""
         if self._staging is None:
@@ -333,11 +346,11 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
 
         def reader() -> None:
             try:
-                for _, _, _, f, _, start, stop in work:
+                for chunk in work:
                     slot = free.get(timeout=_IO_TIMEOUT_S)
                     if stop_reading.is_set():
                         return
-                    f.read(start, stop, *staging.views[slot])
+                    chunk.file.read(chunk.start, chunk.stop, *staging.views[slot])
                     loaded.put(slot)
             except BaseException as exc:
                 errors.append(exc)
@@ -349,10 +362,10 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
                 if item is None:
                     return
                 index, slot = item
-                _, _, _, f, _, start, stop = work[index]
+                chunk = work[index]
                 try:
                     if not errors:
-                        f.write(start, stop, *staging.views[slot])
+                        chunk.file.write(chunk.start, chunk.stop, *staging.views[slot])
                 except BaseException as exc:
                     errors.append(exc)
                 free.put(slot)
@@ -362,7 +375,7 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
         for t in threads:
             t.start()
         try:
-            for index, (group, param, grad, _, step_t, start, stop) in enumerate(work):
+            for index, chunk in enumerate(work):
                 try:
                     slot = loaded.get(timeout=_IO_TIMEOUT_S)
                 except queue.Empty:
@@ -370,15 +383,16 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
                                        f"{_IO_TIMEOUT_S:.0f}s") from None
                 if slot is None:
                     break
+                start, stop, group = chunk.start, chunk.stop, chunk.group
                 m, v = (t[: stop - start] for t in staging.tensors[slot])
                 beta1, beta2 = group["betas"]
                 torch._fused_adamw_(
-                    [param[start:stop]],
-                    [grad[start:stop]],
+                    [chunk.param[start:stop]],
+                    [chunk.grad[start:stop]],
                     [m],
                     [v],
                     [],
-                    [step_t],
+                    [chunk.step],
                     amsgrad=False,
                     lr=group["lr"],
                     beta1=beta1,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +120,7 @@ def update_policy(
     ``timer`` (a :class:`rlite.metrics.StepTimer`) times the parts: ``train/forward`` (forward and
     loss), ``train/backward``, ``train/optimizer`` (clipping and the optimizer step).
     """
-    phase = timer.phase if timer is not None else _untimed
+    phase = timer.phase if timer is not None else nullcontext
     model = backend.model
     model.train()
     sums: dict[str, float] = defaultdict(float)
@@ -154,11 +154,6 @@ def update_policy(
             sums["actor/lr"] += lr
     metrics = {name: value / optimizer_steps for name, value in sums.items()}
     return metrics, first_pass_logprobs
-
-
-@contextmanager
-def _untimed(_name: str):
-    yield
 
 
 def micro_batch_loss(
