@@ -134,9 +134,10 @@ def worker(name: str, run_dir: Path, steps: int, seed: int) -> None:
     _register_stress_quantizer()
     from rlite.config import load_config
     from rlite.loop import run_training
+    from rlite.plugin_manager import get_plugin_manager
 
     overrides = CONFIGS[name][1] + run_overrides(run_dir, steps, seed)
-    run_training(load_config(QUICKSTART, overrides))
+    run_training(load_config(QUICKSTART, overrides, get_plugin_manager()))
 
 
 def final_eval_worker(name: str, run_dir: Path, steps: int, seed: int) -> None:
@@ -152,20 +153,23 @@ def final_eval_worker(name: str, run_dir: Path, steps: int, seed: int) -> None:
 
     torch.set_num_threads(1)
     _register_stress_quantizer()
-    import rlite.loop as loop
     from rlite.config import load_config
     from rlite.distributed import shutdown_distributed
+    from rlite.loop import evaluate
+    from rlite.plugin_manager import get_plugin_manager
+    from rlite.run.build import build_run
 
     checkpoint = run_dir / "checkpoints" / f"step_{steps:08d}"
     overrides = CONFIGS[name][1] + run_overrides(run_dir / "final_eval", steps, seed)
     overrides += [f"checkpoint.resume={checkpoint}", "logging.loggers=[]", "logging.plot=false"]
-    run = loop.build_run(load_config(QUICKSTART, overrides))
+    pm = get_plugin_manager()
+    run = build_run(load_config(QUICKSTART, overrides, pm), pm)
     try:
         assert run.start_step == steps, f"loaded step {run.start_step}, expected {steps}"
-        result = {"rollout_weights": loop.evaluate(run, steps)}
+        result = {"rollout_weights": evaluate(run, steps)}
         run.quantizer = None
-        loop.sync_weights_to_engine(run, version=steps + 1)
-        result["trainer_fp32_weights"] = loop.evaluate(run, steps)
+        run.sync_weights(version=steps + 1)
+        result["trainer_fp32_weights"] = evaluate(run, steps)
     finally:
         run.engine.shutdown()
         shutdown_distributed(run.ctx)

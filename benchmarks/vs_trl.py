@@ -312,9 +312,9 @@ def child_rlite(spec: dict) -> dict:
 
     import rlite
     import rlite.actor
-    import rlite.engines.hf_engine
+    import rlite.engines.transformers.engine
     import rlite.loop
-    import rlite.update
+    import rlite.stages.update
     from rlite.config import load_config
     from rlite.loop import run_training
     from rlite.plugin_manager import get_plugin_manager
@@ -333,10 +333,10 @@ def child_rlite(spec: dict) -> dict:
     ):
         clock.wrap(rlite.loop, name, name)
     # the engine's sampler: the lean decode loop (default) or HF generate
-    clock.wrap(rlite.engines.hf_engine.TransformersEngine, "_sample_loop", "hf_generate")
-    clock.wrap(rlite.engines.hf_engine.TransformersEngine, "_sample_generate", "hf_generate")
-    clock.wrap(rlite.update, "forward_logprobs", "forward_logprobs")
-    clock.wrap(rlite.actor.FSDP2Backend, "clip_and_step", "clip_and_step")
+    clock.wrap(rlite.engines.transformers.engine.TransformersEngine, "_sample_loop", "hf_generate")
+    clock.wrap(rlite.engines.transformers.engine.TransformersEngine, "_sample_generate", "hf_generate")
+    clock.wrap(rlite.stages.update, "forward_logprobs", "forward_logprobs")
+    clock.wrap(rlite.backends.fsdp2.backend.FSDP2Backend, "clip_and_step", "clip_and_step")
     clock.wrap(torch.Tensor, "backward", "backward")  # only a label for --memory-phases
 
     class Clock:
@@ -455,7 +455,7 @@ def child_rlite(spec: dict) -> dict:
 
 
 def export_policy(policy, model_dir: str, out_dir: Path) -> None:
-    """Save rlite's trained policy as a Hugging Face folder (as ``rlite.export.export_hf`` does).
+    """Save rlite's trained policy as a Hugging Face folder (as ``rlite.run.export.export_hf`` does).
 
     Done from ``on_run_end``, after the peak RSS of the training run is read, so that the export's
     extra copy of the weights does not count in rlite's peak (TRL's ``save_model`` also runs after
@@ -464,8 +464,8 @@ def export_policy(policy, model_dir: str, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlite.engines.weight_sync import iter_full_tensors
-    from rlite.logprobs import causal_lm_of
+    from rlite.backends.fsdp2.weights import iter_full_tensors
+    from rlite.training.logprobs import causal_lm_of
 
     state = {
         name: t.detach().to("cpu", copy=True) for name, t in iter_full_tensors(policy.lm, lora_merge=False)

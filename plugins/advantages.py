@@ -68,10 +68,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlite import hookimpl
-from rlite.algorithms import AdvantageInput, masked_whiten
-from rlite.config import ConfigError
-from rlite.hookspecs import Register
+from rlite.api import AdvantageInput, ConfigError, Register, hookimpl, masked_whiten
 
 SINGLETON_MODES = ("zero", "raw")
 SCAN_CHUNK = 32
@@ -493,4 +490,4 @@ def register_advantage_estimators(register: Register) -> None:
     register("rloo", rloo_advantages, RLOOConfig)
     register("reinforce_pp", reinforce_pp_advantages, ReinforcePPConfig)
     register("reinforce_pp_baseline", reinforce_pp_baseline_advantages, ReinforcePPBaselineConfig)
-    register("gae", gae_advantages, GAEConfig)
+    register("gae", gae_advantages, GAEConfig, needs_critic=True)

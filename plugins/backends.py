@@ -1,4 +1,4 @@
-"""Built-in training backend: ``fsdp2`` (PyTorch FSDP2 ``fully_shard``; see ``rlite.actor``).
+"""Built-in training backend: ``fsdp2`` (PyTorch FSDP2 ``fully_shard``; see ``rlite.backends.fsdp2``).
 
 Megatron (for MoE with expert parallelism) is meant to come as a separate plugin registering
 another backend through the same hook.
@@ -6,7 +6,7 @@ another backend through the same hook.
 
 from __future__ import annotations
 
-from rlite import hookimpl
+from rlite.api import hookimpl
 
 
 def make_fsdp2(config, cfg, device, total_optimizer_steps):
@@ -14,7 +14,7 @@ def make_fsdp2(config, cfg, device, total_optimizer_steps):
 
     import torch.distributed as dist
 
-    from rlite.actor import FSDP2Backend
+    from rlite.api import FSDP2Backend
 
     offload_dir = None
     if config.training.optimizer_offload == "disk":

@@ -58,12 +58,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlite import hookimpl
-from rlite.config import ConfigError
-from rlite.hookspecs import Register
-from rlite.mismatch import (
+from rlite.api import (
+    ConfigError,
     CorrectionOutput,
+    Register,
     fraction,
+    hookimpl,
     log_or_neg_inf,
     masked_log_ratio,
     sequence_mean,

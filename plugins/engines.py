@@ -2,9 +2,9 @@
 
 * ``transformers``: transformers ``generate`` with a KV cache, colocated with the trainer; in-process
   by default, or in its own spawned process (``args.process: true``) receiving weights through
-  shared-memory buckets (``rlite.engines.process_engine``).
+  shared-memory buckets (``rlite.engines.transformers.process``).
 * ``sglang``: SGLang >= 0.5.23 on GPUs (``pip install rlite[sglang]``), colocated with the memory
-  saver, weights through flattened CUDA-IPC buckets (``rlite.engines.sglang_engine``). Not run on a
+  saver, weights through flattened CUDA-IPC buckets (``rlite.engines.sglang``). Not run on a
   GPU by us yet.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlite import hookimpl
+from rlite.api import hookimpl
 
 
 @dataclass
@@ -39,7 +39,7 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = dict(pad_token_id=pad, eos_token_ids=_eos_ids(tokenizer), true_on_policy=rollout_config.true_on_policy)
     if cfg.process:
-        from rlite.engines.process_engine import ProcessEngine
+        from rlite.api import ProcessEngine
 
         return ProcessEngine(
             model_config.path,
@@ -49,8 +49,7 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
             bucket_mb=rollout_config.sync_bucket_mb,
             **common,
         )
-    from rlite.actor import load_causal_lm
-    from rlite.engines.hf_engine import TransformersEngine
+    from rlite.api import TransformersEngine, load_causal_lm
 
     engine_model_cfg = type(model_config)(**{**model_config.__dict__, "attn_implementation": cfg.attn_implementation})
     return TransformersEngine(load_causal_lm(engine_model_cfg), share_weights=cfg.share_weights, **common)
@@ -81,7 +80,7 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         raise ImportError(
             "rollout.engine: sglang is not installed; pip install 'rlite[sglang]' (GPU machines only)"
         ) from None
-    from rlite.engines.sglang_engine import SGLangEngine
+    from rlite.api import SGLangEngine
 
     engine_kwargs = dict(cfg.engine_kwargs)
     load_format = "dummy"  # weights arrive with the first sync

@@ -1,4 +1,4 @@
-"""Built-in KL estimators (k1, k2, k3, low_var_kl, k1+, k3+), the adaptive KL controller and KL-in-reward.
+"""Built-in KL estimators (k1, k2, k3, low_var_kl, k1+, k3+).
 
 Per sampled token, with ``d = lp - ref`` (Schulman, "Approximating KL divergence", 2020), estimating
 KL(pi_theta || pi_ref) from samples of pi_theta::
@@ -15,22 +15,14 @@ gradient of the *forward* KL(pi_ref || pi) and E[grad k1] = 0, which is why the 
 variants exist. No estimator multiplies by an importance ratio for off-policy samples (TRL's
 bias correction, slime's ``--use-unbiased-kl``): the trainer's estimators see only lp and ref.
 
-KL as a reward penalty (PPO / REINFORCE++ style, verl ``apply_kl_penalty``): per-token rewards
-``-beta * kl * m`` added to the outcome (:func:`kl_reward_penalty`, no gradient), with beta fixed or
-driven by :class:`AdaptiveKLController` (Ziegler et al. 2019)::
-
-    e = clip(KL / target - 1, -0.2, 0.2),   beta <- beta * (1 + e * n / horizon)
-
-where KL is the batch mean of per-sequence masked means (:func:`mean_sequence_kl`) and ``n`` the
-number of samples since the last update.
+KL as a reward penalty (and its adaptive coefficient) is core maths: :mod:`rlite.kl_control`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlite import hookimpl
-from rlite.hookspecs import Register
+from rlite.api import Register, hookimpl
 
 
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -70,45 +62,6 @@ def kl_k1_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
 def kl_k3_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Value of k3, gradient of k2."""
     return _straight_through(kl_k3(logprobs, ref_logprobs), logprobs, ref_logprobs)
-
-
-def kl_reward_penalty(kl: torch.Tensor, coef: float, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token rewards ``-coef * kl * mask`` (detached) to add to ``AdvantageInput.token_rewards``."""
-    return -coef * kl.detach() * mask.to(kl.dtype)
-
-
-def mean_sequence_kl(kl: torch.Tensor, mask: torch.Tensor) -> float:
-    """The controller's KL: mean over sequences with at least one token of their masked mean KL."""
-    m = mask.to(kl.dtype)
-    count = m.sum(-1)
-    has_tokens = count > 0
-    if not bool(has_tokens.any()):
-        return 0.0
-    per_sequence = (kl.detach() * m).sum(-1)[has_tokens] / count[has_tokens]
-    return float(per_sequence.mean())
-
-
-class AdaptiveKLController:
-    """Ziegler et al.'s proportional controller of the KL coefficient towards a target KL."""
-
-    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
-        if target <= 0 or horizon <= 0:
-            raise ValueError(f"target and horizon must be positive, got target={target}, horizon={horizon}")
-        self.value = float(init_coef)
-        self.target = float(target)
-        self.horizon = int(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> float:
-        """Move the coefficient after observing ``current_kl`` over ``n_steps`` samples; returns it."""
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-        return self.value
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
 
 
 @hookimpl

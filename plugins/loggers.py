@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlite import hookimpl
+from rlite.api import hookimpl
 
 log = logging.getLogger(__name__)
 

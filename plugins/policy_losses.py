@@ -50,10 +50,7 @@ from typing import Optional
 
 import torch
 
-from rlite import hookimpl
-from rlite.algorithms import masked_mean
-from rlite.config import ConfigError
-from rlite.hookspecs import Register
+from rlite.api import ConfigError, Register, hookimpl, masked_mean
 
 CISPO_MODES = ("bounded", "absolute")
 

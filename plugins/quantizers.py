@@ -43,9 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlite import hookimpl
-from rlite.config import ConfigError
-from rlite.hookspecs import Register
+from rlite.api import ConfigError, Register, hookimpl
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0

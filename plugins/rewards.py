@@ -23,8 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlite import hookimpl
-from rlite.config import ConfigError
+from rlite.api import ConfigError, hookimpl
 
 END_TEXTS = ["<|im_end|>", "<|endoftext|>"]
 """End-of-turn texts that may be left in a decoded completion; everything from the first one is cut."""

@@ -12,7 +12,7 @@ from rlite import hookimpl
 from rlite.config import ConfigError, RunConfig, load_config
 from rlite.plugin_manager import build_plugin_manager
 
-CONFIG_SOURCE = Path(__file__).resolve().parents[1] / "trainer" / "config.py"
+CONFIG_SOURCE = Path(__file__).resolve().parents[1] / "trainer" / "config" / "schema.py"
 REQUIRED = ["model.path=tiny-model", "data.task=addition"]
 
 

@@ -148,7 +148,7 @@ def describe_plugins(pm: RlitePluginManager) -> dict[str, Any]:
                 registered.setdefault(entry.plugin, {}).setdefault(kind, []).append(entry.name)
     except Exception as exc:  # a broken registration hook must not hide the rest of the report
         errors.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc))
-    registration_hooks = {hook for hook, _ in REGISTRY_KINDS.values()}
+    registration_hooks = {kind.hook for kind in REGISTRY_KINDS.values()}
     plugins = []
     for info in pm.plugin_infos():
         plugins.append(

@@ -11,11 +11,13 @@ Two kinds of hooks:
 * **Registration hooks** (``register_*``) are called once, when the plugin manager is built. Each
   receives a ``register`` callback and calls it once per implementation it provides::
 
-      register(name, implementation, config_cls=None)
+      register(name, implementation, config_cls=None, **metadata)
 
   ``config_cls`` is an optional dataclass of options for that implementation; the YAML's ``args``
   for the choice are validated against it when the config loads, and the implementation receives
-  an instance of it. Names must be unique across all plugins of a kind.
+  an instance of it. Names must be unique across all plugins of a kind. ``metadata`` declares what
+  the implementation needs, where a kind's hook lists such keys (``needs_critic`` for advantage
+  estimators); the config loader checks it, so no rlite code tests implementation names.
 
 * **Lifecycle hooks** (``on_*``, ``after_*``, ``before_*``) are called by the training loop on
   every rank unless the docstring says otherwise. Their return values are ignored unless stated.
@@ -42,7 +44,7 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 Register = Callable[..., None]
-"""``register(name: str, implementation: object, config_cls: type | None = None) -> None``."""
+"""``register(name: str, implementation: object, config_cls: type | None = None, **metadata) -> None``."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -57,7 +59,8 @@ def register_advantage_estimators(register: Register) -> None:
     :param register: call ``register(name, fn, config_cls)`` for each estimator. ``fn(batch, cfg)``
         takes an :class:`rlite.algorithms.AdvantageInput` and the estimator's config instance and
         returns ``(advantages, returns)``, both float tensors of shape ``[B, T]`` that are zero
-        where ``batch.response_mask`` is zero.
+        where ``batch.response_mask`` is zero. Pass ``needs_critic=True`` for an estimator that reads
+        ``batch.values`` (the config then requires ``algorithm.critic.enabled``).
     """
 
 
@@ -120,9 +123,11 @@ def register_training_backends(register: Register) -> None:
 
     :param register: call ``register(name, factory, config_cls)``. ``factory(config, cfg, device,
         total_optimizer_steps)`` receives the run config, the backend's own config instance, the
-        rank's torch device and the number of optimizer steps of the run, and returns an object with
-        the :class:`rlite.actor.TrainingBackend` interface (``model``, ``optimizer``, ``scheduler``,
-        ``clip_and_step()``).
+        rank's torch device and the number of optimizer steps of the run, and returns a
+        :class:`rlite.api.TrainingBackend`: log-probs of a batch, ``backward`` and ``step``, the full
+        weights as (Hugging Face name, tensor) pairs for weight sync and export, checkpoint state,
+        the LoRA adapter where it trains one, reference model and critic, ``close()``. The loop,
+        weight sync, export and checkpointing use nothing else.
     """
 
 
@@ -132,8 +137,10 @@ def register_rollout_engines(register: Register) -> None:
 
     :param register: call ``register(name, factory, config_cls)``. ``factory(model_config,
         tokenizer, rollout_config, cfg)`` receives the ``model`` and ``rollout`` config sections, the
-        tokenizer and the engine's own config instance, and returns a
-        :class:`rlite.engines.base.RolloutEngine` (its weights are overwritten by the first sync).
+        tokenizer and the engine's own config instance, and returns a :class:`rlite.api.RolloutEngine`
+        (its weights are overwritten by the first sync) whose ``capabilities``
+        (:class:`rlite.api.EngineCapabilities`) say whether it shares the trainer's weights and
+        serves LoRA adapters.
     """
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -286,9 +287,17 @@ def _bypass(old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor) -
     return rollout_logprobs
 
 
-OLD_LOGPROB_MODES: dict[str, Callable[[Optional[torch.Tensor], torch.Tensor], torch.Tensor]] = {
-    "decoupled": _decoupled,
-    "bypass": _bypass,
+@dataclass(frozen=True)
+class OldLogprobMode:
+    """One way of choosing π_old: whether the trainer recomputes log-probs for it, and the choice."""
+
+    recomputes: bool
+    resolve: Callable[[Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+OLD_LOGPROB_MODES: dict[str, OldLogprobMode] = {
+    "decoupled": OldLogprobMode(recomputes=True, resolve=_decoupled),
+    "bypass": OldLogprobMode(recomputes=False, resolve=_bypass),
 }
 """How π_old is chosen; ``decoupled`` is the default."""
 
@@ -305,7 +314,7 @@ def resolve_old_logprobs(
       corrections built on ρ see ρ ≡ 1 (no-ops). slime's ``--use-rollout-logprobs``, verl's bypass.
     """
     try:
-        resolve = OLD_LOGPROB_MODES[mode]
+        resolve = OLD_LOGPROB_MODES[mode].resolve
     except KeyError:
         raise ValueError(
             f"unknown old-logprob mode {mode!r}. Valid choices: {', '.join(OLD_LOGPROB_MODES)}."

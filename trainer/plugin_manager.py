@@ -20,6 +20,8 @@ from typing import Any
 import pluggy
 
 from rlite import hookspecs
+from rlite.config.choices import REGISTRY_KINDS
+from rlite.config.schema import UnknownChoiceError
 
 DEFAULT_PLUGINS: list[str] = [
     "rlite.plugins.advantages",
@@ -36,30 +38,8 @@ DEFAULT_PLUGINS: list[str] = [
 
 ENTRY_POINT_GROUP = "rlite"
 
-# kind -> (registration hook name, config key that selects it)
-REGISTRY_KINDS: dict[str, tuple[str, str]] = {
-    "advantage_estimator": ("register_advantage_estimators", "algorithm.advantage"),
-    "policy_loss": ("register_policy_losses", "algorithm.policy_loss"),
-    "kl_estimator": ("register_kl_estimators", "algorithm.kl.estimator"),
-    "mismatch_correction": ("register_mismatch_corrections", "algorithm.corrections"),
-    "rollout_quantizer": ("register_rollout_quantizers", "rollout.quantization"),
-    "speculative_draft": ("register_speculative_drafts", "rollout.draft"),
-    "training_backend": ("register_training_backends", "parallelism.backend"),
-    "rollout_engine": ("register_rollout_engines", "rollout.engine"),
-    "reward_function": ("register_reward_functions", "rewards"),
-    "logger": ("register_loggers", "logging.loggers"),
-}
-
-
 class PluginError(Exception):
     """A plugin registered something invalid (duplicate name, bad config class)."""
-
-
-class UnknownChoiceError(KeyError):
-    """A name that no plugin registered."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
 
 
 @dataclass
@@ -70,6 +50,8 @@ class Registered:
     implementation: Any
     config_cls: type | None
     plugin: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """What the implementation requires or offers, as the plugin declared it (``needs_critic=True``)."""
 
 
 @dataclass
@@ -80,7 +62,7 @@ class Registry:
     config_key: str
     entries: dict[str, Registered] = field(default_factory=dict)
 
-    def add(self, name: str, implementation: Any, config_cls: type | None, plugin: str) -> None:
+    def add(self, name: str, implementation: Any, config_cls: type | None, plugin: str, **metadata: Any) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin!r} registered a {self.kind} with invalid name {name!r}")
         if name in self.entries:
@@ -91,7 +73,7 @@ class Registry:
             )
         if config_cls is not None and not hasattr(config_cls, "__dataclass_fields__"):
             raise PluginError(f"plugin {plugin!r}: config_cls of {self.kind} {name!r} must be a dataclass")
-        self.entries[name] = Registered(name, implementation, config_cls, plugin)
+        self.entries[name] = Registered(name, implementation, config_cls, plugin, metadata)
 
     def names(self) -> list[str]:
         return sorted(self.entries)
@@ -143,15 +125,15 @@ class RlitePluginManager(pluggy.PluginManager):
 
     def _collect_registries(self) -> dict[str, Registry]:
         registries = {}
-        for kind, (hook_name, key) in REGISTRY_KINDS.items():
-            registry = Registry(kind, key)
-            caller = getattr(self.hook, hook_name)
+        for kind, choice_kind in REGISTRY_KINDS.items():
+            registry = Registry(kind, choice_kind.key)
+            caller = getattr(self.hook, choice_kind.hook)
             # Call each implementation separately so every entry knows which plugin made it.
             for impl in reversed(caller.get_hookimpls()):
                 plugin_name = impl.plugin_name
 
-                def register(name, implementation, config_cls=None, _plugin=plugin_name, _reg=registry):
-                    _reg.add(name, implementation, config_cls, _plugin)
+                def register(name, implementation, config_cls=None, _plugin=plugin_name, _reg=registry, **metadata):
+                    _reg.add(name, implementation, config_cls, _plugin, **metadata)
 
                 impl.function(register=register)
             registries[kind] = registry

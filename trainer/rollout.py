@@ -6,13 +6,37 @@ Layout: prompts left-padded to width P, responses right-padded to width T, so th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from rlite.engines.base import Completion
-from rlite.engines.hf_engine import left_pad, position_ids_from_mask
+from rlite.engines.transformers.engine import left_pad, position_ids_from_mask
+
+
+@dataclass
+class TrainTargets:
+    """What the loss needs beyond the samples, per row, filled by :mod:`rlite.stages.targets`."""
+
+    advantages: torch.Tensor
+    """[B, T] advantage of each response token (0 outside the response)."""
+    returns: torch.Tensor
+    """[B, T] return targets (the critic's regression target; equal to the advantages without one)."""
+    loss_mask: torch.Tensor
+    """[B, T] 1 for the tokens in the loss (response mask, minus truncated samples and rejected tokens)."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, T] pi_old of the PPO ratio; ``None``: the first training forward's (ratio exactly 1)."""
+    ref_logprobs: torch.Tensor | None = None
+    """[B, T] reference-model log-probs (KL term)."""
+    is_weights: torch.Tensor | None = None
+    """[B, T] importance weights of the mismatch corrections multiplying the per-token loss."""
+    old_values: torch.Tensor | None = None
+    """[B, T] the critic's values before the update (PPO with GAE)."""
+
+    def select(self, idx: torch.Tensor) -> TrainTargets:
+        return TrainTargets(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                               for f in fields(self)})
 
 
 @dataclass
@@ -41,10 +65,8 @@ class RolloutBatch:
     """[B] scalar rewards (filled by the reward step)."""
     weight_versions: list[int] = field(default_factory=list)
     """Weight version each sample was drawn with."""
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-row tensors filled by the loop: old_logprobs, ref_logprobs, advantages, loss_mask, ..."""
-    info: dict[str, float] = field(default_factory=dict)
-    """Scalar metrics produced while preparing the batch (for example by corrections)."""
+    targets: TrainTargets | None = None
+    """Advantages, loss mask and the log-probs of the loss (filled before the update)."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -69,7 +91,7 @@ class RolloutBatch:
             completion_texts=[self.completion_texts[i] for i in index] if self.completion_texts else [],
             scores=None if self.scores is None else self.scores[idx],
             weight_versions=[self.weight_versions[i] for i in index] if self.weight_versions else [],
-            extras={k: v[idx] for k, v in self.extras.items()},
+            targets=None if self.targets is None else self.targets.select(idx),
         )
 
 
@@ -178,5 +200,4 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         completion_texts=[t for b in batches for t in b.completion_texts],
         scores=None if any(b.scores is None for b in batches) else cat([b.scores for b in batches]),
         weight_versions=[v for b in batches for v in b.weight_versions],
-        extras={},
     )

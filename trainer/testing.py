@@ -38,6 +38,10 @@ def tiny_config(model_dir: str | Path, run_dir: str | Path, *overrides: str, pm=
         "checkpoint.save_final=false",
         "checkpoint.export_hf=false",
     ]
+    if pm is None:
+        from rlite.plugin_manager import get_plugin_manager
+
+        pm = get_plugin_manager()
     return load_config(None, base + list(overrides), pm=pm)
 
 
@@ -101,7 +105,7 @@ def fixed_batch_update(
 
     Writes the loss metrics and the updated full parameters to ``out_file`` (rank 0). Used by the
     world-size and micro-batching invariance tests. ``plain`` (world size 1) keeps the model without
-    FSDP2, accumulating its weight gradients in place (``rlite.grad_accumulation``). AdamW runs with
+    FSDP2, accumulating its weight gradients in place (``rlite.backends.fsdp2.grad_accumulation``). AdamW runs with
     eps=1 so that its first step is about lr * grad (linear in the gradient) instead of
     lr * sign(grad), which would turn rounding noise in near-zero gradients into full-size weight
     differences.
@@ -112,13 +116,18 @@ def fixed_batch_update(
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        from rlite.actor import FSDP2Backend
         from rlite.algorithms import AdvantageInput
+        from rlite.backends.fsdp2.backend import FSDP2Backend
+        from rlite.backends.fsdp2.weights import stream_self_check
         from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
-        from rlite.engines.weight_sync import iter_full_tensors
-        from rlite.plugins.advantages import GRPOConfig, grpo_advantages
-        from rlite.plugins.policy_losses import PPOClipConfig, ppo_clip_loss
-        from rlite.update import ForwardSpec, LossSpec, update_policy
+        from rlite.plugin_manager import build_plugin_manager
+        from rlite.rollout import TrainTargets
+        from rlite.stages.update import LossSpec, update_policy
+        from rlite.training.backend import ForwardSpec
+
+        pm = build_plugin_manager(autoload=False)
+        grpo = pm.registry("advantage_estimator").get("grpo")
+        ppo_clip = pm.registry("policy_loss").get("ppo_clip")
 
         backend = FSDP2Backend.build(
             ModelConfig(path=model_dir),
@@ -131,11 +140,10 @@ def fixed_batch_update(
             offload_dir=Path(init_file).parent / f"{Path(out_file).stem}-moments-rank{rank}",
         )
         batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
-        advantages, _ = grpo_advantages(
-            AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), GRPOConfig()
+        advantages, returns = grpo.implementation(
+            AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), grpo.config_cls()
         )
-        batch.extras["advantages"] = advantages
-        batch.extras["loss_mask"] = batch.response_mask.clone()
+        batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
         per_rank = len(batch) // world_size
         local = batch.select(slice(rank * per_rank, (rank + 1) * per_rank))
         metrics, _ = update_policy(
@@ -143,29 +151,19 @@ def fixed_batch_update(
             local,
             ForwardSpec(micro_batch_size=micro_batch_size, temperature=1.0, chunk_size=16, exact_layout=False,
                         share_prompts=share_prompts),
-            LossSpec(ppo_clip_loss, PPOClipConfig(), agg_mode, 7.0, None, 0.0, 0.01),
+            LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), agg_mode, 7.0, None, 0.0, 0.01),
             minibatches=minibatches,
             epochs=1,
             dp_size=world_size,
         )
-        params = {name: t.detach().clone() for name, t in iter_full_tensors(backend.model.lm, lora_merge=False)}
-        # the stream (next all-gather in flight) gives exactly what a plain full_tensor() gives
-        from rlite.engines.weight_sync import _finish_full, _full, _start_full
-
-        lm = backend.model.lm
-        reference = {name: _full(p.detach()) for name, p in lm.named_parameters()}
-        stream_exact = params.keys() == reference.keys() and all(torch.equal(params[n], reference[n]) for n in params)
-        probe = _start_full(next(lm.parameters()))
-        async_gather = type(probe).__name__ == "AsyncCollectiveTensor"
-        _finish_full(probe)
+        params = {name: t.detach().clone() for name, t in backend.full_weights()}
+        stream_exact, async_gather = stream_self_check(backend.model.lm)
         if rank == 0:
             torch.save(
                 {"metrics": metrics, "params": params, "stream_exact": stream_exact, "async_gather": async_gather},
                 out_file,
             )
-        close = getattr(backend.optimizer, "close", None)
-        if close is not None:
-            close()
+        backend.close()
         dist.barrier()  # no rank tears the group down while another still uses it (gloo can crash)
     finally:
         dist.destroy_process_group()

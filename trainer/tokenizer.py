@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -53,11 +52,13 @@ def bytes_to_unicode() -> dict[int, str]:
     return {byte: chr(cp) for byte, cp in zip(printable, codepoints)}
 
 
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+def build_byte_tokenizer():
     """Build the 259-token byte-level tokenizer with ChatML specials and chat template.
 
     Ids 0-255 are the bytes in order, then ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos).
     """
+    from transformers import PreTrainedTokenizerFast
+
     byte_map = bytes_to_unicode()
     vocab = {byte_map[byte]: byte for byte in range(256)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))

@@ -69,7 +69,7 @@ def collate(examples, pad_id):
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows) -> float:
     from rlite.engines.base import SamplingParams
-    from rlite.engines.hf_engine import TransformersEngine
+    from rlite.engines.transformers.engine import TransformersEngine
 
     engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
     prompts = [p for p, _ in encode(tokenizer, rows)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from rlite.checkpoint import list_checkpoints
+from rlite.run.checkpoint import list_checkpoints
 from rlite.testing import read_jsonl, run_in_subprocess_env
 from rlite.tokenizer import build_tiny_model_dir
 

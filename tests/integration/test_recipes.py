@@ -68,7 +68,7 @@ def test_quickstart_config_runs_as_shipped(tmp_path):
         cfg = load_config(CONFIGS / "quickstart.yaml", [
             "training.steps=2", "training.eval_every=0", f"logging.run_dir={tmp_path / 'run'}",
             "logging.progress_bar=false", "logging.plot=false", "checkpoint.every=0", "checkpoint.resume=never",
-        ])
+        ], pm=build_plugin_manager(autoload=False))
         summary = run_training(cfg)
     finally:
         os.chdir(cwd)

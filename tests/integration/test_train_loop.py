@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from rlite import hookimpl
-from rlite.checkpoint import find_resume_checkpoint, list_checkpoints
 from rlite.distributed import shutdown_distributed
-from rlite.loop import build_run, run_training, train
-from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
+from rlite.loop import run_training, train
+from rlite.plugin_manager import build_plugin_manager, get_plugin_manager, set_plugin_manager
+from rlite.run.build import build_run
+from rlite.run.checkpoint import find_resume_checkpoint, list_checkpoints
 from rlite.testing import read_jsonl, run_in_subprocess_env, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 
@@ -76,7 +77,7 @@ def test_reward_rises_on_held_out_prompts_and_parameters_change(tmp_path, model_
         "data.num_eval=32",  # 192 sampled eval tokens: a '1' at a few per cent is seen
         pm=pm_with_digit_reward,
     )
-    run = build_run(cfg)
+    run = build_run(cfg, get_plugin_manager())
     before = {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}
     try:
         train(run)
@@ -208,7 +209,7 @@ def test_unsharded_single_process_equals_fully_shard_bitwise(tmp_path, model_dir
     # autograd's accumulation, as FSDP2 does it (in-place accumulation sums in another order)
     plain = tiny_config(model_dir, tmp_path / "plain", *common, "parallelism.shard_single_process=false",
                         "parallelism.fused_grad_accumulation=false", "training.steps=2", pm=pm)
-    run = build_run(plain)
+    run = build_run(plain, get_plugin_manager())
     try:
         assert not any(hasattr(p, "full_tensor") for p in run.backend.model.parameters()), "a plain module"
         train(run)
@@ -282,7 +283,7 @@ def test_lora_trains_only_adapters_and_engine_samples_merged_weights(tmp_path, m
     cfg = tiny_config(model_dir, tmp_path / "run", "model.lora.enabled=true", "model.lora.rank=4",
                       "training.lr=5e-2", "training.steps=3", "rewards=[even_chars]",
                       "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6", pm=pm_with_digit_reward)
-    run = build_run(cfg)
+    run = build_run(cfg, get_plugin_manager())
     named = lambda: {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}  # noqa: E731
     before = named()
     try:
@@ -329,7 +330,7 @@ class SyncAuditor:
 
     @hookimpl
     def after_weight_sync(self, step, weight_version, engine):
-        from rlite.engines.weight_sync import iter_full_tensors
+        from rlite.backends.fsdp2.weights import iter_full_tensors
 
         trainer = {n: t.clone() for n, t in iter_full_tensors(self.model.lm, lora_merge=False)}
         if self.previous is not None:  # the step changed the weights, so a stale engine would be caught
@@ -392,7 +393,7 @@ def test_profile_switch_writes_a_trace_of_two_steps(tmp_path, model_dir):
 def test_fsdp_options_train(tmp_path, model_dir, pm_with_digit_reward, options):
     cfg = tiny_config(model_dir, tmp_path / "run", "rewards=[even_chars]", "training.steps=3",
                       "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6", *options, pm=pm_with_digit_reward)
-    run = build_run(cfg)
+    run = build_run(cfg, get_plugin_manager())
     before = {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}
     try:
         train(run)

@@ -93,11 +93,12 @@ def test_first_minibatch_of_an_on_policy_step_has_ratio_exactly_one(tmp_path, mo
     for a model without FSDP2, whose training forward runs rlite's in-place-gradient ops."""
     import torch.distributed as dist
 
-    from rlite.actor import FSDP2Backend
+    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.plugins.policy_losses import PPOClipConfig, ppo_clip_loss
+    from rlite.stages.update import micro_batches, score_logprobs, split_minibatches
     from rlite.testing import fixed_batch
-    from rlite.update import ForwardSpec, forward_logprobs, micro_batches, score_logprobs, split_minibatches
+    from rlite.training.backend import ForwardSpec
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -107,12 +108,12 @@ def test_first_minibatch_of_an_on_policy_step_has_ratio_exactly_one(tmp_path, mo
         batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
         spec = ForwardSpec(micro_batch_size=3, temperature=0.9, chunk_size=5, exact_layout=False,
                            share_prompts=share_prompts)
-        old = score_logprobs(backend.model, batch, spec, minibatches=2)
+        old = score_logprobs(backend, batch, spec, minibatches=2)
         first = split_minibatches(batch, 2)[0]
         backend.model.train()
         offset = 0
         for mb in micro_batches(first, spec.micro_batch_size):
-            logprobs, _ = forward_logprobs(backend.model, mb, spec)
+            logprobs, _ = backend.logprobs(mb, spec)
             mask = mb.response_mask
             old_mb = old[offset : offset + len(mb)]
             offset += len(mb)

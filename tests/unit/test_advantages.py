@@ -258,7 +258,7 @@ def test_gae_without_values_names_the_config_key() -> None:
 )
 def test_outputs_are_zero_outside_the_mask_and_detached(name: str, cfg: object) -> None:
     registered = {}
-    A.register_advantage_estimators(register=lambda n, fn, c=None: registered.__setitem__(n, (fn, c)))
+    A.register_advantage_estimators(register=lambda n, fn, c=None, **meta: registered.__setitem__(n, (fn, c)))
     fn, config_cls = registered[name]
     assert isinstance(cfg, config_cls)
     values = torch.tensor(VALUES, dtype=torch.float64, requires_grad=True)
@@ -272,8 +272,14 @@ def test_outputs_are_zero_outside_the_mask_and_detached(name: str, cfg: object) 
 
 
 def test_registration() -> None:
-    registered = {}
-    A.register_advantage_estimators(register=lambda n, fn, c=None: registered.__setitem__(n, c))
+    registered, metadata = {}, {}
+
+    def register(name, fn, config_cls=None, **meta):
+        registered[name] = config_cls
+        metadata[name] = meta
+
+    A.register_advantage_estimators(register=register)
+    assert {name for name, meta in metadata.items() if meta.get("needs_critic")} == {"gae"}
     assert registered == {
         "grpo": A.GRPOConfig,
         "dr_grpo": A.DrGRPOConfig,

@@ -10,11 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from rlite.grad_accumulation import EmbeddingFunction, LinearFunction, accumulate_in_place
-from rlite.lean_activations import apply_lean_activations
-from rlite.logprobs import PolicyModel
+from rlite.backends.fsdp2.backend import policy_logprobs as forward_logprobs
+from rlite.backends.fsdp2.grad_accumulation import EmbeddingFunction, LinearFunction, accumulate_in_place
+from rlite.backends.fsdp2.lean_activations import apply_lean_activations
 from rlite.testing import fixed_batch, tiny_qwen2
-from rlite.update import ForwardSpec, forward_logprobs
+from rlite.training.backend import ForwardSpec
+from rlite.training.logprobs import PolicyModel
 
 
 def _assert_grads_close(reference: nn.Module, model: nn.Module, rel: float = 1e-5) -> None:
@@ -106,8 +107,8 @@ def test_embedding_gradient_skips_the_padding_row(marked):
 def test_lora_adapters_accumulate_in_place_and_frozen_weights_get_nothing():
     """With peft LoRA only the adapters train: their nn.Linear modules are swapped, the frozen base
     projections keep autograd's path (no gradient), and the summed gradients match autograd's."""
-    from rlite.actor import apply_lora
     from rlite.config import LoraConfig
+    from rlite.hf_models import apply_lora
 
     reference = PolicyModel(apply_lora(tiny_qwen2(vocab_size=96), LoraConfig(enabled=True, rank=4))).train()
     with torch.no_grad():  # peft starts B at zero, which would leave A without a gradient

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rlite import kl_control as KC
 from rlite.plugins import kl as K
 
 torch.set_num_threads(1)
@@ -100,28 +101,28 @@ def test_straight_through_values_are_bitwise_the_base() -> None:
 
 
 def test_adaptive_controller_follows_ziegler() -> None:
-    controller = K.AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10000)
+    controller = KC.AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10000)
     expected = 0.1
     for kl, n in [(6.0, 256), (9.0, 256), (100.0, 512), (0.0, 128), (5.4, 64)]:
         error = min(max(kl / 6.0 - 1.0, -0.2), 0.2)
         expected *= 1 + error * n / 10000
         assert controller.update(kl, n) == pytest.approx(expected, rel=1e-15)
     state = controller.state_dict()
-    fresh = K.AdaptiveKLController(init_coef=1.0, target=6.0, horizon=10000)
+    fresh = KC.AdaptiveKLController(init_coef=1.0, target=6.0, horizon=10000)
     fresh.load_state_dict(state)
     assert fresh.value == controller.value
     with pytest.raises(ValueError):
-        K.AdaptiveKLController(0.1, target=0.0, horizon=1)
+        KC.AdaptiveKLController(0.1, target=0.0, horizon=1)
 
 
 def test_kl_reward_penalty_and_sequence_mean() -> None:
     kl = torch.tensor([[0.5, 1.0, 2.0], [4.0, -1.0, 3.0], [7.0, 7.0, 7.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0]])
-    penalty = K.kl_reward_penalty(kl, 0.05, mask)
+    penalty = KC.kl_reward_penalty(kl, 0.05, mask)
     assert not penalty.requires_grad
     torch.testing.assert_close(
         penalty, torch.tensor([[-0.025, -0.05, 0.0], [-0.2, 0.0, -0.15], [0.0, 0.0, 0.0]])
     )
     # (0.75 + 3.5) / 2; the empty row is left out
-    assert K.mean_sequence_kl(kl, mask) == pytest.approx(2.125)
-    assert K.mean_sequence_kl(kl, torch.zeros(3, 3)) == 0.0
+    assert KC.mean_sequence_kl(kl, mask) == pytest.approx(2.125)
+    assert KC.mean_sequence_kl(kl, torch.zeros(3, 3)) == 0.0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlite.grad_accumulation import accumulate_in_place
-from rlite.logprobs import LinearLogprobFunction, PolicyModel, chunked_logprobs
+from rlite.backends.fsdp2.grad_accumulation import accumulate_in_place
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.training.logprobs import LinearLogprobFunction, PolicyModel, chunked_logprobs
 
 
 def _reference(hidden, weight, targets, temperature):
@@ -146,7 +146,7 @@ def test_liger_path_routes_scaled_hidden_through_fused_cross_entropy(tmp_path, m
 
 def test_liger_option_on_cpu_is_a_clear_config_error(tmp_path):
     from rlite.config import ConfigError
-    from rlite.loop import check_liger
+    from rlite.run.build import check_liger
     from rlite.testing import tiny_config
 
     cfg = tiny_config(tmp_path, tmp_path / "run", "training.liger_fused_logprobs=true", pm=False)
@@ -171,11 +171,11 @@ def test_entropy_as_a_metric_stays_out_of_the_graph():
 def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tmp_path, rows, overhead, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    import rlite.logprobs
-    from rlite.logprobs import unique_prompt_rows
+    import rlite.training.logprobs
+    from rlite.training.logprobs import unique_prompt_rows
 
     # overhead 0: every distinct response length runs as its own (narrower) forward
-    monkeypatch.setattr(rlite.logprobs, "BUCKET_OVERHEAD_TOKENS", overhead)
+    monkeypatch.setattr(rlite.training.logprobs, "BUCKET_OVERHEAD_TOKENS", overhead)
 
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_pretrained(build_tiny_model_dir(tmp_path / "m"))
@@ -214,7 +214,7 @@ def test_length_buckets_cover_every_row_once_at_the_lowest_cost():
     import itertools
     import random
 
-    from rlite.logprobs import length_buckets
+    from rlite.training.logprobs import length_buckets
 
     def cost(buckets, overhead):
         return sum(len(rows) * width + overhead for rows, width in buckets)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlite.backends.fsdp2.weights import iter_lora_adapter_tensors, lora_adapter_config
 from rlite.engines.base import SamplingParams
-from rlite.engines.sglang_engine import SGLangEngine
-from rlite.engines.weight_sync import iter_lora_adapter_tensors, lora_adapter_config
+from rlite.engines.sglang.engine import SGLangEngine
 from rlite.testing import tiny_qwen2
 
 

@@ -21,17 +21,17 @@ import pytest
 import torch
 
 from rlite.engines.base import EngineError, SamplingParams
-from rlite.engines.sglang_engine import (
+from rlite.engines.sglang.engine import SGLangEngine
+from rlite.engines.sglang.payloads import (
     FLATTENED_BUCKET,
     REST_TAGS,
     WEIGHT_TAGS,
     FlattenedTensorMetadataFields,
-    SGLangEngine,
     build_update_payloads,
     completion_from_output,
     sampling_params_for,
 )
-from rlite.engines.weight_sync import ALIGNMENT
+from rlite.sync.buckets import ALIGNMENT
 
 torch.set_num_threads(1)
 
@@ -469,9 +469,9 @@ def fake_server(tmp_path, monkeypatch):
 
 
 def test_server_mode_launches_on_loopback_and_speaks_the_http_api(fake_server):
-    from rlite.engines.sglang_engine import _ServerBackend
+    from rlite.engines.sglang.launch import ServerBackend
 
-    backend = _ServerBackend(
+    backend = ServerBackend(
         {
             "model_path": "/m",
             "skip_tokenizer_init": True,
@@ -523,12 +523,12 @@ def test_server_mode_launches_on_loopback_and_speaks_the_http_api(fake_server):
 
 @pytest.mark.parametrize("mode", ["exit", "hang"])
 def test_server_mode_reports_a_server_that_dies_or_never_gets_healthy(fake_server, monkeypatch, mode):
-    from rlite.engines.sglang_engine import _ServerBackend
+    from rlite.engines.sglang.launch import ServerBackend
 
     monkeypatch.setenv("FAKE_SGLANG_MODE", mode)
     expected = "exited with code 3" if mode == "exit" else "not healthy within 2 s"
     with pytest.raises(EngineError, match=expected):
-        _ServerBackend({"model_path": "/m"}, start_timeout_s=2.0, timeout_s=5.0)
+        ServerBackend({"model_path": "/m"}, start_timeout_s=2.0, timeout_s=5.0)
 
 
 def _engine_on(backend) -> SGLangEngine:
@@ -674,9 +674,9 @@ def recording_server():
 
 
 def _server_engine(url: str, *, tp_size: int = 1, timeout_s: float = 30.0) -> SGLangEngine:
-    from rlite.engines.sglang_engine import _ServerBackend
+    from rlite.engines.sglang.launch import ServerBackend
 
-    backend = _ServerBackend.connect(url, timeout_s=timeout_s, tp_size=tp_size)
+    backend = ServerBackend.connect(url, timeout_s=timeout_s, tp_size=tp_size)
     return SGLangEngine("unused", eos_token_ids=[1], tp_size=tp_size, backend=backend)
 
 
@@ -753,7 +753,7 @@ def test_server_mode_adapter_calls_time_out_and_report_a_dead_server(recording_s
 
 
 def test_server_command_spells_lists_as_separate_arguments():
-    from rlite.engines.sglang_engine import server_command
+    from rlite.engines.sglang.launch import server_command
 
     cmd = server_command(
         {
@@ -843,7 +843,7 @@ def test_sglang_parses_rlites_lora_server_flags():
     from sglang.srt.arg_groups.arg_utils import add_cli_args_from_dataclass
     from sglang.srt.arg_groups.fields.lora import Lora
 
-    from rlite.engines.sglang_engine import server_command
+    from rlite.engines.sglang.launch import server_command
 
     parser = argparse.ArgumentParser()
     add_cli_args_from_dataclass(parser, Lora)

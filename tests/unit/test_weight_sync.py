@@ -9,18 +9,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rlite.backends.fsdp2.weights import iter_full_tensors
 from rlite.engines.base import EngineError
-from rlite.engines.weight_sync import (
+from rlite.sync.buckets import (
     ALIGNMENT,
-    SharedBucketReceiver,
-    SharedBucketSender,
     bucket_checksum,
     iter_buckets,
-    iter_full_tensors,
     pack_bucket,
     plan_bucket,
     unpack_bucket,
 )
+from rlite.sync.transport import SharedBucketReceiver, SharedBucketSender
 
 torch.set_num_threads(1)
 
@@ -351,7 +350,8 @@ def test_a_changed_tensor_set_is_refused():
 def test_receiver_rejects_buckets_outside_a_sync():
     receiver = SharedBucketReceiver()
     buffer, metas = pack_bucket(_weights(1))
-    from rlite.engines.weight_sync import BucketMeta, share_handle
+    from rlite.sync.buckets import BucketMeta
+    from rlite.sync.transport import share_handle
 
     meta = BucketMeta(0, 1, buffer.numel(), bucket_checksum(buffer), tuple(metas))
     with pytest.raises(EngineError, match="outside a sync"):
@@ -364,7 +364,7 @@ def test_receiver_rejects_buckets_outside_a_sync():
 
 
 def test_the_next_all_gather_starts_before_the_current_tensor_is_used(monkeypatch):
-    import rlite.engines.weight_sync as ws
+    import rlite.backends.fsdp2.weights as ws
 
     events = []
     monkeypatch.setattr(ws, "_start_full", lambda t, views=False: events.append(("start", int(t))) or t)

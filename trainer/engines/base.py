@@ -2,7 +2,7 @@
 
 Shaped after SGLang's offline ``Engine``: generation from token ids with ``n`` samples per prompt,
 per-token log-probs of the sampled tokens, finish reasons and the weight version the sample was drawn
-with; weights arrive as flattened buckets (:mod:`rlite.engines.weight_sync`); memory can be released
+with; weights arrive as flattened buckets (:mod:`rlite.sync`); memory can be released
 while the trainer runs and resumed before the next rollout.
 """
 
@@ -44,11 +44,25 @@ class Completion:
     """Version of the weights the engine sampled with."""
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond the required methods; the trainer reads these, never the type."""
+
+    shares_weights: bool = False
+    """A sync binds the engine's parameters to the tensors it is given (an in-process engine on one
+    rank): the trainer may then send its parameters' own storage, and a sync moves no bytes."""
+    lora_adapters: bool = False
+    """Serves LoRA adapters on a fixed base: :meth:`RolloutEngine.update_lora_adapter` works
+    (``rollout.lora_sync: adapter``)."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer needs from a rollout engine."""
 
     weight_version: int
+    """The version of the weights the engine samples with (0 before the first sync)."""
+    capabilities: EngineCapabilities
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; results are grouped by prompt, in order."""
@@ -64,6 +78,15 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engine and free its resources."""
+
+
+@runtime_checkable
+class AdapterServingEngine(RolloutEngine, Protocol):
+    """An engine with ``capabilities.lora_adapters``: it also loads LoRA adapters over a fixed base."""
+
+    def update_lora_adapter(self, named_tensors, config: dict, version: int) -> None:
+        """Load a LoRA adapter (peft names and config) over the fixed base and sample with it as
+        ``version``."""
 
 
 class EngineError(RuntimeError):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rlite.engines.base import Completion, EngineError, SamplingParams
+from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +184,7 @@ class TransformersEngine:
         self.true_on_policy = true_on_policy
         self.weight_version = 0
         self.share_weights = share_weights
+        self.capabilities = EngineCapabilities(shares_weights=share_weights)
         self.shared_bytes = 0
         """Bytes of the engine's weights that are the sync's tensors themselves (``share_weights``)."""
         for p in self.model.parameters():

@@ -21,8 +21,8 @@ run on a GPU.
 
 It applies to parameters marked by :func:`accumulate_in_place` and only through rlite's own ops:
 :class:`LinearFunction` and :class:`EmbeddingFunction` (swapped into plain ``nn.Linear`` and
-``nn.Embedding`` modules), the lean SwiGLU and RMSNorm functions (:mod:`rlite.lean_activations`) and
-the fused output layer (:class:`rlite.logprobs.LinearLogprobFunction`). Any other op that uses a marked
+``nn.Embedding`` modules), the lean SwiGLU and RMSNorm functions (:mod:`rlite.backends.fsdp2.lean_activations`) and
+the fused output layer (:class:`rlite.training.logprobs.LinearLogprobFunction`). Any other op that uses a marked
 weight still returns its gradient, which autograd adds into the same ``.grad`` as usual.
 
 Only a model that is not wrapped by FSDP2 can do this: FSDP2 swaps the parameters for unsharded

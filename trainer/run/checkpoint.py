@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rlite.distributed import all_gather_objects, barrier
 
@@ -63,17 +62,16 @@ def _fsync_tree(path: Path) -> None:
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
     trainer_state: dict[str, Any],
     *,
     rank: int,
     keep_last: int,
-    extra_models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it).
 
-    ``extra_models`` are further (model, optimizer) pairs saved under their names (e.g. the critic).
+    ``model_state`` is the backend's (and critic's) state for ``torch.distributed.checkpoint``;
+    ``trainer_state`` is this rank's small state (pickled, with the RNG states and the step).
     """
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
@@ -84,7 +82,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
-    dcp.save(_state(model, optimizer, extra_models), checkpoint_id=str(tmp))
+    dcp.save(model_state, checkpoint_id=str(tmp))
     state = dict(trainer_state, rng=rng_state(), step=step)
     torch.save(state, tmp / f"trainer_state_rank{rank}.pt")
     barrier()
@@ -100,16 +98,6 @@ def save_checkpoint(
         _prune(root, keep_last)
     barrier()
     return final
-
-
-def _state(model, optimizer, extra_models) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    for name, (extra_model, extra_optim) in (extra_models or {}).items():
-        extra_sd, extra_osd = get_state_dict(extra_model, extra_optim)
-        state[name] = extra_sd
-        state[f"{name}_optim"] = extra_osd
-    return state
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -147,15 +135,9 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
-def load_checkpoint(
-    path: Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    rank: int,
-    extra_models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
-) -> dict[str, Any]:
-    """Load model and optimizer in place; return this rank's trainer state (RNG already restored)."""
+def load_checkpoint(path: Path, model_state: dict[str, Any], *, rank: int) -> dict[str, Any]:
+    """Load ``model_state`` in place (the structure the backend's ``checkpoint_state()`` returned; the
+    backend then applies it); return this rank's trainer state (RNG already restored)."""
     from rlite.config import ConfigError
 
     state_file = path / f"trainer_state_rank{rank}.pt"
@@ -164,18 +146,14 @@ def load_checkpoint(
             f"checkpoint.resume: {path} has no {state_file.name}: it was written with a different number of "
             "ranks; resume with the same world size, or start fresh with checkpoint.resume=never"
         )
-    state = _state(model, optimizer, extra_models)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(model_state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
         raise ConfigError(
             f"checkpoint.resume: cannot load the model/optimizer state of {path} ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}); it is damaged or from another model. Point "
             "checkpoint.resume at another checkpoint or start fresh with checkpoint.resume=never"
         ) from exc
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for name, (extra_model, extra_optim) in (extra_models or {}).items():
-        set_state_dict(extra_model, extra_optim, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])
     trainer_state = torch.load(state_file, weights_only=False)
     set_rng_state(trainer_state["rng"])
     return trainer_state

@@ -17,24 +17,8 @@ import torch
 
 from rlite.algorithms import aggregate_loss
 from rlite.distributed import all_reduce_sum
-from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
-
-
-@dataclass
-class ForwardSpec:
-    """How the trainer runs the policy forward."""
-
-    micro_batch_size: int
-    temperature: float
-    chunk_size: int
-    exact_layout: bool
-    use_liger: bool = False
-    entropy_grad: bool = True
-    """Whether the entropy term is in the loss (else it is a metric, computed without gradient)."""
-    recompute_above_bytes: float = 0.0
-    """Checkpoint output-layer chunks only when a micro-batch's response logits exceed this size."""
-    share_prompts: bool = False
-    """Run each distinct prompt of a micro-batch once and share its KV cache with its samples."""
+from rlite.rollout import RolloutBatch
+from rlite.training.backend import ForwardSpec, ScoringModel, TrainingBackend
 
 
 @dataclass
@@ -63,29 +47,8 @@ def split_minibatches(batch: RolloutBatch, count: int) -> list[RolloutBatch]:
     return [batch.select(slice(i * size, (i + 1) * size)) for i in range(count)]
 
 
-def forward_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, with_entropy: bool = False):
-    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
-    logprobs, entropy = model(
-        inputs.input_ids,
-        inputs.attention_mask,
-        inputs.position_ids,
-        inputs.response_start,
-        inputs.response_mask,
-        temperature=spec.temperature,
-        chunk_size=spec.chunk_size,
-        with_entropy=with_entropy,
-        exact_layout=spec.exact_layout,
-        use_liger=spec.use_liger,
-        entropy_grad=spec.entropy_grad,
-        recompute_above_bytes=spec.recompute_above_bytes,
-        share_prompts=spec.share_prompts,
-    )
-    width = batch.response_ids.shape[1]
-    return pad_to_width(logprobs, width), pad_to_width(entropy, width)
-
-
 @torch.no_grad()
-def score_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1) -> torch.Tensor:
+def score_logprobs(model: ScoringModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1) -> torch.Tensor:
     """Log-probs ``[B, T]`` of the batch's responses under ``model`` (no gradient).
 
     The batch is cut into exactly the mini- and micro-batches that :func:`update_policy` uses, so
@@ -93,7 +56,7 @@ def score_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, minibatches: i
     first mini-batch equals its first training forward bit for bit (ratio exactly 1).
     """
     parts = [
-        forward_logprobs(model, mb, spec)[0]
+        model.logprobs(mb, spec)[0]
         for mini in split_minibatches(batch, minibatches)
         for mb in micro_batches(mini, spec.micro_batch_size)
     ]
@@ -101,7 +64,7 @@ def score_logprobs(model, batch: RolloutBatch, spec: ForwardSpec, minibatches: i
 
 
 def update_policy(
-    backend,
+    backend: TrainingBackend,
     batch: RolloutBatch,
     fwd: ForwardSpec,
     loss: LossSpec,
@@ -114,37 +77,35 @@ def update_policy(
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Train on the batch; return averaged metrics and the log-probs seen by the first forward.
 
-    ``batch.extras`` must hold ``advantages`` and ``loss_mask``; ``old_logprobs`` is optional: when it
-    is absent (one optimizer step per rollout, no corrections) the first forward's detached log-probs
-    are pi_old, so the ratio is exactly 1 by construction. Optional: ``ref_logprobs``, ``is_weights``.
+    ``batch.targets`` must be filled; its ``old_logprobs`` is optional: when it is absent (one optimizer step per rollout, no corrections) the first forward's detached log-probs
+    are pi_old, so the ratio is exactly 1 by construction.
     ``timer`` (a :class:`rlite.metrics.StepTimer`) times the parts: ``train/forward`` (forward and
     loss), ``train/backward``, ``train/optimizer`` (clipping and the optimizer step).
     """
     phase = timer.phase if timer is not None else nullcontext
-    model = backend.model
-    model.train()
+    backend.train_mode()
     sums: dict[str, float] = defaultdict(float)
     first_pass_logprobs = torch.zeros_like(batch.response_mask)
     optimizer_steps = 0
     for epoch in range(epochs):
         offset = 0
         for mini in split_minibatches(batch, minibatches):
-            totals = all_reduce_sum(torch.tensor([mini.extras["loss_mask"].sum().item(), float(len(mini))]))
+            totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]))
             counts = dict(global_tokens=float(totals[0]), global_sequences=float(totals[1]), dp_size=dp_size)
             # per-step sums stay tensors until the step ends: no host sync per micro-batch
             step_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
             for mb in micro_batches(mini, fwd.micro_batch_size):
                 with phase("train/forward"):
-                    logprobs, entropy = forward_logprobs(model, mb, fwd, with_entropy=True)
+                    logprobs, entropy = backend.logprobs(mb, fwd, with_entropy=True)
                     if epoch == 0:
                         first_pass_logprobs[offset : offset + len(mb)] = logprobs.detach()
                     offset += len(mb)
                     total = micro_batch_loss(mb, logprobs, entropy, loss, counts, step_sums)
                 with phase("train/backward"):
-                    total.backward()
-            lr = backend.scheduler.get_last_lr()[0]
+                    backend.backward(total)
+            lr = backend.current_lr()
             with phase("train/optimizer"):
-                grad_norm = backend.clip_and_step(before_step)
+                grad_norm = backend.step(before_step)
             optimizer_steps += 1
             # every summed value is this rank's share x dp_size: average over ranks
             reduced = all_reduce_sum(torch.stack([v.detach().double().cpu() for v in step_sums.values()])) / dp_size
@@ -166,12 +127,13 @@ def micro_batch_loss(
 ) -> torch.Tensor:
     """This micro-batch's share of the objective: policy term (times correction weights), KL term,
     entropy bonus, each aggregated with the global counts. Adds its metrics to ``step_sums``."""
-    mask = mb.extras["loss_mask"]
-    old = mb.extras.get("old_logprobs", logprobs.detach())
-    advantages = mb.extras["advantages"]
+    targets = mb.targets
+    mask = targets.loss_mask
+    old = logprobs.detach() if targets.old_logprobs is None else targets.old_logprobs
+    advantages = targets.advantages
     per_token, token_metrics = loss.policy_loss(logprobs, old, advantages, mask, loss.policy_cfg)
-    if "is_weights" in mb.extras:
-        per_token = per_token * mb.extras["is_weights"]
+    if targets.is_weights is not None:
+        per_token = per_token * targets.is_weights
     n_tok, n_seq, dp_size = counts["global_tokens"], counts["global_sequences"], counts["dp_size"]
     if loss.loss_time_corrections:
         from rlite.mismatch import compose_corrections
@@ -187,7 +149,7 @@ def micro_batch_loss(
     pg_loss = aggregate_loss(per_token, mask, loss.agg_mode, **agg)
     total = pg_loss
     if loss.kl_fn is not None and loss.kl_coef != 0.0:
-        kl_loss = aggregate_loss(loss.kl_fn(logprobs, mb.extras["ref_logprobs"]), mask, loss.agg_mode, **agg)
+        kl_loss = aggregate_loss(loss.kl_fn(logprobs, targets.ref_logprobs), mask, loss.agg_mode, **agg)
         total = total + loss.kl_coef * kl_loss
         step_sums["actor/kl_loss"] += kl_loss.detach()
     if loss.entropy_coef != 0.0:

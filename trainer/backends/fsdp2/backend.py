@@ -4,7 +4,7 @@
 single process runs the very code path that N ranks run (and the mixed-precision policy is always
 installed). Gradients of several micro-batches accumulate in the sharded ``.grad`` of each parameter.
 ``parallelism.shard_single_process=false`` keeps a single process's model plain; its weight
-gradients are then added into ``.grad`` in place (:mod:`rlite.grad_accumulation`).
+gradients are then added into ``.grad`` in place (:mod:`rlite.backends.fsdp2.grad_accumulation`).
 """
 
 from __future__ import annotations
@@ -12,67 +12,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rlite.config import LoraConfig, ModelConfig, ParallelismConfig, TrainingConfig
-from rlite.logprobs import PolicyModel, causal_lm_of
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TrainingBackend(Protocol):
-    """What the training loop needs from a backend (FSDP2 built in; Megatron as a plugin)."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-
-    def clip_and_step(self) -> float:
-        """Clip gradients, step optimizer and scheduler, zero gradients; return the grad norm."""
-
-
-def load_causal_lm(cfg: ModelConfig) -> nn.Module:
-    """Load the Hugging Face model named by ``model.path`` (offline folders work; GGUF optional)."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = dict(
-        dtype=DTYPES[cfg.dtype],
-        attn_implementation=cfg.attn_implementation,
-        trust_remote_code=cfg.trust_remote_code,
-    )
-    if cfg.gguf_file:
-        kwargs["gguf_file"] = cfg.gguf_file
-    try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
-    except OSError as exc:
-        from rlite.config import ConfigError
-
-        raise ConfigError(
-            f"model.path: cannot load a causal LM from {cfg.path!r} ({exc}). Give a folder with config.json "
-            "and weights (or a hub name when a network is available)."
-        ) from None
-    if getattr(model, "hf_quantizer", None) is not None and cfg.gguf_file:
-        model.hf_quantizer.remove_quantization_config(model)  # GGUF weights arrive dequantized
-    return model
-
-
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
-    peft_cfg = PeftLoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, peft_cfg)
+from rlite.config import CriticConfig, ModelConfig, ParallelismConfig, TrainingConfig
+from rlite.hf_models import DTYPES, apply_lora, load_causal_lm
+from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
+from rlite.training.backend import BackendCapabilities, ForwardSpec, LoraAdapter
+from rlite.training.logprobs import PolicyModel, causal_lm_of
 
 
 def decoder_layers(policy: PolicyModel) -> list[nn.Module]:
@@ -118,7 +68,7 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
     if trainable and model_cfg.lora.enabled:
         lm = apply_lora(lm, model_cfg.lora)
     if par_cfg.lean_activations and trainable:
-        from rlite.lean_activations import apply_lean_activations
+        from rlite.backends.fsdp2.lean_activations import apply_lean_activations
 
         apply_lean_activations(lm)
     if par_cfg.activation_checkpointing and trainable:
@@ -129,21 +79,63 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
         policy.requires_grad_(False)
     policy = apply_fsdp(policy, par_cfg)
     if trainable and par_cfg.fused_grad_accumulation and not isinstance(policy, FSDPModule):
-        from rlite.grad_accumulation import accumulate_in_place
+        from rlite.backends.fsdp2.grad_accumulation import accumulate_in_place
 
         accumulate_in_place(policy)
     return policy
 
 
+def policy_logprobs(
+    model: nn.Module, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` log-probs (and entropy) of a batch's responses under a :class:`PolicyModel`."""
+    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    logprobs, entropy = model(
+        inputs.input_ids,
+        inputs.attention_mask,
+        inputs.position_ids,
+        inputs.response_start,
+        inputs.response_mask,
+        temperature=spec.temperature,
+        chunk_size=spec.chunk_size,
+        with_entropy=with_entropy,
+        exact_layout=spec.exact_layout,
+        use_liger=spec.use_liger,
+        entropy_grad=spec.entropy_grad,
+        recompute_above_bytes=spec.recompute_above_bytes,
+        share_prompts=spec.share_prompts,
+    )
+    width = batch.response_ids.shape[1]
+    return pad_to_width(logprobs, width), None if entropy is None else pad_to_width(entropy, width)
+
+
+@dataclass
+class FrozenPolicy:
+    """The reference model: the initial policy on FSDP2, without LoRA or gradients."""
+
+    model: PolicyModel
+
+    def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
+        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy)
+
+
 @dataclass
 class FSDP2Backend:
-    """Policy model on FSDP2 with AdamW and an LR schedule."""
+    """Policy model on FSDP2 with AdamW and an LR schedule (the :class:`~rlite.training.backend.TrainingBackend`
+    contract)."""
 
     model: PolicyModel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_clip: float
     lora: bool
+    model_cfg: ModelConfig
+    par_cfg: ParallelismConfig
+    device: torch.device
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(lora=self.lora, critic=True, weight_views=not self.lora)
 
     @classmethod
     def build(
@@ -159,7 +151,7 @@ class FSDP2Backend:
         params = [p for p in policy.parameters() if p.requires_grad]
         adamw = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
         if train_cfg.optimizer_offload == "disk":
-            from rlite.optim_offload import DiskOffloadAdamW
+            from rlite.backends.fsdp2.optim_offload import DiskOffloadAdamW
 
             if offload_dir is None:
                 raise ValueError("training.optimizer_offload=disk: the backend was built without a folder for the moments")
@@ -182,12 +174,22 @@ class FSDP2Backend:
                 min_ratio=train_cfg.min_lr_ratio,
             ),
         )
-        return cls(policy, optimizer, scheduler, train_cfg.grad_clip, model_cfg.lora.enabled)
+        return cls(policy, optimizer, scheduler, train_cfg.grad_clip, model_cfg.lora.enabled, model_cfg, par_cfg, device)
+
+    # -- training ---------------------------------------------------------------------------------
+    def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
+        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy)
+
+    def train_mode(self) -> None:
+        self.model.train()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def clip_and_step(self, before_step=None) -> float:
+    def step(self, before_step=None) -> float:
         params = self.trainable_parameters()
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -199,3 +201,59 @@ class FSDP2Backend:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    def current_lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # -- weights out ------------------------------------------------------------------------------
+    def full_weights(self, *, views: bool = False):
+        from rlite.backends.fsdp2.weights import iter_full_tensors
+
+        return iter_full_tensors(self.model.lm, lora_merge=self.lora, views=views and not self.lora)
+
+    def lora_adapter(self) -> LoraAdapter | None:
+        if not self.lora:
+            return None
+        from rlite.backends.fsdp2.weights import iter_lora_adapter_tensors, lora_adapter_config
+
+        return LoraAdapter(iter_lora_adapter_tensors(self.model.lm), lora_adapter_config(self.model.lm))
+
+    def hf_config(self) -> Any:
+        return causal_lm_of(self.model.lm).config
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def lr_scheduler_state(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_lr_scheduler_state(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def after_checkpoint(self) -> None:
+        release = getattr(self.optimizer, "release_pages", None)  # DiskOffloadAdamW only
+        if release is not None:  # the save read the offloaded moments into memory: give those pages back
+            release()
+
+    # -- other models -----------------------------------------------------------------------------
+    def build_reference(self) -> FrozenPolicy:
+        return FrozenPolicy(build_policy(self.model_cfg, self.par_cfg, self.device, trainable=False))
+
+    def build_critic(self, cfg: CriticConfig):
+        from rlite.backends.fsdp2.critic import Critic
+
+        return Critic.build(self.model_cfg, self.par_cfg, cfg, self.device)
+
+    def close(self) -> None:
+        close = getattr(self.optimizer, "close", None)  # DiskOffloadAdamW: deletes the moment files
+        if close is not None:
+            close()

@@ -6,21 +6,20 @@ from pathlib import Path
 
 import torch
 
+from rlite.training.backend import TrainingBackend
 
-def export_hf(backend, tokenizer, out_dir: str | Path, *, is_main: bool) -> Path:
+
+def export_hf(backend: TrainingBackend, tokenizer, out_dir: str | Path, *, is_main: bool) -> Path:
     """Gather the full weights (collective: every rank calls this) and ``save_pretrained`` on rank 0."""
     from transformers import AutoModelForCausalLM
 
-    from rlite.engines.weight_sync import iter_full_tensors
-    from rlite.logprobs import causal_lm_of
-
     out_dir = Path(out_dir)
     state = {}
-    for name, tensor in iter_full_tensors(backend.model.lm, lora_merge=backend.lora):
+    for name, tensor in backend.full_weights():
         if is_main:
             state[name] = tensor.detach().to("cpu", copy=True)
     if is_main:
-        hf_config = causal_lm_of(backend.model.lm).config
+        hf_config = backend.hf_config()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         model.load_state_dict(state, strict=False, assign=True)

@@ -1,6 +1,6 @@
 """The transformers rollout engine in its own spawned process, fed weights through shared memory.
 
-Colocated with the trainer, like :class:`~rlite.engines.hf_engine.TransformersEngine`, and with the
+Colocated with the trainer, like :class:`~rlite.engines.transformers.engine.TransformersEngine`, and with the
 same interface, but isolated: a crash or hang of the engine cannot take the trainer down, and every
 call has a timeout. The process is started with ``multiprocessing.get_context("spawn")`` and talks
 over one pipe.
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import Completion, EngineError, SamplingParams
-from rlite.engines.weight_sync import SharedBucketReceiver, SharedBucketSender, SyncStats
+from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.sync.transport import SharedBucketReceiver, SharedBucketSender, SyncStats
 
 _DIRECT_SEND_BYTES = 16 << 10
 """Messages up to this size fit in the pipe's buffer and are written directly; larger ones are written
@@ -139,7 +139,7 @@ def _stop_process(process: mp.process.BaseProcess, conn: Connection, grace_s: fl
 
 
 class ProcessEngine:
-    """A :class:`~rlite.engines.hf_engine.TransformersEngine` in a spawned process (same interface)."""
+    """A :class:`~rlite.engines.transformers.engine.TransformersEngine` in a spawned process (same interface)."""
 
     def __init__(
         self,
@@ -186,6 +186,7 @@ class ProcessEngine:
             )
         self.timeout_s = float(timeout_s)
         self.weight_version = 0
+        self.capabilities = EngineCapabilities()  # weights arrive in shared buckets, copied by no one
         self.last_sync: SyncStats | None = None
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -287,7 +288,7 @@ def build_transformers_engine(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from rlite.engines.hf_engine import TransformersEngine
+    from rlite.engines.transformers.engine import TransformersEngine
 
     hf_logging.disable_progress_bar()
 
@@ -347,78 +348,94 @@ class _EngineServer:
         self.bucket_errors: dict[int, str] = {}
 
     def handle(self, message: tuple) -> tuple | None:
+        """Answer one message: a sync-protocol message (its own acknowledgement, or None when a later
+        message answers for it), or an engine call (``("ok", value)`` / ``("error", traceback)``)."""
         op, *args = message
-        if op == "bucket":
-            meta, handle = args
-            try:
-                self.loader.load(self.receiver.receive(meta, handle))
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-                if meta.checksum is None:  # answered with the checksum message that follows
-                    self.bucket_errors[meta.index] = error
-                    return None
-                return ("ack", meta.index, meta.version, False, error)
-            if meta.checksum is None:
-                return None
-            return ("ack", meta.index, meta.version, True, "")
-        if op == "bucket_checksum":
-            index, version, checksum = args
-            error = self.bucket_errors.pop(index, None)
-            if error is None:
-                try:
-                    self.receiver.confirm(index, version, checksum)
-                except Exception as e:
-                    error = f"{type(e).__name__}: {e}"
-            return ("ack", index, version, error is None, error or "")
-        if op == "begin_sync":
-            (version,) = args
-            self.receiver.begin(version)
-            self.bucket_errors = {}
-            self.loader.seen = set()
-            self.weights_valid, self.invalid_reason = False, f"weight sync v{version} did not complete"
-            return ("ack", "begin_sync", version, True, "")
-        if op == "end_sync":
-            version, n_buckets = args
-            try:
-                self.receiver.end(version, n_buckets)
-                self.loader.check_complete(version)
-            except Exception as e:
-                return ("ack", "end_sync", version, False, f"{type(e).__name__}: {e}")
-            self.engine.weight_version = int(version)
-            self.weights_valid = True
-            return ("ack", "end_sync", version, True, "")
-        if op == "abort_sync":
-            (version,) = args
-            self.receiver.version = None
-            self.weights_valid, self.invalid_reason = False, f"weight sync v{version} failed"
-            return ("ack", "abort_sync", version, True, "")
-        if op == "_debug_hang":  # test hook: stop answering
-            time.sleep(float(args[0]))
-            return None
+        protocol = {
+            "bucket": self._bucket,
+            "bucket_checksum": self._bucket_checksum,
+            "begin_sync": self._begin_sync,
+            "end_sync": self._end_sync,
+            "abort_sync": self._abort_sync,
+            "_debug_hang": self._debug_hang,
+        }.get(op)
+        if protocol is not None:
+            return protocol(*args)
+        calls = {
+            "generate": self._generate,
+            "named_weights": self._named_weights,
+            "shared_weights": self._shared_weights,
+            "release_memory": self.engine.release_memory,
+            "resume_memory": self.engine.resume_memory,
+            "ping": os.getpid,
+        }
         try:
-            return ("ok", self.call(op, *args))
+            if op not in calls:
+                raise EngineError(f"unknown engine operation {op!r}")
+            return ("ok", calls[op](*args))
         except Exception:
             return ("error", traceback.format_exc())
 
-    def call(self, op: str, *args: Any) -> Any:
-        if op == "generate":
-            if not self.weights_valid:
-                raise EngineError(
-                    f"refusing to generate with incomplete weights: {self.invalid_reason}; sync again"
-                )
-            prompts, params = args
-            return self.engine.generate(prompts, SamplingParams(**params))
-        if op == "named_weights":
-            return [(name, p.detach().clone()) for name, p in self.engine.model.named_parameters()]
-        if op == "shared_weights":  # which parameters live in shared memory (zero-copy check)
-            return [n for n, p in self.engine.model.named_parameters() if p.untyped_storage().is_shared()]
-        if op == "release_memory":
-            return self.engine.release_memory()
-        if op == "resume_memory":
-            return self.engine.resume_memory()
-        if op == "ping":
-            return os.getpid()
-        raise EngineError(f"unknown engine operation {op!r}")
+    # -- the weight-sync protocol ---------------------------------------------------------------
+    def _bucket(self, meta, handle) -> tuple | None:
+        try:
+            self.loader.load(self.receiver.receive(meta, handle))
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            if meta.checksum is None:  # answered with the checksum message that follows
+                self.bucket_errors[meta.index] = error
+                return None
+            return ("ack", meta.index, meta.version, False, error)
+        if meta.checksum is None:
+            return None
+        return ("ack", meta.index, meta.version, True, "")
+
+    def _bucket_checksum(self, index, version, checksum) -> tuple:
+        error = self.bucket_errors.pop(index, None)
+        if error is None:
+            try:
+                self.receiver.confirm(index, version, checksum)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        return ("ack", index, version, error is None, error or "")
+
+    def _begin_sync(self, version) -> tuple:
+        self.receiver.begin(version)
+        self.bucket_errors = {}
+        self.loader.seen = set()
+        self.weights_valid, self.invalid_reason = False, f"weight sync v{version} did not complete"
+        return ("ack", "begin_sync", version, True, "")
+
+    def _end_sync(self, version, n_buckets) -> tuple:
+        try:
+            self.receiver.end(version, n_buckets)
+            self.loader.check_complete(version)
+        except Exception as e:
+            return ("ack", "end_sync", version, False, f"{type(e).__name__}: {e}")
+        self.engine.weight_version = int(version)
+        self.weights_valid = True
+        return ("ack", "end_sync", version, True, "")
+
+    def _abort_sync(self, version) -> tuple:
+        self.receiver.version = None
+        self.weights_valid, self.invalid_reason = False, f"weight sync v{version} failed"
+        return ("ack", "abort_sync", version, True, "")
+
+    def _debug_hang(self, seconds) -> None:  # test hook: stop answering
+        time.sleep(float(seconds))
+        return None
+
+    # -- engine calls ---------------------------------------------------------------------------
+    def _generate(self, prompts, params) -> list[Completion]:
+        if not self.weights_valid:
+            raise EngineError(f"refusing to generate with incomplete weights: {self.invalid_reason}; sync again")
+        return self.engine.generate(prompts, SamplingParams(**params))
+
+    def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p.detach().clone()) for name, p in self.engine.model.named_parameters()]
+
+    def _shared_weights(self) -> list[str]:  # which parameters live in shared memory (zero-copy check)
+        return [n for n, p in self.engine.model.named_parameters() if p.untyped_storage().is_shared()]
 
 
 def _serve(

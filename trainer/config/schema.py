@@ -12,15 +12,10 @@ as a bare name (``advantage: grpo``) or as ``{name: grpo, args: {norm_by_std: fa
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import difflib
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
-
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -30,6 +25,13 @@ OPTIMIZER_OFFLOADS = ("none", "disk")
 
 class ConfigError(ValueError):
     """A configuration problem, always naming the full key path and what to do."""
+
+
+class UnknownChoiceError(KeyError):
+    """A name that no plugin registered."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
 
 
 # omegaconf builds the schema from default instances; linked-field rules only make sense on the
@@ -281,10 +283,6 @@ class AlgorithmConfig:
         _check_choice("algorithm.old_logprob_mode", self.old_logprob_mode, ("decoupled", "bypass"))
         _check(self.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
         _check(
-            self.advantage.name != "gae" or self.critic.enabled,
-            "algorithm.advantage=gae needs a critic: set algorithm.critic.enabled=true",
-        )
-        _check(
             self.kl.adaptive_target is None or self.kl.in_reward,
             "algorithm.kl.adaptive_target needs algorithm.kl.in_reward=true (the adaptive controller shapes rewards)",
         )
@@ -332,7 +330,7 @@ class TrainingConfig:
     optimizer_offload: str = "none"
     """Where AdamW's two moments live between steps: ``none`` (in memory) or ``disk`` (files, streamed through small
     staging buffers during each step with direct I/O; the same numbers in half the memory of weights + gradients +
-    moments, for about 1 s per step per 135M parameters on a fast local disk; ``rlite.optim_offload``)."""
+    moments, for about 1 s per step per 135M parameters on a fast local disk; ``rlite.backends.fsdp2.optim_offload``)."""
     optimizer_offload_dir: str = ""
     """Folder for the ``disk`` moments ("" = ``<run_dir>/optimizer_offload``); a local disk, scratch space."""
     keep_freed_memory: bool = True
@@ -377,7 +375,7 @@ class ParallelismConfig:
     """Recompute each decoder block's activations in backward instead of storing them."""
     lean_activations: bool = True
     """Save fewer activations in recognised SwiGLU MLPs and RMSNorms (Llama, Qwen2/3, Mistral) and recompute two
-    elementwise ops in backward instead: the same forward values, less memory (``rlite.lean_activations``)."""
+    elementwise ops in backward instead: the same forward values, less memory (``rlite.backends.fsdp2.lean_activations``)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3 style); False keeps them until backward."""
     shard_single_process: bool = True
@@ -387,7 +385,7 @@ class ParallelismConfig:
     fused_grad_accumulation: bool = True
     """For a model without FSDP2 (``shard_single_process=false`` at world size 1): matrix products and embeddings add
     their weight gradients straight into ``.grad`` (``addmm_``, ``index_add_``) instead of autograd allocating,
-    buffering and summing a fresh gradient per use of each weight (``rlite.grad_accumulation``). The same gradients to
+    buffering and summing a fresh gradient per use of each weight (``rlite.backends.fsdp2.grad_accumulation``). The same gradients to
     float rounding, less memory and time per micro-batch. No effect under FSDP2."""
 
     def __post_init__(self) -> None:
@@ -492,217 +490,3 @@ class RunConfig:
             f"algorithm.minibatches_per_step={mb} must divide rollout.prompts_per_step="
             f"{self.rollout.prompts_per_step} so that every mini-batch holds whole groups",
         )
-
-
-# --------------------------------------------------------------------------------------------------
-# loading
-# --------------------------------------------------------------------------------------------------
-
-# Which registry validates each Choice-valued key (list-valued keys hold several choices).
-CHOICE_KEYS: dict[str, str] = {
-    "algorithm.advantage": "advantage_estimator",
-    "algorithm.policy_loss": "policy_loss",
-    "algorithm.corrections": "mismatch_correction",
-    "rollout.engine": "rollout_engine",
-    "rollout.quantization": "rollout_quantizer",
-    "rollout.draft": "speculative_draft",
-    "parallelism.backend": "training_backend",
-    "rewards": "reward_function",
-    "logging.loggers": "logger",
-}
-OPTIONAL_CHOICE_KEYS = {"rollout.quantization", "rollout.draft"}  # "none" means off
-
-
-def _normalise_choices(node: Any, prefix: str = "") -> Any:
-    """Turn the shorthand ``key: name`` into ``key: {name: name}`` for Choice-valued keys."""
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            path = f"{prefix}.{key}" if prefix else str(key)
-            if path in CHOICE_KEYS:
-                if isinstance(value, list):
-                    value = [{"name": v} if isinstance(v, str) else v for v in value]
-                elif isinstance(value, str):
-                    value = {"name": value}
-            out[key] = _normalise_choices(value, path)
-        return out
-    return node
-
-
-def _parse_overrides(overrides: typing.Sequence[str]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key.path=value")
-        key, _, raw = item.partition("=")
-        key = key.strip()
-        if key in CHOICE_KEYS and not raw.strip().startswith(("[", "{")):
-            key = f"{key}.name" if key not in ("algorithm.corrections", "rewards", "logging.loggers") else key
-        value = OmegaConf.create({"v": OmegaConf.from_dotlist([f"v={raw}"]).v} if raw else {"v": ""}).v
-        value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
-        node = tree
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = value
-    return tree
-
-
-def _drop_renamed_choice_args(earlier: dict[str, Any], later: dict[str, Any]) -> None:
-    """When ``later`` picks a different implementation for a choice, forget ``earlier``'s args for it.
-
-    Layers merge key by key, so without this ``algorithm.advantage=rloo`` on top of a YAML with
-    ``advantage: {name: grpo, args: {...}}`` would validate grpo's options against rloo.
-    """
-    for key in CHOICE_KEYS:
-        old, new = _dict_at(earlier, key), _dict_at(later, key)
-        if old is not None and new is not None and "name" in new and new["name"] != old.get("name"):
-            old.pop("args", None)
-
-
-def _dict_at(tree: dict[str, Any], dotted: str) -> dict[str, Any] | None:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node if isinstance(node, dict) else None
-
-
-def _schema_keys(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _explain_omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
-    key = getattr(exc, "full_key", None) or "?"
-    msg = str(exc).split("\n")[0]
-    text = f"{key}: {msg}"
-    if isinstance(exc, MissingMandatoryValue):
-        text = f"{key}: missing value; set it in the YAML file or with {key}=..."
-    parent_cls = None
-    obj_type = getattr(exc, "object_type", None)
-    if "not in" in msg and obj_type is not None and dataclasses.is_dataclass(obj_type):
-        parent_cls = obj_type
-    if parent_cls is not None:
-        valid = _schema_keys(parent_cls)
-        bad = key.split(".")[-1]
-        text = f"{key}: unknown key {bad!r}. Valid keys here: {', '.join(valid)}."
-        close = difflib.get_close_matches(bad, valid, n=1)
-        if close:
-            text += f" Did you mean {close[0]!r}?"
-    return ConfigError(text)
-
-
-def _validate_choice_args(key: str, choice: Choice, registry) -> Choice:
-    entry = registry.get(choice.name)
-    if entry.config_cls is None:
-        if choice.args:
-            raise ConfigError(
-                f"{key}.args: {registry.kind} {choice.name!r} takes no options, got {sorted(choice.args)}"
-            )
-        return choice
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(entry.config_cls), choice.args)
-        obj = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        inner = _explain_omegaconf_error(exc)
-        raise ConfigError(f"{key}.args.{str(inner)}") from None
-    except (ValueError, TypeError) as exc:  # a plugin's own __post_init__ check (ConfigError included)
-        raise ConfigError(f"{key}.args: {exc}") from None
-    return Choice(choice.name, dataclasses.asdict(obj))
-
-
-def validate_choices(cfg: RunConfig, pm) -> None:
-    """Check every named choice against its registry and validate its args (in place)."""
-    from rlite.plugin_manager import UnknownChoiceError
-
-    for key, kind in CHOICE_KEYS.items():
-        section, _, attr = key.rpartition(".")
-        owner = cfg if not section else _get_path(cfg, section)
-        value = getattr(owner, attr)
-        registry = pm.registry(kind)
-        choices = value if isinstance(value, list) else [value]
-        validated = []
-        for index, choice in enumerate(choices):
-            path = f"{key}[{index}]" if isinstance(value, list) else key
-            if key in OPTIONAL_CHOICE_KEYS and choice.name == "none":
-                validated.append(choice)
-                continue
-            try:
-                validated.append(_validate_choice_args(path, choice, registry))
-            except UnknownChoiceError as exc:
-                msg = str(exc).replace(registry.config_key, path, 1)
-                raise ConfigError(msg) from None
-        setattr(owner, attr, validated if isinstance(value, list) else validated[0])
-    kl_names = pm.registry("kl_estimator").names()
-    if cfg.algorithm.kl.estimator not in kl_names:
-        _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
-
-
-def _get_path(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def load_config(
-    path: str | Path | None = None,
-    overrides: typing.Sequence[str] = (),
-    pm=None,
-) -> RunConfig:
-    """Load YAML (optional) plus ``key=value`` overrides into a validated :class:`RunConfig`.
-
-    Overrides beat the YAML. When ``pm`` is None the process-wide plugin manager is used to check
-    named choices; pass ``pm=False`` to skip that check.
-    """
-    token = _SKIP_CHECKS.set(True)
-    try:
-        schema = OmegaConf.structured(RunConfig)
-    finally:
-        _SKIP_CHECKS.reset(token)
-    layers = []
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} not found")
-        try:
-            raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-        except Exception as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-        layers.append(_normalise_choices(raw))
-    layers.append(_normalise_choices(_parse_overrides(overrides)))
-    for index, later in enumerate(layers[1:], start=1):
-        for earlier in layers[:index]:
-            _drop_renamed_choice_args(earlier, later)
-    try:
-        merged = schema
-        for layer in layers:
-            merged = OmegaConf.merge(merged, layer)
-        cfg: RunConfig = OmegaConf.to_object(merged)  # runs every __post_init__
-    except OmegaConfBaseException as exc:
-        if isinstance(exc.__cause__, ConfigError):
-            raise ConfigError(str(exc.__cause__)) from None
-        raise _explain_omegaconf_error(exc) from None
-    except ConfigError as exc:
-        raise ConfigError(str(exc).split("\n")[0]) from None
-    if pm is None:
-        from rlite.plugin_manager import get_plugin_manager
-
-        pm = get_plugin_manager()
-    if pm is not False:
-        validate_choices(cfg, pm)
-    return cfg
-
-
-def config_to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

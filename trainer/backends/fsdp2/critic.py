@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlite.actor import apply_fsdp, load_causal_lm
 from rlite.algorithms import aggregate_loss
+from rlite.backends.fsdp2.backend import apply_fsdp
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig
 from rlite.distributed import all_reduce_sum
-from rlite.logprobs import causal_lm_of
+from rlite.hf_models import load_causal_lm
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
+from rlite.training.logprobs import causal_lm_of
 
 
 class ValueModel(nn.Module):
@@ -80,6 +81,19 @@ class Critic:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, fused=True)
         return cls(model, optimizer, cfg)
 
+    def checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"critic": model_sd, "critic_optim": optim_sd}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"]
+        )
+
     def _forward(self, batch: RolloutBatch, exact_layout: bool) -> torch.Tensor:
         inputs = model_inputs(batch, exact_layout=exact_layout)
         values = self.model(
@@ -104,21 +118,21 @@ class Critic:
         self, batch: RolloutBatch, *, micro_batch_size: int, minibatches: int, agg_mode: str, horizon: float,
         dp_size: int, exact_layout: bool,
     ) -> dict[str, float]:
-        """One pass of the clipped value loss over the batch (``extras``: old_values, returns, loss_mask)."""
+        """One pass of the clipped value loss over the batch (``batch.targets``: old_values, returns, loss_mask)."""
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         size = len(batch) // minibatches
         for index in range(minibatches):
             mini = batch.select(slice(index * size, (index + 1) * size))
-            totals = all_reduce_sum(torch.tensor([mini.extras["loss_mask"].sum().item(), float(len(mini))]))
+            totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]))
             n_tok, n_seq = float(totals[0]), float(totals[1])
             step = defaultdict(float)
             for start in range(0, len(mini), micro_batch_size):
                 mb = mini.select(slice(start, start + micro_batch_size))
-                mask = mb.extras["loss_mask"]
+                mask = mb.targets.loss_mask
                 values = self._forward(mb, exact_layout)
                 per_token, clipped = value_loss(
-                    values, mb.extras["old_values"], mb.extras["returns"], mask, self.cfg.value_clip
+                    values, mb.targets.old_values, mb.targets.returns, mask, self.cfg.value_clip
                 )
                 loss = aggregate_loss(per_token, mask, agg_mode, global_tokens=n_tok, global_sequences=n_seq,
                                       dp_size=dp_size, horizon=horizon)

@@ -1,0 +1,89 @@
+"""The public plugin API: everything a plugin (built in or third-party) imports from rlite.
+
+Built-in plugins (``rlite.plugins.*``) import from here and nowhere else in rlite, so a third-party
+package can do all they do. What is listed here is stable across minor versions; everything else is
+rlite's inside. Implementations with heavy dependencies (the FSDP2 backend, the engines, Hugging Face
+loading) are attributes loaded on first use, so ``import rlite.api`` stays light.
+
+Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendCapabilities`,
+:class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`) and :class:`RolloutEngine` (with
+:class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`). Hook specs:
+:mod:`rlite.hookspecs`; writing plugins: ``docs/plugins.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
+from rlite.config import ConfigError, RunConfig
+from rlite.engines.base import Completion, EngineCapabilities, EngineError, RolloutEngine, SamplingParams
+from rlite.hookspecs import Register, hookimpl
+from rlite.mismatch import (
+    CorrectionOutput,
+    fraction,
+    log_or_neg_inf,
+    masked_log_ratio,
+    sequence_mean,
+    sequence_sum,
+    weight_stats,
+)
+from rlite.rollout import RolloutBatch, TrainTargets, model_inputs, pad_to_width
+from rlite.training.backend import (
+    BackendCapabilities,
+    CriticModel,
+    ForwardSpec,
+    LoraAdapter,
+    ScoringModel,
+    TrainingBackend,
+)
+
+_LAZY = {
+    "FSDP2Backend": "rlite.backends.fsdp2.backend",
+    "TransformersEngine": "rlite.engines.transformers.engine",
+    "ProcessEngine": "rlite.engines.transformers.process",
+    "SGLangEngine": "rlite.engines.sglang.engine",
+    "load_causal_lm": "rlite.hf_models",
+    "apply_lora": "rlite.hf_models",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rlite.api' has no attribute {name!r}")
+
+
+__all__ = [
+    "AdvantageInput",
+    "BackendCapabilities",
+    "Completion",
+    "ConfigError",
+    "CorrectionOutput",
+    "CriticModel",
+    "EngineCapabilities",
+    "EngineError",
+    "ForwardSpec",
+    "LoraAdapter",
+    "Register",
+    "RolloutBatch",
+    "RolloutEngine",
+    "RunConfig",
+    "SamplingParams",
+    "ScoringModel",
+    "TrainTargets",
+    "TrainingBackend",
+    "fraction",
+    "hookimpl",
+    "log_or_neg_inf",
+    "masked_log_ratio",
+    "masked_mean",
+    "masked_whiten",
+    "model_inputs",
+    "pad_to_width",
+    "sequence_mean",
+    "sequence_sum",
+    "weight_stats",
+    *_LAZY,
+]

@@ -1,0 +1,298 @@
+"""SGLang rollout engine (GPU), colocated with the trainer, fed weights as flattened CUDA-IPC buckets.
+
+Written against SGLang 0.5.23 (``shared/notes/sglang-megatron.md`` and its source). SGLang is never
+imported at module level: everything here that runs without it (the payload, the call sequence, the
+conversion of outputs) is a pure function, tested on CPU against a fake engine that enforces SGLang's
+rules and against SGLang's own deserializer.
+
+One colocated step, as :class:`SGLangEngine` drives it::
+
+    release_memory()  -> release_memory_occupation()              # all tags, before training
+    update_weights()  -> resume_memory_occupation(["weights"])
+                         begin_weight_update()
+                         update_weights_from_tensor(payloads, load_format="flattened_bucket",
+                                                    flush_cache=False)      # once per bucket
+                         end_weight_update()                                 # also on failure
+                         update_weight_version(str(version))
+    resume_memory()   -> resume_memory_occupation(["kv_cache", "cuda_graph"]); flush_cache()
+
+A payload is, per tensor-parallel rank, ``MultiprocessingSerializer.serialize({"flattened_tensor":
+uint8 buffer, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]})``
+(``numel`` and the indices count bytes). The buffer is rlite's :func:`pack_bucket` layout, each tensor
+at a 64-byte-aligned offset, so every ``view(dtype)`` on the receiving side is aligned. A CUDA buffer
+pickles to a CUDA-IPC handle (no copy). A fresh buffer is made for every bucket and dropped after
+SGLang has loaded it: SGLang does not synchronize the device before answering, so reusing a buffer
+could race its copy; torch's IPC reference counting keeps a dropped buffer alive until SGLang lets go.
+
+Two launch modes: ``"engine"`` (``sglang.Engine`` in this process, driven from one worker thread so
+every call can time out) and ``"server"`` (``python -m sglang.launch_server`` on 127.0.0.1, spoken to
+over HTTP, with a health check and a start timeout). Fallbacks that move no IPC handles:
+:meth:`SGLangEngine.update_weights_from_disk` and :meth:`SGLangEngine.update_weights_from_distributed`
+(NCCL broadcast).
+
+Adapter-only LoRA sync (:meth:`SGLangEngine.update_lora_adapter`) works in both modes: the adapter goes
+through ``load_lora_adapter_from_tensors`` under a versioned name, and every request names it
+(``lora_path``); the HTTP contract is written out at :meth:`ServerBackend.load_lora_adapter_from_tensors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.engines.sglang.launch import InProcessBackend, ServerBackend
+from rlite.engines.sglang.payloads import (
+    REST_TAGS,
+    WEIGHT_TAGS,
+    check_reply,
+    completion_from_output,
+    sampling_params_for,
+    sglang_metadata_cls,
+    sync_weights,
+)
+
+# --------------------------------------------------------------------------------------------------
+# the engine
+# --------------------------------------------------------------------------------------------------
+
+
+class SGLangEngine:
+    """A colocated SGLang engine with rlite's :class:`~rlite.engines.base.RolloutEngine` interface."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        pad_token_id: int | None = None,
+        timeout_s: float = 600.0,
+        start_timeout_s: float | None = None,
+        true_on_policy: bool = False,
+        bucket_mb: int = 512,
+        tp_size: int = 1,
+        launch: str = "engine",
+        load_format: str = "dummy",
+        mem_fraction_static: float | None = None,
+        dtype: str = "auto",
+        engine_kwargs: dict[str, Any] | None = None,
+        backend: Any = None,
+    ) -> None:
+        """Start SGLang on ``model_path`` (``launch="engine"`` or ``"server"``) with random weights.
+
+        ``load_format="dummy"`` (the default) starts from random weights: the first
+        :meth:`update_weights` brings the trainer's. ``true_on_policy`` turns on SGLang's deterministic
+        inference and its FSDP on-policy target. ``engine_kwargs`` go to SGLang's ``ServerArgs``
+        unchanged. ``backend`` replaces SGLang altogether (tests).
+        """
+        self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
+        self.pad_token_id = pad_token_id
+        self.timeout_s = float(timeout_s)
+        self.bucket_bytes = int(bucket_mb) << 20
+        self.tp_size = int(tp_size)
+        self.true_on_policy = true_on_policy
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        """Where buckets are packed: CPU-offloaded trainer weights go to the GPU before the handoff."""
+        self.weight_version = 0
+        self.lora_name: str | None = None
+        """The adapter every request names (adapter-only LoRA sync), or None."""
+        self._released: list[str] = []
+        self._weights_backup = bool((engine_kwargs or {}).get("enable_weights_cpu_backup", False))
+        self._weights_lost = False
+        """Weights were released without a CPU backup and no sync has rewritten them yet."""
+        if backend is None:
+            kwargs: dict[str, Any] = dict(
+                model_path=str(model_path),
+                skip_tokenizer_init=True,
+                enable_memory_saver=True,
+                load_format=load_format,
+                tp_size=self.tp_size,
+                dtype=dtype,
+            )
+            if mem_fraction_static is not None:
+                kwargs["mem_fraction_static"] = mem_fraction_static
+            if true_on_policy:
+                kwargs.update(enable_deterministic_inference=True, rl_on_policy_target="fsdp")
+            kwargs.update(engine_kwargs or {})
+            start = start_timeout_s if start_timeout_s is not None else self.timeout_s
+            if launch == "engine":
+                backend = InProcessBackend(kwargs, start_timeout_s=start, timeout_s=self.timeout_s)
+            elif launch == "server":
+                backend = ServerBackend(kwargs, start_timeout_s=start, timeout_s=self.timeout_s)
+            else:
+                raise ValueError(f"launch must be 'engine' or 'server', got {launch!r}")
+        self.backend = backend
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if not prompts:
+            return []
+        if self._released:
+            self.resume_memory()
+        if self._weights_lost:
+            raise EngineError(
+                "SGLang's weights were released (no CPU backup) and not synced since; call update_weights"
+            )
+        expanded = [list(map(int, p)) for p in prompts for _ in range(params.n)]  # groups stay contiguous
+        seeds = None
+        if self.true_on_policy:  # SGLang uses per-request seeds only with deterministic inference
+            base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+            seeds = [base + i for i in range(len(expanded))]
+        sampling = sampling_params_for(
+            params, stop_token_ids=set(self.eos_token_ids) | set(params.stop_token_ids), seeds=seeds
+        )
+        if seeds is None:
+            sampling = sampling * len(expanded)
+        adapter = {"lora_path": [self.lora_name] * len(expanded)} if self.lora_name is not None else {}
+        outputs = self.backend.generate(
+            input_ids=expanded, sampling_params=sampling, return_logprob=True, **adapter
+        )
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        if len(outputs) != len(expanded):
+            raise EngineError(f"SGLang returned {len(outputs)} outputs for {len(expanded)} requests")
+        completions = []
+        for row, output in enumerate(outputs):
+            served = output.get("meta_info", {}).get("weight_version")
+            if served is not None and str(served) not in (str(self.weight_version), "default"):
+                raise EngineError(
+                    f"SGLang sampled with weight version {served!r}, expected {self.weight_version}"
+                )
+            completions.append(
+                completion_from_output(
+                    output, prompt_index=row // params.n, weight_version=self.weight_version
+                )
+            )
+        return completions
+
+    # -- weights ------------------------------------------------------------------------------
+    capabilities = EngineCapabilities(lora_adapters=True)
+    """This engine can serve a LoRA adapter on top of its base weights (``update_lora_adapter``)."""
+
+    def update_lora_adapter(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any], version: int
+    ) -> None:
+        """Adapter-only sync: load the new adapter under a versioned name, then drop the old one.
+
+        The engine must have been started with its real base weights and ``enable_lora`` (the
+        ``sglang`` engine plugin does this when ``rollout.lora_sync: adapter``). Generation then
+        names the adapter in every request, so a sample can never come from a stale adapter.
+        """
+        self._resume(WEIGHT_TAGS)
+        name = f"rlite_v{int(version)}"
+        tensors = {key: tensor.contiguous() for key, tensor in named_tensors}
+        check_reply(
+            self.backend.load_lora_adapter_from_tensors(lora_name=name, tensors=tensors, config_dict=config),
+            "load_lora_adapter_from_tensors",
+        )
+        previous, self.lora_name = self.lora_name, name
+        if previous is not None:
+            check_reply(self.backend.unload_lora_adapter(lora_name=previous), "unload_lora_adapter")
+        check_reply(self.backend.update_weight_version(str(int(version))), "update_weight_version")
+        self.weight_version = int(version)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None, version: int) -> None:
+        """Flattened CUDA-IPC buckets through ``update_weights_from_tensor``, then switch to ``version``."""
+        self._resume(WEIGHT_TAGS)
+        sync_weights(
+            self.backend,
+            named_tensors or (),
+            version,
+            bucket_bytes=self.bucket_bytes,
+            tp_size=self.tp_size,
+            metadata_cls=getattr(self.backend, "metadata_cls", None) or sglang_metadata_cls(),
+            output_str=self.backend.output_str,
+            device=self.device,
+        )
+        self._weights_lost = False
+        self.weight_version = int(version)
+
+    def update_weights_from_disk(self, model_path: str | Path, version: int) -> None:
+        """Fallback: SGLang reloads a saved Hugging Face checkpoint (no begin/end session needed)."""
+        self._resume(WEIGHT_TAGS)
+        check_reply(self.backend.update_weights_from_disk(model_path=str(model_path)), "update_weights_from_disk")
+        self._weights_lost = False
+        check_reply(self.backend.update_weight_version(str(int(version))), "update_weight_version")
+        self.weight_version = int(version)
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
+    ) -> None:
+        """Join SGLang to a NCCL group in which the trainer's rank 0 broadcasts (non-colocated fallback)."""
+        check_reply(
+            self.backend.init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend="nccl",
+            ),
+            "init_weights_update_group",
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: int,
+        *,
+        group_name: str = "weight_update_group",
+        load_format: str | None = None,
+    ) -> None:
+        """Fallback: SGLang receives the tensors by NCCL broadcast from the trainer's rank 0.
+
+        Blocks until the broadcasts are done, so call it from a thread while rank 0 broadcasts each
+        tensor in order in the group of :meth:`init_weights_update_group` (or, with
+        ``load_format="flattened_bucket"``, one buffer packed without gaps, as SGLang's
+        ``FlattenedTensorBucket.empty`` lays it out).
+        """
+        self._resume(WEIGHT_TAGS)
+        check_reply(self.backend.begin_weight_update(), "begin_weight_update")
+        try:
+            result = self.backend.update_weights_from_distributed(
+                names=names,
+                dtypes=dtypes,
+                shapes=shapes,
+                group_name=group_name,
+                flush_cache=False,
+                load_format=load_format,
+            )
+        finally:
+            ended = self.backend.end_weight_update()
+        check_reply(result, "update_weights_from_distributed")
+        check_reply(ended, "end_weight_update")
+        self._weights_lost = False
+        check_reply(self.backend.update_weight_version(str(int(version))), "update_weight_version")
+        self.weight_version = int(version)
+
+    # -- memory -------------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Free weights, KV cache and CUDA graphs (the engine must be idle)."""
+        if self._released:
+            return
+        check_reply(self.backend.release_memory_occupation(), "release_memory_occupation")
+        self._released = WEIGHT_TAGS + REST_TAGS
+
+    def resume_memory(self) -> None:
+        """Re-acquire what :meth:`release_memory` freed (weights too, if no sync resumed them) and flush."""
+        self._resume(WEIGHT_TAGS)
+        self._resume(REST_TAGS)
+        check_reply(self.backend.flush_cache(), "flush_cache")
+
+    def _resume(self, tags: list[str]) -> None:
+        todo = [t for t in tags if t in self._released]
+        if "weights" in todo and not self._weights_backup:
+            self._weights_lost = True  # resumed memory, old contents gone until a sync writes them
+        if todo:
+            check_reply(self.backend.resume_memory_occupation(tags=todo), f"resume_memory_occupation({todo})")
+            self._released = [t for t in self._released if t not in todo]
+
+    def shutdown(self) -> None:
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.shutdown()

@@ -1,0 +1,309 @@
+"""Launching SGLang: in this process (a worker thread) or as an HTTP server subprocess."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlite.engines.base import EngineError
+from rlite.engines.sglang.payloads import serialize_payload
+
+# --------------------------------------------------------------------------------------------------
+# backends: SGLang in this process, or an HTTP server
+# --------------------------------------------------------------------------------------------------
+
+
+class InProcessBackend:
+    """``sglang.Engine`` driven from one worker thread, so every call can time out."""
+
+    output_str = False
+
+    def __init__(self, engine_kwargs: dict[str, Any], *, start_timeout_s: float, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlite-sglang")
+        self.engine = None
+        self._children_before = set(_child_pids())
+        self._engine_pids: set[int] | None = None  # the processes SGLang started (known once it is up)
+        self.engine = self._run(self._start, engine_kwargs, timeout_s=start_timeout_s, what="Engine start")
+        self._engine_pids = (set(_child_pids()) - self._children_before) | set(
+            self.engine.get_all_child_pids()
+        )
+
+    @staticmethod
+    def _start(engine_kwargs: dict[str, Any]):
+        import sglang
+
+        return sglang.Engine(**engine_kwargs)
+
+    def _run(self, fn, *args, timeout_s: float | None = None, what: str = "", **kwargs):
+        future = self._pool.submit(fn, *args, **kwargs)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            self.kill()
+            raise EngineError(
+                f"SGLang {what or fn.__name__} did not return within {timeout:g} s (engine killed)"
+            ) from None
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name == "engine":
+            raise AttributeError(name)
+        method = getattr(self.engine, name)
+        return lambda *args, **kwargs: self._run(method, *args, what=name, **kwargs)
+
+    def update_weight_version(self, version: str):
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+        engine = self.engine
+        request = UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
+        return self._run(
+            lambda: engine.loop.run_until_complete(engine.tokenizer_manager.update_weight_version(request)),
+            what="update_weight_version",
+        )
+
+    def kill(self) -> None:
+        """SIGKILL the engine's processes (its own shutdown may hang when the engine does)."""
+        pids = self._engine_pids
+        if pids is None:  # still starting: whatever appeared since the start is SGLang's
+            pids = set(_child_pids()) - self._children_before
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.engine = None
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            try:
+                self._run(self.engine.shutdown, what="shutdown", timeout_s=60.0)
+            except EngineError:
+                pass
+            self.engine = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _child_pids() -> list[int]:
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return []
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def server_command(server_args: dict[str, Any], *, port: int) -> list[str]:
+    """The ``sglang.launch_server`` command line for ``server_args`` (``ServerArgs`` field names).
+
+    ``True`` is a bare flag; ``False`` and ``None`` are left out (SGLang's default); a list, tuple or set
+    is one flag followed by its items (SGLang's ``nargs`` options, e.g. ``--lora-target-modules q_proj
+    v_proj``); a dict is passed as JSON; anything else as ``str``.
+    """
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    for key, value in server_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            cmd += [flag, *map(str, sorted(value) if isinstance(value, (set, frozenset)) else value)]
+        elif isinstance(value, dict):
+            cmd += [flag, json.dumps(value)]
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerBackend:
+    """``python -m sglang.launch_server`` on 127.0.0.1, spoken to over HTTP."""
+
+    output_str = True
+    process: subprocess.Popen | None
+    log_path: Path | None
+
+    def __init__(self, server_args: dict[str, Any], *, start_timeout_s: float, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        server_args = dict(server_args)
+        self.port = int(server_args.pop("port", None) or _free_port())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tp_size = int(server_args.get("tp_size") or 1)
+        """One serialized copy of a LoRA adapter per tensor-parallel rank (each rank reads its own)."""
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+        fd, log_name = tempfile.mkstemp(prefix="rlite-sglang-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(log_name)
+        cmd = server_command(server_args, port=self.port)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                message = f"SGLang server exited with code {self.process.returncode}:\n{self._log_tail()}"
+                self.shutdown()
+                raise EngineError(message)
+            try:
+                with self._opener.open(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                message = f"SGLang server not healthy within {start_timeout_s:g} s:\n{self._log_tail()}"
+                self.shutdown()
+                raise EngineError(message)
+            time.sleep(1.0)
+
+    @classmethod
+    def connect(cls, url: str, *, timeout_s: float, tp_size: int = 1) -> ServerBackend:
+        """A backend for a server already running at ``url``: this object neither started it nor stops it."""
+        self = cls.__new__(cls)
+        self.timeout_s = timeout_s
+        self.url = url.rstrip("/")
+        self.port = urllib.parse.urlsplit(self.url).port
+        self.tp_size = int(tp_size)
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.process = None
+        self.log_path = None
+        return self
+
+    def _log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path is not None else ""
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with self._opener.open(request, timeout=self.timeout_s) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as e:
+            raise EngineError(
+                f"SGLang {path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}"
+            ) from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            if self.process is None:
+                state = f"server at {self.url}"
+            elif self.process.poll() is None:
+                state = "server still running"
+            else:
+                state = f"server exited with code {self.process.returncode}"
+            raise EngineError(f"SGLang {path} failed ({state}): {e}") from None
+        return json.loads(text) if text.strip().startswith(("{", "[")) else text
+
+    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None):
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        if lora_path is not None:  # adapter names, one per request (GenerateReqInput.lora_path)
+            body["lora_path"] = lora_path
+        return self._post("/generate", body)
+
+    def release_memory_occupation(self, tags=None):
+        return self._post("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags=None):
+        return self._post("/resume_memory_occupation", {"tags": tags})
+
+    def begin_weight_update(self):
+        return self._post("/begin_weight_update", {})
+
+    def end_weight_update(self):
+        return self._post("/end_weight_update", {})
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        body = {
+            "serialized_named_tensors": named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
+        return self._post("/update_weights_from_tensor", body)
+
+    def update_weight_version(self, version: str):
+        return self._post("/update_weight_version", {"new_version": version, "abort_all_requests": False})
+
+    def flush_cache(self):
+        return self._post("/flush_cache")
+
+    def update_weights_from_disk(self, model_path, load_format=None):
+        return self._post("/update_weights_from_disk", {"model_path": model_path, "load_format": load_format})
+
+    def init_weights_update_group(self, **kwargs):
+        return self._post("/init_weights_update_group", kwargs)
+
+    def update_weights_from_distributed(self, **kwargs):
+        return self._post("/update_weights_from_distributed", kwargs)
+
+    # LoRA adapters over HTTP. Contract read from the installed sglang 0.5.23 wheel:
+    #  - entrypoints/http_server.py: POST /load_lora_adapter_from_tensors and /unload_lora_adapter
+    #    validate the JSON body as io_struct.LoadLoRAAdapterFromTensorsReqInput /
+    #    UnloadLoRAAdapterReqInput (unknown keys are ignored, not refused) and answer
+    #    io_struct.LoRAUpdateOutput {"success", "error_message", "loaded_adapters", ...}, with HTTP 400
+    #    when success is false (so _post raises, naming the endpoint).
+    #  - LoadLoRAAdapterFromTensorsReqInput: lora_name: str, config_dict: dict (peft adapter config),
+    #    serialized_named_tensors: List[bytes] given as base64 strings (msgspec_utils.Base64Bytes),
+    #    ONE entry PER TP RANK (tp_worker.deserialize_own_rank reads [tp_rank]); optional pinned=False,
+    #    added_tokens_config=None, load_format=None, expected_checksums=None, lora_id (set by SGLang).
+    #  - With load_format None each entry is MultiprocessingSerializer.serialize({name: tensor})
+    #    (tp_worker.load_lora_adapter_from_tensors uses the deserialized dict as is), as
+    #    Engine._serialize_tensors_per_rank does it: one serialize call per rank.
+    #  - UnloadLoRAAdapterReqInput: lora_name: str (lora_id is set by SGLang).
+    def load_lora_adapter_from_tensors(
+        self, *, lora_name: str, tensors: dict[str, torch.Tensor], config_dict: dict[str, Any]
+    ):
+        body = {
+            "lora_name": lora_name,
+            "config_dict": config_dict,
+            "serialized_named_tensors": [
+                serialize_payload(tensors, output_str=True) for _ in range(self.tp_size)
+            ],
+            "load_format": None,
+            "pinned": False,
+        }
+        return self._post("/load_lora_adapter_from_tensors", body)
+
+    def unload_lora_adapter(self, *, lora_name: str):
+        return self._post("/unload_lora_adapter", {"lora_name": lora_name})
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole session (its schedulers too, even if the server itself exited)."""
+        if self.process is None:  # connected to a server started elsewhere
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait(timeout=30)
+
+    def shutdown(self) -> None:
+        if self.process is None:  # connected to a server started elsewhere: not ours to stop
+            return
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+        self.log_path.unlink(missing_ok=True)
+
+

@@ -1,0 +1,155 @@
+"""Stage 1-2 of a step: sample completions from the engine and score them with the rewards.
+
+With DAPO's dynamic sampling, groups whose rewards are all equal are dropped and more prompts are
+drawn until every rank has its quota of groups. The held-out evaluation (greedy and sampled accuracy)
+lives here too: it is a rollout without training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlite.config import AlgorithmConfig, RolloutConfig
+from rlite.data import PromptSampler
+from rlite.distributed import DistContext, all_reduce_sum
+from rlite.engines.base import RolloutEngine, SamplingParams
+from rlite.metrics import StepTimer
+from rlite.rewards import RewardRunner
+from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
+
+
+def sampling_params(rollout: RolloutConfig, *, seed: int, n: int | None = None, greedy: bool = False) -> SamplingParams:
+    return SamplingParams(
+        n=rollout.samples_per_prompt if n is None else n,
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        greedy=greedy,
+        seed=seed,
+    )
+
+
+def hash_seed(*parts: int) -> int:
+    """A deterministic 31-bit seed from integers (same on every run and resume)."""
+    value = 0x9E3779B1
+    for part in parts:
+        value = (value * 1000003) ^ (int(part) & 0xFFFFFFFF)
+        value &= 0xFFFFFFFFFFFF
+    return value % (2**31 - 1)
+
+
+class Rollouts:
+    """What sampling a step needs: the engine, the prompts, the rewards and the tokenizer."""
+
+    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, rewards: RewardRunner, tokenizer,
+                 rollout: RolloutConfig, algorithm: AlgorithmConfig, seed: int, ctx: DistContext, hooks,
+                 timer: StepTimer) -> None:
+        self.engine, self.sampler, self.rewards, self.tokenizer = engine, sampler, rewards, tokenizer
+        self.rollout, self.algorithm, self.seed, self.ctx, self.hooks, self.timer = (
+            rollout, algorithm, seed, ctx, hooks, timer)
+
+    @property
+    def per_rank(self) -> int:
+        return self.rollout.prompts_per_step // self.ctx.world_size
+
+    def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """This rank's batch of the step: generate, score, and with dynamic sampling (DAPO) drop
+        groups whose rewards are all equal and draw more prompts until every rank has its quota.
+
+        Rounds are collective (every rank draws while any rank is short), so the prompt samplers of
+        all ranks stay in step. A batch still short after ``dynamic_sampling_max_rounds`` is topped up
+        with dropped groups, keeping the batch size (and so the loss normalisation) fixed.
+        """
+        algo, per_rank = self.algorithm, self.per_rank
+        kept, spare, stats_sum, rounds = [], [], {}, 0
+        while True:
+            rounds += 1
+            with self.timer.phase("generation"):
+                batch = self.generate(next(self.sampler), step, rounds - 1)
+            self.hooks.after_rollout(step=step, batch=batch)
+            with self.timer.phase("reward"):
+                stats = self.score(batch)
+            self.hooks.after_rewards(step=step, batch=batch)
+            for key, value in stats.items():
+                stats_sum[key] = stats_sum.get(key, 0.0) + value
+            if not algo.dynamic_sampling:
+                return batch, stats
+            for group in split_groups(batch):
+                (kept if float(group.scores.max() - group.scores.min()) > 0 else spare).append(group)
+            short = float(len(kept) < per_rank)
+            still_short = float(all_reduce_sum(torch.tensor([short]))[0]) > 0
+            if not still_short or rounds >= algo.dynamic_sampling_max_rounds:
+                break
+        dropped = len(spare)
+        groups = (kept + spare)[:per_rank]
+        batch = concat_batches(groups, self.tokenizer.pad_token_id)
+        batch.group_ids = self.ctx.rank * per_rank + torch.arange(len(batch)) // self.rollout.samples_per_prompt
+        stats = {key: value / rounds for key, value in stats_sum.items()}
+        stats["dynamic_sampling/rounds"] = float(rounds)
+        stats["dynamic_sampling/dropped_groups"] = float(dropped)
+        stats["dynamic_sampling/kept_fraction"] = min(len(kept), per_rank) / per_rank
+        return batch, stats
+
+    def generate(self, prompts: list, step: int, round_index: int = 0) -> RolloutBatch:
+        extra_round = (round_index,) if round_index else ()  # round 0 keeps the seed of a run without dynamic sampling
+        params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, self.ctx.rank, *extra_round))
+        engine = self.engine
+        engine.resume_memory()
+        completions = engine.generate([p.prompt_ids for p in prompts], params)
+        stale = {c.weight_version for c in completions} - {engine.weight_version}
+        if stale or engine.weight_version != step - 1:
+            raise RuntimeError(
+                f"step {step}: the engine sampled with weight version(s) {sorted(stale) or engine.weight_version}, "
+                f"expected {step - 1}: a weight sync was lost"
+            )
+        batch = build_rollout_batch(
+            [p.prompt_ids for p in prompts],
+            completions,
+            [p.row for p in prompts],
+            group_offset=self.ctx.rank * self.per_rank,
+            pad_token_id=self.tokenizer.pad_token_id,
+            fixed_width=self.rollout.max_new_tokens if self.rollout.true_on_policy else None,
+        )
+        batch.completion_texts = self.tokenizer.batch_decode(
+            [c.token_ids for c in completions], skip_special_tokens=True
+        )
+        return batch
+
+    def score(self, batch: RolloutBatch) -> dict[str, float]:
+        # each sample gets its own copy of the data row plus what length-aware rewards need
+        batch.samples = [
+            dict(sample, response_length=int(length), finish_reason=reason)
+            for sample, length, reason in zip(batch.samples, batch.response_lengths.tolist(), batch.finish_reasons)
+        ]
+        scores, stats = self.rewards.score(batch.completion_texts, batch.samples)
+        batch.scores = torch.tensor(scores, dtype=torch.float32)
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self, eval_prompts, step: int, max_prompts: int) -> dict[str, float]:
+        """Greedy and sampled accuracy on the held-out prompts (each rank its share; global means)."""
+        if not eval_prompts:
+            return {}
+        ctx = self.ctx
+        items = list(eval_prompts)[:max_prompts][ctx.rank :: ctx.world_size]
+        out = {}
+        for mode, greedy in (("greedy", True), ("sampled", False)):
+            params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, ctx.rank, 7), n=1, greedy=greedy)
+            completions = self.engine.generate([p.prompt_ids for p in items], params) if items else []
+            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            scores, _ = self.rewards.score(texts, [p.row for p in items]) if items else ([], {})
+            totals = all_reduce_sum(
+                torch.tensor([float(sum(s > 0 for s in scores)), float(sum(scores)), float(len(scores))])
+            )
+            n = max(float(totals[2]), 1.0)
+            out[f"eval/{mode}_accuracy"] = float(totals[0]) / n
+            out[f"eval/{mode}_reward"] = float(totals[1]) / n
+        return out
+
+
+def split_groups(batch: RolloutBatch) -> list[RolloutBatch]:
+    """One batch per group (groups are contiguous rows with equal ``group_ids``)."""
+    ids = batch.group_ids.tolist()
+    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]] + [len(ids)]
+    return [batch.select(slice(a, b)) for a, b in zip(starts, starts[1:])]

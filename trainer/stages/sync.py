@@ -1,0 +1,61 @@
+"""Stage 5 of a step: the engine receives the new weights and samples the next batch from exactly them.
+
+How LoRA weights travel is a table (:data:`LORA_SYNC`): ``merged`` streams ``W + scale * B @ A`` like
+full weights; ``adapter`` sends only the adapter to an engine that serves adapters on a fixed base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rlite.config import ConfigError
+from rlite.engines.base import RolloutEngine
+from rlite.training.backend import TrainingBackend
+
+Quantizer = tuple[Callable, object]
+"""A rollout quantizer plugin and its config: ``quantize(name, tensor, cfg)``."""
+
+
+def send_full_weights(engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int) -> None:
+    # an in-process engine that shares the trainer's weights gets the parameters' own storage
+    views = engine.capabilities.shares_weights and backend.capabilities.weight_views and quantizer is None
+    named = backend.full_weights(views=views)
+    if quantizer is not None:  # the engine samples with quantized weights; the trainer keeps full precision
+        quantize, quant_cfg = quantizer
+        named = ((name, quantize(name, tensor, quant_cfg)) for name, tensor in named)
+    engine.update_weights(named, version)
+
+
+def send_lora_adapter(engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int) -> None:
+    adapter = backend.lora_adapter()
+    engine.update_lora_adapter(adapter.tensors, adapter.config, version)
+
+
+LORA_SYNC: dict[str, Callable[[RolloutEngine, TrainingBackend, Quantizer | None, int], None]] = {
+    "merged": send_full_weights,
+    "adapter": send_lora_adapter,
+}
+"""``rollout.lora_sync`` -> how the weights reach the engine (full-weight runs use ``merged``)."""
+
+
+def check_sync_mode(lora_sync: str, engine: RolloutEngine, backend: TrainingBackend, engine_name: str) -> None:
+    """Refuse a LoRA sync mode that the engine or the backend cannot serve (before the first sync)."""
+    if lora_sync != "adapter":
+        return
+    if not engine.capabilities.lora_adapters:
+        raise ConfigError(
+            f"rollout.lora_sync=adapter: the {engine_name!r} engine cannot serve adapters; "
+            "use rollout.lora_sync=merged or an engine that can (sglang)"
+        )
+    if not backend.capabilities.lora:
+        raise ConfigError("rollout.lora_sync=adapter: the training backend trains no LoRA adapter")
+
+
+def sync_weights_to_engine(
+    engine: RolloutEngine, backend: TrainingBackend, *, lora_sync: str, quantizer: Quantizer | None, version: int
+) -> None:
+    """Stream the policy's weights into the engine; the engine must report ``version``."""
+    engine.release_memory()
+    LORA_SYNC[lora_sync](engine, backend, quantizer, version)
+    if engine.weight_version != version:
+        raise RuntimeError(f"weight sync: engine reports version {engine.weight_version}, expected {version}")

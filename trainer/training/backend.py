@@ -1,0 +1,189 @@
+"""The training-backend contract: all that the loop, weight sync, export, checkpointing and PPO's critic
+ask of a backend.
+
+FSDP2 (:mod:`rlite.backends.fsdp2`, built in) implements it; another backend (Megatron for MoE, a
+single-device toy) is a plugin that registers a factory through ``register_training_backends`` and
+returns an object with this interface. Nothing in rlite's core looks past it: when a backend needs a
+branch in the loop, the contract is missing a method, and the method goes here.
+
+A step uses the contract in this order::
+
+    backend.logprobs(batch, spec)                       # pi_old (no gradient, caller's torch.no_grad)
+    reference.logprobs(batch, spec)                     # pi_ref, from backend.build_reference()
+    for each micro-batch:
+        logprobs, entropy = backend.logprobs(mb, spec, with_entropy=True)   # with gradient
+        backend.backward(loss)
+    grad_norm = backend.step(before_step)               # clip, hook, optimizer and LR scheduler
+    engine.update_weights(backend.full_weights(), ...)  # collective: every rank drains it
+
+Batches are :class:`rlite.rollout.RolloutBatch` (prompts left-padded, responses right-padded);
+:func:`rlite.rollout.model_inputs` turns one into the token, mask and position tensors a forward needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from rlite.config import CriticConfig
+    from rlite.rollout import RolloutBatch
+
+NamedTensors = Iterator[tuple[str, torch.Tensor]]
+"""``(Hugging Face parameter name, full tensor)`` pairs, one tensor at a time."""
+
+
+@dataclass
+class ForwardSpec:
+    """How a backend runs the policy forward for log-probs (the same for scoring and training, so the
+    first training forward repeats the scoring forward bit for bit)."""
+
+    micro_batch_size: int
+    temperature: float
+    """Logits are divided by it, exactly as the engine samples."""
+    chunk_size: int
+    """Response tokens per chunk of the output layer (bounds the ``[tokens, vocab]`` logits)."""
+    exact_layout: bool
+    """Score the engine's fixed ``[B, P + T]`` layout (true on-policy mode)."""
+    use_liger: bool = False
+    entropy_grad: bool = True
+    """Whether the entropy term is in the loss (else it is a metric, computed without gradient)."""
+    recompute_above_bytes: float = 0.0
+    """Checkpoint output-layer chunks only when a micro-batch's response logits exceed this size."""
+    share_prompts: bool = False
+    """Run each distinct prompt of a micro-batch once and share its KV cache with its samples."""
+
+
+@dataclass
+class LoraAdapter:
+    """A LoRA adapter as an engine that serves adapters loads it."""
+
+    tensors: NamedTensors
+    """The ``lora_A`` / ``lora_B`` matrices, named as peft saves them (a collective stream)."""
+    config: dict[str, Any]
+    """The adapter's peft config as JSON-able values."""
+
+
+@runtime_checkable
+class ScoringModel(Protocol):
+    """A model that gives per-token log-probs of a batch's responses (the reference model)."""
+
+    def logprobs(
+        self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[B, T]`` log-probs of ``batch.response_ids`` (0 past each response), and the ``[B, T]``
+        entropy of the (temperature-scaled) distribution when ``with_entropy`` (else ``None``).
+        Gradients flow unless the caller runs under ``torch.no_grad()``."""
+
+
+@runtime_checkable
+class CriticModel(Protocol):
+    """PPO's value model, built by :meth:`TrainingBackend.build_critic`."""
+
+    def values(self, batch: RolloutBatch, micro_batch_size: int, exact_layout: bool, minibatches: int) -> torch.Tensor:
+        """``[B, T]`` value predictions for the response tokens (no gradient)."""
+
+    def update(
+        self,
+        batch: RolloutBatch,
+        *,
+        micro_batch_size: int,
+        minibatches: int,
+        agg_mode: str,
+        horizon: float | None,
+        dp_size: int,
+        exact_layout: bool,
+    ) -> dict[str, float]:
+        """One pass of the clipped value loss over the batch (``batch.targets``: ``old_values``,
+        ``returns``, ``loss_mask``); returns ``critic/*`` metrics averaged over optimizer steps."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Model and optimizer state for ``torch.distributed.checkpoint`` (keys are prefixed ``critic``)."""
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Apply a state loaded from a checkpoint (the structure :meth:`checkpoint_state` returned)."""
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do beyond the required methods; the loop checks these, never the type."""
+
+    lora: bool = False
+    """Trains LoRA adapters; :meth:`TrainingBackend.lora_adapter` returns them."""
+    critic: bool = False
+    """:meth:`TrainingBackend.build_critic` works (PPO with GAE)."""
+    weight_views: bool = False
+    """:meth:`TrainingBackend.full_weights` can yield the parameters' own storage (an in-process engine
+    then shares the trainer's weights and a sync moves no bytes)."""
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """A policy model with its optimizer and LR schedule, as the training loop drives it."""
+
+    capabilities: BackendCapabilities
+
+    model: Any
+    """The backend's own model object. It is handed to the optimizer-step hooks and otherwise opaque:
+    rlite's core never looks inside it."""
+    optimizer: Any
+    """The backend's optimizer, handed to ``before_optimizer_step``; opaque to the core."""
+
+    def logprobs(
+        self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As :meth:`ScoringModel.logprobs`, through the trainable policy. Called under
+        ``torch.no_grad()`` to score pi_old, with gradient (``with_entropy=True``) in training."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of ``loss`` (one micro-batch's share of the objective)."""
+
+    def step(self, before_step: Callable[[], None] | None = None) -> float:
+        """Clip the accumulated gradients, call ``before_step()``, step optimizer and LR scheduler,
+        zero the gradients; return the gradient norm before clipping (global over ranks)."""
+
+    def current_lr(self) -> float:
+        """The learning rate the next :meth:`step` applies."""
+
+    def train_mode(self) -> None:
+        """Put the policy in training mode (dropout and the like) before an update."""
+
+    def full_weights(self, *, views: bool = False) -> NamedTensors:
+        """Every weight of the policy as served: Hugging Face names, full (unsharded) tensors, LoRA
+        merged, tied weights once. A collective: every rank must exhaust it in the same order.
+        ``views=True`` may yield the parameters' own storage (see ``capabilities.weight_views``);
+        the consumer must not write to them."""
+
+    def lora_adapter(self) -> LoraAdapter | None:
+        """The LoRA adapter alone (for engines that serve adapters on a fixed base), or ``None``
+        when the backend trains full weights."""
+
+    def hf_config(self) -> Any:
+        """The Hugging Face ``PretrainedConfig`` of the policy (export writes it with the weights)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Model and optimizer state for ``torch.distributed.checkpoint`` (sharded tensors allowed;
+        keys ``model`` and ``optim``)."""
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Apply a state loaded in place into the structure :meth:`checkpoint_state` returned."""
+
+    def lr_scheduler_state(self) -> dict[str, Any]:
+        """The LR scheduler's state (saved per rank with the trainer state)."""
+
+    def load_lr_scheduler_state(self, state: dict[str, Any]) -> None: ...
+
+    def after_checkpoint(self) -> None:
+        """Called after a checkpoint was written (for example to drop pages the save read in)."""
+
+    def build_reference(self) -> ScoringModel:
+        """A frozen copy of the initial policy (no LoRA), laid out like the policy, for pi_ref."""
+
+    def build_critic(self, cfg: CriticConfig) -> CriticModel:
+        """PPO's value model (only when ``capabilities.critic``)."""
+
+    def close(self) -> None:
+        """Release what the backend holds outside Python's reach (files, pinned memory)."""
