@@ -16,7 +16,7 @@ import yaml
 from rlite import __version__
 from rlite.cli import main
 from rlite.config import RunConfig, load_config
-from rlite.plugin_manager import build_plugin_manager, get_plugin_manager, set_plugin_manager
+from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
 
 FAKE_PLUGIN = """
 from rlite import hookimpl
@@ -52,7 +52,7 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[RunConfig,
     """Replace ``rlite.loop`` with a module recording what ``run_training`` received."""
     calls: list[tuple[RunConfig, object]] = []
     loop = types.ModuleType("rlite.loop")
-    loop.run_training = lambda cfg: calls.append((cfg, get_plugin_manager()))
+    loop.run_training = lambda cfg, pm: calls.append((cfg, pm))
     monkeypatch.setitem(sys.modules, "rlite.loop", loop)
     yield calls
     set_plugin_manager(None)
@@ -235,7 +235,7 @@ def test_train_warns_about_plugins_that_failed_to_load(tmp_path, monkeypatch, ca
     pm.failed.append(PluginInfo("broken", "rlite-broken", "1.0", [], error="failed to load 'x:y': ImportError: nope"))
     monkeypatch.setattr(cli, "build_manager", lambda **kwargs: pm)
     ran = []
-    monkeypatch.setattr(rlite.loop, "run_training", lambda cfg: ran.append(cfg))
+    monkeypatch.setattr(rlite.loop, "run_training", lambda cfg, pm: ran.append(cfg))
     config = tmp_path / "run.yaml"
     config.write_text("model: {path: /nowhere}\ndata: {task: addition}\n")
     assert cli.main(["train", str(config)]) == 0

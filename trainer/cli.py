@@ -23,7 +23,6 @@ from rlite.plugin_manager import (
     PluginError,
     RlitePluginManager,
     build_plugin_manager,
-    set_plugin_manager,
 )
 
 EXIT_USAGE = 2
@@ -115,10 +114,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     for broken in pm.failed:  # the run goes on without it, but never silently
         print(f"rlite train: warning: plugin {broken.name!r} ({broken.distribution}) is skipped: {broken.error}",
               file=sys.stderr)
-    set_plugin_manager(pm)
     from rlite.loop import run_training  # heavy (torch, transformers): only when training
 
-    run_training(cfg)
+    run_training(cfg, pm)
     return 0
 
 
