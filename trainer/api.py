@@ -38,6 +38,7 @@ from rlite.training.backend import (
     ScoringModel,
     TrainingBackend,
 )
+from rlite.training.schedule import build_lr_scheduler
 
 _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
@@ -74,6 +75,7 @@ __all__ = [
     "ScoringModel",
     "TrainTargets",
     "TrainingBackend",
+    "build_lr_scheduler",
     "fraction",
     "hookimpl",
     "log_or_neg_inf",

@@ -94,20 +94,31 @@ def build_tiny_model_dir(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    num_experts: int | None = None,
+    experts_per_token: int = 2,
+    expert_intermediate: int | None = None,
 ) -> Path:
-    """Save a tiny randomly initialised ``Qwen2ForCausalLM`` plus the byte tokenizer into ``path``.
+    """Save a tiny randomly initialised ``Qwen2ForCausalLM`` plus the byte tokenizer into ``path``;
+    with ``num_experts`` a ``Qwen3MoeForCausalLM`` instead (every layer a top-``experts_per_token``
+    Mixture-of-Experts MLP, router weights drawn so that routing has no ties).
 
     ``vocab_size`` defaults to the tokenizer's length (259). With the defaults the model has about
     0.1M parameters and loads with plain ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained``.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     tokenizer = build_byte_tokenizer()
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    config = Qwen2Config(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -120,11 +131,23 @@ def build_tiny_model_dir(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if num_experts is None:
+        config, model_cls = Qwen2Config(**common), Qwen2ForCausalLM
+    else:
+        config = Qwen3MoeConfig(
+            **common, head_dim=hidden // heads, num_experts=num_experts, num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=expert_intermediate or intermediate // 2, norm_topk_prob=True,
+        )
+        model_cls = Qwen3MoeForCausalLM
     # A private generator keeps the caller's global RNG untouched and the weights a pure function of seed.
     fork_devices: list[int] = []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_cls(config)
+        if num_experts is not None:
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.mlp.gate.weight.normal_(0.0, 0.5)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

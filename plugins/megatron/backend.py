@@ -1,0 +1,445 @@
+"""The megatron-core training backend: a ``GPTModel`` built from a Hugging Face config, with tensor and
+expert parallelism, behind rlite's :class:`~rlite.api.TrainingBackend` contract.
+
+The model runs megatron-core's *local* layer spec (no Transformer Engine): RMSNorm, SwiGLU MLPs or
+MoE layers with the ``allgather`` token dispatcher, rotary attention. Weights come from the Hugging
+Face checkpoint through :mod:`rlite.plugins.megatron.convert` and go back the same way for weight
+sync and export.
+
+Log-probs: megatron's output layer gives this TP rank's slice of the vocabulary; the log-softmax is
+taken across slices (max and sum all-reduced, the gradient of the sum is the identity on each rank,
+as in megatron's own cross entropy), logits of padded vocabulary rows are masked out. Left padding:
+megatron's rotary embedding numbers positions 0..S-1 for every row, Hugging Face skips the padding;
+rotary attention depends only on position differences, so the two agree up to float rounding.
+
+Gradients: the loss of each rank is already scaled for averaging over data-parallel ranks (rlite's
+global normalisation), so dense gradients are summed over the data-parallel group and divided by its
+size, and an expert's gradients are summed over the expert-data-parallel group and divided by the
+same data-parallel size (its copies together saw every rank's tokens once). The gradient norm counts
+tensor-parallel duplicates once and sums expert norms over the expert-parallel group.
+
+Data parallelism is over all ranks, so tensor parallelism > 1 (whose ranks must see the same batch)
+is refused until the loop shards data by data-parallel rank; expert parallelism works (its ranks see
+different batches, as data-parallel ranks do).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlite.api import (
+    BackendCapabilities,
+    ConfigError,
+    ForwardSpec,
+    RolloutBatch,
+    build_lr_scheduler,
+    load_causal_lm,
+    model_inputs,
+    pad_to_width,
+)
+from rlite.plugins.megatron.convert import (
+    ModelShape,
+    expert_index,
+    hf_to_megatron_full,
+    hf_to_megatron_local,
+    local_expert_range,
+    megatron_to_hf,
+    model_shape,
+    padded_vocab_size,
+    tp_layout,
+    tp_merge,
+)
+from rlite.plugins.megatron.shims import apply_cpu_shims, seed_model_parallel_rng
+
+
+def init_model_parallel(tp: int, ep: int) -> None:
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % (tp * ep) != 0 and world % tp != 0:
+        raise ConfigError(
+            f"parallelism.backend.args: tensor_parallel={tp} x expert_parallel={ep} must divide the world size {world}"
+        )
+    if world % ep != 0:
+        raise ConfigError(f"parallelism.backend.args.expert_parallel={ep} must divide the world size {world}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
+
+
+def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: torch.dtype):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe: dict[str, Any] = {}
+    if shape.is_moe:
+        moe = dict(
+            num_moe_experts=shape.num_experts,
+            moe_router_topk=shape.moe_top_k,
+            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            # Hugging Face: softmax over all experts, top-k, renormalised when norm_topk_prob; megatron's
+            # default (top-k of the logits, softmax over those k) is the same distribution
+            moe_router_pre_softmax=not shape.norm_topk_prob,
+            moe_shared_expert_intermediate_size=shape.shared_expert_ffn,
+            moe_shared_expert_gate=bool(shape.shared_expert_ffn),
+        )
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        **moe,
+    )
+
+
+def build_gpt_model(shape: ModelShape, tcfg, tp: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=shape.num_experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm, normalization="RMSNorm"
+    )
+    return GPTModel(
+        tcfg,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(shape.vocab_size, tp),
+        max_sequence_length=shape.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=shape.rope_theta,
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+    )
+
+
+def load_weights(model: torch.nn.Module, local: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = model.load_state_dict(local, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"megatron weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# log-probs over a vocabulary split across tensor-parallel ranks
+# --------------------------------------------------------------------------------------------------
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, *, with_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(logits)[target]`` (and the entropy) when each TP rank holds a slice of the vocabulary."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    width = logits.shape[-1]
+    first = tp_rank * width
+    padded = torch.arange(first, first + width, device=logits.device) >= vocab_size
+    logits = logits.masked_fill(padded, float("-inf"))
+    top = logits.detach().max(-1).values
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    shifted = logits - top.unsqueeze(-1)
+    log_z = reduce_from_tensor_model_parallel_region(shifted.exp().sum(-1)).log()
+    local = targets - first
+    mine = (local >= 0) & (local < width)
+    picked = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) * mine
+    logprobs = reduce_from_tensor_model_parallel_region(picked) - log_z
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            logp = (shifted - log_z.unsqueeze(-1)).masked_fill(padded, 0.0)
+            entropy = reduce_from_tensor_model_parallel_region(-(logp.exp() * logp).sum(-1))
+    return logprobs, entropy
+
+
+def gpt_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    ids = inputs.input_ids
+    seq = ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).triu(1)
+    padding = (inputs.attention_mask == 0)[:, None, None, :]
+    mask = causal[None, None] | padding  # True: masked out
+    logits = model(ids, inputs.position_ids, mask)
+    start, width = inputs.response_start, inputs.response_mask.shape[1]
+    logits = logits[:, start - 1 : start - 1 + width].float() / spec.temperature
+    targets = ids[:, start : start + width]
+    logprobs, entropy = vocab_parallel_logprobs(
+        logits, targets, vocab_size, with_entropy=with_entropy, entropy_grad=spec.entropy_grad
+    )
+    m = inputs.response_mask.to(logprobs.dtype)
+    full = batch.response_ids.shape[1]
+    logprobs = pad_to_width(logprobs * m, full)
+    return logprobs, None if entropy is None else pad_to_width(entropy * m, full)
+
+
+# --------------------------------------------------------------------------------------------------
+# the backend
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MegatronReference:
+    """The frozen initial policy, for pi_ref."""
+
+    model: torch.nn.Module
+    vocab_size: int
+
+    def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
+        return gpt_logprobs(self.model, batch, spec, self.vocab_size, with_entropy=with_entropy)
+
+
+class MegatronBackend:
+    """A megatron-core ``GPTModel`` with AdamW and rlite's LR schedule."""
+
+    capabilities = BackendCapabilities(lora=False, critic=False, weight_views=False)
+
+    def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
+        from megatron.core import parallel_state
+
+        if cfg.tensor_parallel > 1:
+            raise ConfigError(
+                "parallelism.backend.args.tensor_parallel > 1 needs the loop to shard data by data-parallel "
+                "rank (not yet): use tensor_parallel=1 (expert_parallel works)"
+            )
+        if config.model.lora.enabled:
+            raise ConfigError("model.lora.enabled: the megatron backend trains full weights; use parallelism.backend=fsdp2 for LoRA")
+        self.config, self.cfg, self.device = config, cfg, device
+        self.cpu_shims = apply_cpu_shims()
+        init_model_parallel(cfg.tensor_parallel, cfg.expert_parallel)
+        seed_model_parallel_rng(config.training.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        hf = load_causal_lm(config.model)
+        self._hf_config = hf.config
+        hf_state = {name: t.detach() for name, t in hf.state_dict().items()}
+        fused = any(name.endswith("experts.gate_up_proj") for name in hf_state)
+        self.shape = model_shape(hf.config, fused_experts=fused)
+        if self.shape.is_moe and self.shape.num_experts % cfg.expert_parallel:
+            raise ConfigError(
+                f"parallelism.backend.args.expert_parallel={cfg.expert_parallel} must divide the "
+                f"{self.shape.num_experts} experts"
+            )
+        self.full_names = [name for name, _ in hf_to_megatron_full(hf_state, self.shape, tp_size=cfg.tensor_parallel)]
+        self.local_state = lambda: hf_to_megatron_local(
+            hf_state, self.shape, tp_rank=self.tp_rank, tp_size=cfg.tensor_parallel, ep_rank=self.ep_rank,
+            ep_size=cfg.expert_parallel,
+        )
+        self.model = self._build_model()
+        del hf
+        train = config.training
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=train.lr, betas=tuple(train.betas), eps=train.eps, weight_decay=train.weight_decay, fused=True
+        )
+        self.scheduler = build_lr_scheduler(self.optimizer, train, total_optimizer_steps)
+        self.grad_clip = train.grad_clip
+
+    def _build_model(self) -> torch.nn.Module:
+        tcfg = transformer_config(self.shape, tp=self.cfg.tensor_parallel, ep=self.cfg.expert_parallel,
+                                  params_dtype=torch.float32)
+        model = build_gpt_model(self.shape, tcfg, self.cfg.tensor_parallel)
+        load_weights(model, self.local_state())
+        return model.to(self.device)
+
+    # -- training ---------------------------------------------------------------------------------
+    def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
+        return gpt_logprobs(self.model, batch, spec, self.shape.vocab_size, with_entropy=with_entropy)
+
+    def train_mode(self) -> None:
+        self.model.train()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _is_expert(self, name: str) -> bool:
+        return ".mlp.experts." in name
+
+    def _reduce_gradients(self) -> None:
+        from megatron.core import parallel_state
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            return
+        dense = parallel_state.get_data_parallel_group()
+        experts = parallel_state.get_expert_data_parallel_group()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        for name, param in self.model.named_parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)  # every rank takes part in every reduction
+            dist.all_reduce(param.grad, group=experts if self._is_expert(name) else dense)
+            param.grad.div_(dp_size)
+
+    def _grad_norm(self) -> torch.Tensor:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, param in self.model.named_parameters():
+            if param.grad is None:
+                continue
+            sq = param.grad.detach().double().square().sum()
+            if self._is_expert(name):
+                expert += sq
+            elif param_is_not_tensor_parallel_duplicate(param):
+                dense += sq
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
+        return (dense + expert).sqrt()
+
+    def step(self, before_step=None) -> float:
+        self._reduce_gradients()
+        norm = float(self._grad_norm())
+        if self.grad_clip > 0 and math.isfinite(norm) and norm > self.grad_clip:
+            scale = self.grad_clip / (norm + 1e-6)  # torch's clip_grad_norm_ rule
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+        if before_step is not None:
+            before_step()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def current_lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # -- weights out ------------------------------------------------------------------------------
+    def _full_megatron(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight, full (TP shards gathered, experts broadcast by their owner), in the order of
+        :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`. A collective."""
+        from megatron.core import parallel_state
+
+        params = dict(self.model.named_parameters())
+        tp_size, ep_size = self.cfg.tensor_parallel, self.cfg.expert_parallel
+        per_rank = self.shape.num_experts // ep_size if self.shape.is_moe else 0
+        for name in self.full_names:
+            parts = expert_index(name)
+            if parts is not None:
+                prefix, expert, suffix = parts
+                owner = expert // per_rank
+                local_name = f"{prefix}{expert - owner * per_rank}{suffix}"
+                if ep_size == 1:
+                    yield name, params[local_name].detach().clone()
+                    continue
+                group = parallel_state.get_expert_model_parallel_group()
+                tensor = params[local_name].detach().clone() if owner == self.ep_rank else torch.empty_like(params[local_name])
+                dist.broadcast(tensor, src=dist.get_global_rank(group, owner), group=group)
+                yield name, tensor
+                continue
+            local = params[name].detach()
+            if tp_size == 1 or tp_layout(name) == "replicated":
+                yield name, local.clone()
+                continue
+            shards = [torch.empty_like(local) for _ in range(tp_size)]
+            dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+            yield name, tp_merge(name, shards)
+
+    def full_weights(self, *, views: bool = False):
+        return megatron_to_hf(self._full_megatron(), self.shape)
+
+    def lora_adapter(self):
+        return None
+
+    def hf_config(self) -> Any:
+        return self._hf_config
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _checkpoint_key(self, name: str) -> str:
+        """A name unique to the weights this rank holds: TP shards by rank, experts by global index."""
+        parts = expert_index(name)
+        if parts is not None:
+            prefix, local, suffix = parts
+            start = local_expert_range(self.shape, self.ep_rank, self.cfg.expert_parallel).start
+            name = f"{prefix}{start + local}{suffix}"
+        elif tp_layout(name) != "replicated" and self.cfg.tensor_parallel > 1:
+            name = f"{name}.tp{self.tp_rank}"
+        return name
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        params = dict(self.model.named_parameters())
+        model = {self._checkpoint_key(n): p.detach() for n, p in params.items()}
+        optim = {}
+        for name, param in params.items():
+            state = self.optimizer.state.get(param)
+            if not state:  # before the first step: zeros to load into
+                state = self.optimizer.state[param] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=param.device),
+                    "exp_avg": torch.zeros_like(param),
+                    "exp_avg_sq": torch.zeros_like(param),
+                }
+            optim[self._checkpoint_key(name)] = dict(state)
+        return {"model": model, "optim": optim}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                key = self._checkpoint_key(name)
+                param.copy_(state["model"][key])
+                target = self.optimizer.state[param]
+                for slot, value in state["optim"][key].items():
+                    target[slot].copy_(value)
+
+    def lr_scheduler_state(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_lr_scheduler_state(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def after_checkpoint(self) -> None:
+        pass
+
+    # -- other models -----------------------------------------------------------------------------
+    def build_reference(self) -> MegatronReference:
+        model = self._build_model()
+        model.requires_grad_(False)
+        return MegatronReference(model, self.shape.vocab_size)
+
+    def build_critic(self, cfg):
+        raise ConfigError("algorithm.critic.enabled: the megatron backend has no critic yet; use parallelism.backend=fsdp2")
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
