@@ -100,6 +100,7 @@ def fixed_batch_update(
     share_prompts: bool = False,
     optimizer_offload: str = "none",
     plain: bool = False,
+    backend_choice: str = "",
 ) -> None:
     """One optimizer step of the real FSDP2 backend on a fixed global batch; rank r takes slice r.
 
@@ -108,7 +109,9 @@ def fixed_batch_update(
     FSDP2, accumulating its weight gradients in place (``rlite.backends.fsdp2.grad_accumulation``). AdamW runs with
     eps=1 so that its first step is about lr * grad (linear in the gradient) instead of
     lr * sign(grad), which would turn rounding noise in near-zero gradients into full-size weight
-    differences.
+    differences. ``backend_choice`` (a ``parallelism.backend`` value such as
+    ``{name: megatron, args: {expert_parallel: 2}}``) builds that backend through the plugin registry
+    instead of FSDP2.
     """
     import torch.distributed as dist
 
@@ -129,16 +132,29 @@ def fixed_batch_update(
         grpo = pm.registry("advantage_estimator").get("grpo")
         ppo_clip = pm.registry("policy_loss").get("ppo_clip")
 
-        backend = FSDP2Backend.build(
-            ModelConfig(path=model_dir),
-            ParallelismConfig(shard_single_process=not plain),
-            TrainingConfig(
-                lr=1e-2, eps=1.0, grad_clip=0.0, micro_batch_size=micro_batch_size, optimizer_offload=optimizer_offload
-            ),
-            torch.device("cpu"),
-            total_optimizer_steps=minibatches,
-            offload_dir=Path(init_file).parent / f"{Path(out_file).stem}-moments-rank{rank}",
-        )
+        if backend_choice:
+            from rlite.plugin_manager import resolve_choice
+
+            pm = build_plugin_manager()  # with entry-point plugins, where such backends come from
+            run_cfg = load_config(None, [
+                f"model.path={model_dir}", "data.task=addition", f"parallelism.backend={backend_choice}",
+                "training.lr=1e-2", "training.eps=1.0", "training.grad_clip=0.0",
+                f"training.micro_batch_size={micro_batch_size}",
+            ], pm)
+            factory, backend_cfg = resolve_choice(pm.registry("training_backend"), run_cfg.parallelism.backend)
+            backend = factory(run_cfg, backend_cfg, torch.device("cpu"), minibatches)
+        else:
+            backend = FSDP2Backend.build(
+                ModelConfig(path=model_dir),
+                ParallelismConfig(shard_single_process=not plain),
+                TrainingConfig(
+                    lr=1e-2, eps=1.0, grad_clip=0.0, micro_batch_size=micro_batch_size,
+                    optimizer_offload=optimizer_offload,
+                ),
+                torch.device("cpu"),
+                total_optimizer_steps=minibatches,
+                offload_dir=Path(init_file).parent / f"{Path(out_file).stem}-moments-rank{rank}",
+            )
         batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
         advantages, returns = grpo.implementation(
             AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), grpo.config_cls()
@@ -157,7 +173,9 @@ def fixed_batch_update(
             dp_size=world_size,
         )
         params = {name: t.detach().clone() for name, t in backend.full_weights()}
-        stream_exact, async_gather = stream_self_check(backend.model.lm)
+        stream_exact = async_gather = None
+        if not backend_choice:
+            stream_exact, async_gather = stream_self_check(backend.model.lm)
         if rank == 0:
             torch.save(
                 {"metrics": metrics, "params": params, "stream_exact": stream_exact, "async_gather": async_gather},

@@ -187,16 +187,34 @@ def vocab_parallel_logprobs(
     return logprobs, entropy
 
 
+def same_shape_across_expert_ranks(ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad a micro-batch (rows at the bottom, columns at the right, all masked) to the largest shape in
+    the expert-parallel group: megatron's allgather token dispatcher gathers equal-sized token blocks.
+    Padded tokens are routed like any token but attend to nothing and are cut from the output."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return ids, attention
+    shape = torch.tensor(ids.shape, dtype=torch.long)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+    rows, cols = shape.tolist()
+    pad = (0, cols - ids.shape[1], 0, rows - ids.shape[0])
+    return torch.nn.functional.pad(ids, pad), torch.nn.functional.pad(attention, pad)
+
+
 def gpt_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     inputs = model_inputs(batch, exact_layout=spec.exact_layout)
-    ids = inputs.input_ids
+    ids, attention = same_shape_across_expert_ranks(inputs.input_ids, inputs.attention_mask)
     seq = ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).triu(1)
-    padding = (inputs.attention_mask == 0)[:, None, None, :]
+    padding = (attention == 0)[:, None, None, :]
     mask = causal[None, None] | padding  # True: masked out
-    logits = model(ids, inputs.position_ids, mask)
+    position_ids = torch.arange(seq, device=ids.device).expand_as(ids)  # rotary: only differences count
+    rows, cols = inputs.input_ids.shape
+    logits = model(ids, position_ids, mask)[:rows, :cols]
+    ids = inputs.input_ids
     start, width = inputs.response_start, inputs.response_mask.shape[1]
     logits = logits[:, start - 1 : start - 1 + width].float() / spec.temperature
     targets = ids[:, start : start + width]

@@ -1,0 +1,49 @@
+"""One optimizer step of the megatron backend on a fixed global batch is the same on 1 rank as on 2
+ranks with data parallelism and, for a Mixture-of-Experts model, expert parallelism 2 (each rank
+holding 2 of the 4 experts, tokens dispatched with megatron's allgather dispatcher); spawned
+processes, gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
+
+from rlite.testing import fixed_batch_update  # noqa: E402
+from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
+
+
+def _run(tmp_path, model_dir, world_size, choice, name):
+    out, init = tmp_path / f"{name}.pt", tmp_path / f"{name}.init"
+    args = (world_size, str(init), str(model_dir), str(out), 4, "token-mean", 1, False, "none", False, choice)
+    if world_size == 1:
+        fixed_batch_update(0, *args)
+    else:
+        mp.start_processes(fixed_batch_update, args=args, nprocs=world_size, start_method="spawn", join=True)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize(
+    ("experts", "two_ranks"),
+    [(None, "megatron"), (4, "{name: megatron, args: {expert_parallel: 2}}")],
+    ids=["dense-dp2", "moe-ep2"],
+)
+def test_two_ranks_equal_one(tmp_path, experts, two_ranks):
+    model_dir = build_tiny_model_dir(tmp_path / "model", hidden=32, layers=2, num_experts=experts)
+    one = _run(tmp_path, model_dir, 1, "megatron", "one")
+    two = _run(tmp_path, model_dir, 2, two_ranks, "two")
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert one["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-5, abs=1e-7), key
+    initial = {}
+    from rlite.config import ModelConfig
+    from rlite.hf_models import load_causal_lm
+
+    initial = dict(load_causal_lm(ModelConfig(path=str(model_dir))).named_parameters())
+    assert one["params"].keys() == two["params"].keys()
+    moved = 0
+    for name in one["params"]:
+        torch.testing.assert_close(one["params"][name], two["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+        moved += not torch.equal(one["params"][name], initial[name].detach())
+    assert moved > len(one["params"]) // 2, "the step must have changed the weights"
