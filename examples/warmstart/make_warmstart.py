@@ -3,6 +3,10 @@
 re-running it rewrites the same weights.
 
     python examples/warmstart/make_warmstart.py [--out examples/warmstart/addition-qwen2-1m] [--steps 240]
+    python examples/warmstart/make_warmstart.py --moe   # examples/warmstart/addition-qwen3moe (MoE recipe)
+
+``--moe`` makes a Qwen3-MoE instead (4 experts, top-2, every layer sparse) for
+``configs/moe_megatron_cpu.yaml``; it is not shipped, run the command once to make it.
 
 Supervised steps only see the *training* split of the task (``data.seed=0``), never the held-out
 prompts that the quickstart evaluates on.
@@ -20,6 +24,35 @@ from rlite.tasks import make_task
 from rlite.tokenizer import build_byte_tokenizer
 
 HERE = Path(__file__).parent
+
+
+def build_moe_model(tokenizer):
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.02)  # transformers leaves the router at zero: ties everywhere
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return model
 
 
 def build_model(tokenizer):
@@ -82,19 +115,21 @@ def greedy_accuracy(model, tokenizer, rows) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(HERE / "addition-qwen2-1m"))
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of the dense Qwen2")
+    parser.add_argument("--steps", type=int, default=None, help="600 (dense) or 250 (MoE): partly competent")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=0)
     args = parser.parse_args()
 
+    args.steps = args.steps or (250 if args.moe else 600)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer = build_byte_tokenizer()
     train_rows, eval_rows = make_task("addition", num_train=2000, num_eval=256, seed=0, digits=2)
     examples = encode(tokenizer, train_rows)
-    model = build_model(tokenizer)
+    model = build_moe_model(tokenizer) if args.moe else build_model(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
     model.train()
@@ -109,7 +144,7 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.3f} held-out greedy acc {greedy_accuracy(model, tokenizer, eval_rows):.3f}")
     model.eval()
     print(f"final held-out greedy accuracy: {greedy_accuracy(model, tokenizer, eval_rows):.3f}")
-    out = Path(args.out)
+    out = Path(args.out or HERE / ("addition-qwen3moe" if args.moe else "addition-qwen2-1m"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     print(f"saved {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters to {out}")

@@ -181,3 +181,28 @@ def test_missing_megatron_core_is_a_config_error_naming_the_extra(monkeypatch) -
 
     with pytest.raises(ConfigError, match=r"pip install 'rlite\[megatron\]'"):
         megatron_plugin.MegatronConfig()
+
+
+def test_rlite_plugins_lists_megatron_from_its_entry_point(capsys, monkeypatch) -> None:
+    import json
+
+    from rlite.cli import main
+
+    monkeypatch.delenv("RLITE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("RLITE_PLUGINS", raising=False)
+    assert main(["plugins", "--json"]) == 0
+    plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
+    assert plugins["megatron"]["registers"] == {"training_backend": ["megatron"]}
+    assert plugins["megatron"]["distribution"] == "rlite"
+
+
+def test_train_without_the_extra_fails_in_one_line_naming_it(tmp_path, model_dir, capsys, monkeypatch) -> None:
+    from rlite.cli import main
+
+    monkeypatch.delenv("RLITE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setattr(megatron_plugin, "megatron_installed", lambda: False)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{path: {model_dir}}}\ndata: {{task: addition}}\nparallelism: {{backend: megatron}}\n")
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'rlite[megatron]'" in err and len(err.strip().splitlines()) == 1

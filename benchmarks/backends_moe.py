@@ -1,0 +1,129 @@
+"""FSDP2 against megatron-core on the same tiny Mixture-of-Experts GRPO job: step time and peak memory.
+
+Each backend trains the same model (a Qwen3-MoE made by ``rlite.tokenizer.build_tiny_model_dir``)
+with the same config in a fresh process, one thread, alternating A B A B over ``--repeats`` pairs;
+every process reports its per-phase ``time/*`` metrics (rlite's own, from ``metrics.jsonl``) and its
+peak RSS (``ru_maxrss``). Printed: median seconds per step over the steps after the first, the
+training phase alone, peak RSS, and the megatron/fsdp2 ratio of each pair.
+
+    python benchmarks/backends_moe.py [--steps 12] [--repeats 2] [--experts 8] [--hidden 128] [--append]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine_info import cpu_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+CHILD = r"""
+import json, resource, sys, torch
+torch.set_num_threads(1)
+from rlite.config import load_config
+from rlite.loop import run_training
+from rlite.plugin_manager import build_plugin_manager
+spec = json.loads(sys.argv[1])
+pm = build_plugin_manager()
+cfg = load_config(None, spec["overrides"], pm)
+run_training(cfg, pm)
+rows = [json.loads(l) for l in open(spec["run_dir"] + "/metrics.jsonl") if '"reward/mean"' in l]
+print("RESULT " + json.dumps({"rows": rows, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def megatron_version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str) -> dict:
+    run_dir = work / tag
+    overrides = [
+        f"model.path={model_dir}", "data.task=addition", "data.num_train=256", "data.num_eval=16",
+        f"training.steps={steps}", "training.micro_batch_size=32", "training.eval_every=0", "training.num_threads=1",
+        "rollout.prompts_per_step=8", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=16",
+        f"parallelism.backend={backend}", f"logging.run_dir={run_dir}", "logging.progress_bar=false",
+        "logging.plot=false", "logging.loggers=[jsonl]", "checkpoint.every=0", "checkpoint.save_final=false",
+        "checkpoint.export_hf=false", "checkpoint.resume=never",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    spec = json.dumps({"overrides": overrides, "run_dir": str(run_dir)})
+    out = subprocess.run([sys.executable, "-c", CHILD, spec], capture_output=True, text=True, env=env, timeout=1800)
+    line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None:
+        raise SystemExit(f"{backend} run failed:\n{out.stderr[-3000:]}")
+    result = json.loads(line[len("RESULT "):])
+    steady = result["rows"][1:]  # the first step pays for warm-up
+    return {
+        "step_s": statistics.median(r["time/step"] for r in steady),
+        "train_s": statistics.median(r["time/train"] for r in steady),
+        "peak_rss_mib": result["peak_rss_mib"],
+        "reward_last": result["rows"][-1]["reward/mean"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    from rlite.tokenizer import build_tiny_model_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = build_tiny_model_dir(work / "moe", hidden=args.hidden, layers=2, heads=4, kv_heads=2,
+                                         intermediate=2 * args.hidden, num_experts=args.experts, experts_per_token=2)
+        pairs = []
+        for index in range(args.repeats):
+            fsdp2 = run_backend("fsdp2", model_dir, work, args.steps, f"fsdp2-{index}")
+            megatron = run_backend("megatron", model_dir, work, args.steps, f"megatron-{index}")
+            pairs.append((fsdp2, megatron))
+            print(f"pair {index}: fsdp2 {fsdp2}  megatron {megatron}", flush=True)
+    lines = [
+        f"### backends_moe.py: fsdp2 vs megatron on a tiny MoE ({time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        f"- machine: {cpu_model()}, {os.cpu_count()} cores; torch {torch_version()}, megatron-core {megatron_version()}",
+        f"- command: `python benchmarks/backends_moe.py --steps {args.steps} --repeats {args.repeats} "
+        f"--experts {args.experts} --hidden {args.hidden}`",
+        f"- job: Qwen3-MoE hidden {args.hidden}, 2 layers, {args.experts} experts top-2; GRPO, 8 prompts x 8 samples, "
+        "16 new tokens, micro-batch 32, one process, one thread; medians over steps 2..N",
+        "",
+        "| pair | fsdp2 s/step | megatron s/step | ratio | fsdp2 train s | megatron train s | fsdp2 peak RSS MiB | megatron peak RSS MiB | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for index, (a, b) in enumerate(pairs):
+        lines.append(
+            f"| {index} | {a['step_s']:.3f} | {b['step_s']:.3f} | {b['step_s'] / a['step_s']:.2f} | {a['train_s']:.3f} | "
+            f"{b['train_s']:.3f} | {a['peak_rss_mib']:.0f} | {b['peak_rss_mib']:.0f} | "
+            f"{b['peak_rss_mib'] / a['peak_rss_mib']:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.append:
+        with open(RESULTS, "a") as handle:
+            handle.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
