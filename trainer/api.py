@@ -18,6 +18,7 @@ from typing import Any
 
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
 from rlite.config import ConfigError, RunConfig
+from rlite.distributed import DataLayout
 from rlite.engines.base import Completion, EngineCapabilities, EngineError, RolloutEngine, SamplingParams
 from rlite.hookspecs import Register, hookimpl
 from rlite.mismatch import (
@@ -63,6 +64,7 @@ __all__ = [
     "ConfigError",
     "CorrectionOutput",
     "CriticModel",
+    "DataLayout",
     "EngineCapabilities",
     "EngineError",
     "ForwardSpec",

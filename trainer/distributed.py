@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,21 +65,65 @@ def shutdown_distributed(ctx: DistContext, *, finished: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum a small float64 tensor over ranks (a no-op copy in a world of one)."""
+@dataclass(frozen=True)
+class DataLayout:
+    """Which shard of the data each rank trains on, as the training backend lays its ranks out.
+
+    ``size`` data-parallel shards; the ranks of ``group`` hold different shards (None: the whole
+    world). Ranks that hold the same shard (a backend's tensor-parallel ranks) form a *replica* of
+    ``replica_size`` ranks: its rank 0 (the leader) generates and scores, the others receive the batch.
+    With FSDP2 every rank is its own shard and replica.
+    """
+
+    rank: int
+    size: int
+    group: Any = None
+    replica_rank: int = 0
+    replica_size: int = 1
+    replica_group: Any = None
+    replica_leader: int = 0
+    """Global rank of the replica's leader (the source of its broadcasts)."""
+
+    @property
+    def leader(self) -> bool:
+        return self.replica_rank == 0
+
+    @classmethod
+    def whole_world(cls) -> DataLayout:
+        """Every rank a shard of its own."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        size = dist.get_world_size() if dist.is_initialized() else 1
+        return cls(rank=rank, size=size, replica_leader=rank)
+
+
+def _group_size(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce_sum(values: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum a small float64 tensor over the ranks of ``group`` (default: all; a copy in a world of one)."""
     out = values.detach().to(torch.float64).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out)
+    if dist.is_initialized() and _group_size(group) > 1:
+        dist.all_reduce(out, group=group)
     return out
 
 
-def all_gather_objects(obj):
-    """Gather one picklable object per rank into a list ordered by rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_gather_objects(obj, group: Any = None):
+    """Gather one picklable object per rank of ``group`` (default: all) into a list ordered by rank."""
+    if not dist.is_initialized() or _group_size(group) == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * _group_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def broadcast_object(obj, src: int, group: Any = None):
+    """``obj`` of global rank ``src`` on every rank of ``group`` (unchanged where the group is one rank)."""
+    if not dist.is_initialized() or _group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
 
 def barrier() -> None:

@@ -83,13 +83,14 @@ def build_kl_controller(kl: KLConfig) -> KLController:
     return FixedKLController(kl.coef)
 
 
-def update_kl_controller(controller: KLController, kl: torch.Tensor, mask: torch.Tensor) -> float:
-    """Feed this step's KL (global mean over sequences of their token mean, a collective) to the
+def update_kl_controller(controller: KLController, kl: torch.Tensor, mask: torch.Tensor, group=None) -> float:
+    """Feed this step's KL (global mean over sequences of their token mean, a collective over the
+    data-parallel ``group``) to the
     controller; the coefficient it returns applies from the next step on. Returns the KL."""
     counts = mask.sum(-1)
     nonempty = counts > 0
     per_sequence = (kl * mask).sum(-1)[nonempty] / counts[nonempty]
-    kl_sum, n = all_reduce_sum(torch.stack([per_sequence.sum(), nonempty.sum().to(kl.dtype)])).tolist()
+    kl_sum, n = all_reduce_sum(torch.stack([per_sequence.sum(), nonempty.sum().to(kl.dtype)]), group).tolist()
     mean_kl = kl_sum / max(n, 1.0)
     controller.update(mean_kl, int(n))
     return mean_kl

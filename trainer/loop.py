@@ -44,7 +44,7 @@ def train(run: Run) -> dict[str, Any]:
         with timer.phase("logprobs"):
             target_metrics = prepare_training_targets(
                 batch, run.targets, policy=run.backend, reference=run.reference, critic=run.critic,
-                forward=run.forward, loss=run.loss, kl_controller=run.kl_controller, ctx=ctx,
+                forward=run.forward, loss=run.loss, kl_controller=run.kl_controller, layout=run.layout,
             )
 
         # 4. policy update (mini-batches x micro-batches, global loss normalisation)
@@ -56,7 +56,8 @@ def train(run: Run) -> dict[str, Any]:
                 run.loss,
                 minibatches=cfg.algorithm.minibatches_per_step,
                 epochs=cfg.algorithm.epochs_per_step,
-                dp_size=ctx.world_size,
+                dp_size=run.layout.size,
+                dp_group=run.layout.group,
                 before_step=functools.partial(
                     hook.before_optimizer_step, step=step, model=run.backend.model, optimizer=run.backend.optimizer
                 ),
@@ -73,7 +74,8 @@ def train(run: Run) -> dict[str, Any]:
 
         # 6. metrics, evaluation, then checkpoint
         metrics, generated_tokens = step_metrics(
-            batch, train_logprobs, reward_stats, measure_mismatch="mismatch/kl" not in target_metrics
+            batch, train_logprobs, reward_stats, measure_mismatch="mismatch/kl" not in target_metrics,
+            dp_group=run.layout.group,
         )
         metrics.update(target_metrics)
         metrics.update(train_metrics)
@@ -110,7 +112,7 @@ def update_critic(run: Run, batch) -> dict[str, float]:
         minibatches=cfg.algorithm.minibatches_per_step,
         agg_mode=cfg.algorithm.loss_agg_mode,
         horizon=run.loss.horizon,
-        dp_size=run.ctx.world_size,
+        dp_size=run.layout.size,
         exact_layout=cfg.rollout.true_on_policy,
     )
 

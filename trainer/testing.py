@@ -160,8 +160,9 @@ def fixed_batch_update(
             AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), grpo.config_cls()
         )
         batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
-        per_rank = len(batch) // world_size
-        local = batch.select(slice(rank * per_rank, (rank + 1) * per_rank))
+        layout = backend.data_layout()
+        per_rank = len(batch) // layout.size
+        local = batch.select(slice(layout.rank * per_rank, (layout.rank + 1) * per_rank))
         metrics, _ = update_policy(
             backend,
             local,
@@ -170,7 +171,8 @@ def fixed_batch_update(
             LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), agg_mode, 7.0, None, 0.0, 0.01),
             minibatches=minibatches,
             epochs=1,
-            dp_size=world_size,
+            dp_size=layout.size,
+            dp_group=layout.group,
         )
         params = {name: t.detach().clone() for name, t in backend.full_weights()}
         stream_exact = async_gather = None

@@ -18,9 +18,10 @@ size, and an expert's gradients are summed over the expert-data-parallel group a
 same data-parallel size (its copies together saw every rank's tokens once). The gradient norm counts
 tensor-parallel duplicates once and sums expert norms over the expert-parallel group.
 
-Data parallelism is over all ranks, so tensor parallelism > 1 (whose ranks must see the same batch)
-is refused until the loop shards data by data-parallel rank; expert parallelism works (its ranks see
-different batches, as data-parallel ranks do).
+Data: the ranks of a tensor-parallel group see the same batch (:meth:`MegatronBackend.data_layout`:
+the loop shards prompts by data-parallel rank, and the group's rank 0 generates and broadcasts);
+expert-parallel ranks see different batches, as data-parallel ranks do. Tensor parallelism > 1 is
+for dense models (MoE with TP needs sequence parallelism, which needs Transformer Engine's norms).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from rlite.api import (
     BackendCapabilities,
     ConfigError,
+    DataLayout,
     ForwardSpec,
     RolloutBatch,
     build_lr_scheduler,
@@ -174,16 +176,20 @@ def vocab_parallel_logprobs(
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
     shifted = logits - top.unsqueeze(-1)
-    log_z = reduce_from_tensor_model_parallel_region(shifted.exp().sum(-1)).log()
+    exp = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(-1))
+    log_z = sum_exp.log()
     local = targets - first
     mine = (local >= 0) & (local < width)
     picked = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) * mine
     logprobs = reduce_from_tensor_model_parallel_region(picked) - log_z
     entropy = None
     if with_entropy:
+        # H = log Z - sum_j e^{s_j} s_j / Z: only sums of local terms cross the ranks, so each rank's
+        # share of the gradient is exact (a per-rank -sum p log p would miss the other ranks' log Z terms)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            logp = (shifted - log_z.unsqueeze(-1)).masked_fill(padded, 0.0)
-            entropy = reduce_from_tensor_model_parallel_region(-(logp.exp() * logp).sum(-1))
+            weighted = reduce_from_tensor_model_parallel_region(torch.where(padded, 0.0, exp * shifted).sum(-1))
+            entropy = log_z - weighted / sum_exp
     return logprobs, entropy
 
 
@@ -251,11 +257,6 @@ class MegatronBackend:
     def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
         from megatron.core import parallel_state
 
-        if cfg.tensor_parallel > 1:
-            raise ConfigError(
-                "parallelism.backend.args.tensor_parallel > 1 needs the loop to shard data by data-parallel "
-                "rank (not yet): use tensor_parallel=1 (expert_parallel works)"
-            )
         if config.model.lora.enabled:
             raise ConfigError("model.lora.enabled: the megatron backend trains full weights; use parallelism.backend=fsdp2 for LoRA")
         self.config, self.cfg, self.device = config, cfg, device
@@ -269,6 +270,11 @@ class MegatronBackend:
         hf_state = {name: t.detach() for name, t in hf.state_dict().items()}
         fused = any(name.endswith("experts.gate_up_proj") for name in hf_state)
         self.shape = model_shape(hf.config, fused_experts=fused)
+        if self.shape.is_moe and cfg.tensor_parallel > 1:
+            raise ConfigError(
+                "parallelism.backend.args.tensor_parallel > 1 with a Mixture-of-Experts model needs sequence "
+                "parallelism, which needs Transformer Engine's norms: use expert_parallel instead"
+            )
         if self.shape.is_moe and self.shape.num_experts % cfg.expert_parallel:
             raise ConfigError(
                 f"parallelism.backend.args.expert_parallel={cfg.expert_parallel} must divide the "
@@ -361,6 +367,22 @@ class MegatronBackend:
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def data_layout(self) -> DataLayout:
+        """Data-parallel ranks hold different shards; the ranks of a tensor-parallel group share one
+        (its rank 0 generates and broadcasts the batch)."""
+        from megatron.core import parallel_state as ps
+
+        tp_group = ps.get_tensor_model_parallel_group()
+        return DataLayout(
+            rank=ps.get_data_parallel_rank(),
+            size=ps.get_data_parallel_world_size(),
+            group=ps.get_data_parallel_group(),
+            replica_rank=ps.get_tensor_model_parallel_rank(),
+            replica_size=ps.get_tensor_model_parallel_world_size(),
+            replica_group=tp_group,
+            replica_leader=dist.get_global_rank(tp_group, 0) if dist.is_initialized() else 0,
+        )
 
     # -- weights out ------------------------------------------------------------------------------
     def _full_megatron(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """One optimizer step of the megatron backend on a fixed global batch is the same on 1 rank as on 2
-ranks with data parallelism and, for a Mixture-of-Experts model, expert parallelism 2 (each rank
-holding 2 of the 4 experts, tokens dispatched with megatron's allgather dispatcher); spawned
-processes, gloo."""
+ranks with data parallelism, with tensor parallelism 2 (both ranks on the whole batch, heads, MLP and
+vocabulary split) and, for a Mixture-of-Experts model, with expert parallelism 2 (each rank holding 2
+of the 4 experts, tokens dispatched with megatron's allgather dispatcher); spawned processes, gloo."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def _run(tmp_path, model_dir, world_size, choice, name):
 
 @pytest.mark.parametrize(
     ("experts", "two_ranks"),
-    [(None, "megatron"), (4, "{name: megatron, args: {expert_parallel: 2}}")],
-    ids=["dense-dp2", "moe-ep2"],
+    [(None, "megatron"), (None, "{name: megatron, args: {tensor_parallel: 2}}"),
+     (4, "{name: megatron, args: {expert_parallel: 2}}")],
+    ids=["dense-dp2", "dense-tp2", "moe-ep2"],
 )
 def test_two_ranks_equal_one(tmp_path, experts, two_ranks):
     model_dir = build_tiny_model_dir(tmp_path / "model", hidden=32, layers=2, num_experts=experts)

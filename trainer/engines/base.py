@@ -91,3 +91,31 @@ class AdapterServingEngine(RolloutEngine, Protocol):
 
 class EngineError(RuntimeError):
     """The engine failed, timed out, or reported a wrong weight version/checksum."""
+
+
+class IdleEngine:
+    """The engine of a rank that does not generate (a tensor-parallel rank other than its replica's
+    leader, which receives the leader's batch): it takes part in weight syncs (they are collectives
+    on the trainer's side) by draining the stream, holds no model, and refuses to generate."""
+
+    capabilities = EngineCapabilities()
+
+    def __init__(self) -> None:
+        self.weight_version = 0
+
+    def generate(self, prompts, params):
+        raise EngineError("this rank does not generate: its replica's leader does")
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        for _ in named_tensors or ():
+            pass
+        self.weight_version = version
+
+    def release_memory(self) -> None:
+        pass
+
+    def resume_memory(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

@@ -15,8 +15,8 @@ import torch
 
 from rlite.config import ConfigError, RunConfig, config_to_yaml
 from rlite.data import PromptSampler, PromptSet, load_prompt_splits
-from rlite.distributed import DistContext, init_distributed
-from rlite.engines.base import RolloutEngine
+from rlite.distributed import DataLayout, DistContext, init_distributed
+from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
@@ -38,6 +38,8 @@ class Run:
 
     config: RunConfig
     ctx: DistContext
+    layout: DataLayout
+    """The data-parallel shard of this rank (from the backend)."""
     pm: RlitePluginManager
     run_dir: Path
     tokenizer: Any  # a transformers tokenizer
@@ -81,13 +83,14 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
     except (FileNotFoundError, ValueError, KeyError) as exc:  # bad data files: the messages name the key
         raise ConfigError(str(exc).strip("'\"")) from exc
-    sampler = PromptSampler(
-        train_prompts.items, cfg.rollout.prompts_per_step, ctx.rank, ctx.world_size, cfg.data.seed, cfg.data.shuffle
-    )
     algo = cfg.algorithm
     total_opt_steps = cfg.training.steps * algo.minibatches_per_step * algo.epochs_per_step
     make_backend, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
     backend: TrainingBackend = make_backend(cfg, backend_cfg, ctx.device, total_opt_steps)
+    layout = backend.data_layout()
+    sampler = PromptSampler(
+        train_prompts.items, cfg.rollout.prompts_per_step, layout.rank, layout.size, cfg.data.seed, cfg.data.shuffle
+    )
     reference = backend.build_reference() if algo.kl.coef != 0.0 else None
     critic = None
     if algo.critic.enabled:
@@ -139,8 +142,10 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         trim_metrics_file(run_dir / "metrics.jsonl", start_step if start_step else None)
         loggers = build_loggers(cfg, run_dir, pm)
     # the engine last: a failure above leaves no engine process behind
-    make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
-    engine: RolloutEngine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
+    engine: RolloutEngine = IdleEngine()  # ranks that receive their replica leader's batches
+    if layout.leader:
+        make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
+        engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
     timer = StepTimer()
     run = Run(
         config=cfg,
@@ -150,7 +155,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         tokenizer=tokenizer,
         eval_prompts=eval_prompts,
         sampler=sampler,
-        rollouts=Rollouts(engine, sampler, rewards, tokenizer, cfg.rollout, algo, cfg.training.seed, ctx, pm.hook, timer),
+        layout=layout,
+        rollouts=Rollouts(engine, sampler, rewards, tokenizer, cfg.rollout, algo, cfg.training.seed, layout, pm.hook, timer),
         backend=backend,
         reference=reference,
         critic=critic,

@@ -1,7 +1,7 @@
 """Stage 6 of a step: the metrics every rank agrees on, logged on rank 0.
 
-Every logged value is global over the data-parallel ranks: the sums below are all-reduced once per
-step (one collective); the batch statistics made in :mod:`rlite.stages.targets` come from the
+Every logged value is global over the data-parallel ranks: the sums below are gathered once per
+step (one collective over the data-parallel group); the batch statistics made in :mod:`rlite.stages.targets` come from the
 gathered batch, and the update's metrics are reduced in :mod:`rlite.stages.update`.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,7 +23,8 @@ rank's samples, and every rank has the same number of samples, so their mean ove
 
 
 def step_metrics(
-    batch: RolloutBatch, first_pass_logprobs: torch.Tensor, reward_stats: dict[str, float], *, measure_mismatch: bool
+    batch: RolloutBatch, first_pass_logprobs: torch.Tensor, reward_stats: dict[str, float], *, measure_mismatch: bool,
+    dp_group: Any = None,
 ) -> tuple[dict[str, float], float]:
     """Reward and length metrics of the global batch, and with ``measure_mismatch`` (the trainer did
     not recompute pi_old) the mismatch between the first training forward and the engine; returns
@@ -36,7 +38,7 @@ def step_metrics(
         float(len(batch)),
     ], dtype=torch.float64)
     mismatch_parts = (first_pass_logprobs, batch.rollout_logprobs, mask) if measure_mismatch else None
-    parts = all_gather_objects((local, mismatch_parts, reward_stats))
+    parts = all_gather_objects((local, mismatch_parts, reward_stats), dp_group)
     reward_sum, correct, tokens, truncated, count = torch.stack([p[0] for p in parts]).sum(0).tolist()
     metrics = {
         "reward/mean": reward_sum / count,

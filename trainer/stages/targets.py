@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rlite.algorithms import AdvantageInput
-from rlite.distributed import DistContext, all_gather_objects
+from rlite.distributed import DataLayout, all_gather_objects
 from rlite.kl_control import KLController, kl_reward_penalty, update_kl_controller
 from rlite.mismatch import OLD_LOGPROB_MODES, compose_corrections, mismatch_metrics
 from rlite.rollout import RolloutBatch, TrainTargets, pad_to_width
@@ -47,7 +47,7 @@ def prepare_training_targets(
     forward: ForwardSpec,
     loss: LossSpec,
     kl_controller: KLController,
-    ctx: DistContext,
+    layout: DataLayout,
 ) -> dict[str, float]:
     """Fill ``batch.targets``; return the metrics made on the way (global over ranks). The mismatch
     metrics are among them when the trainer recomputed pi_old."""
@@ -65,7 +65,7 @@ def prepare_training_targets(
         kl = loss.kl_fn(old, ref).detach()
         token_rewards = kl_reward_penalty(kl, kl_controller.value, batch.response_mask)
         metrics["actor/reward_kl_penalty_coeff"] = kl_controller.value
-        metrics["actor/reward_kl_penalty"] = update_kl_controller(kl_controller, kl, batch.response_mask)
+        metrics["actor/reward_kl_penalty"] = update_kl_controller(kl_controller, kl, batch.response_mask, layout.group)
     loss_mask = batch.response_mask.clone()
     if spec.mask_truncated:
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.bool)
@@ -77,7 +77,7 @@ def prepare_training_targets(
     # one collective: every rank's rows, so that batch statistics are global
     local = (batch.scores, batch.group_ids, batch.response_mask, token_rewards, old_values,
              old, batch.rollout_logprobs, loss_mask)
-    parts = all_gather_objects(local)
+    parts = all_gather_objects(local, layout.group)
     width = max(p[2].shape[1] for p in parts)
 
     def cat(i: int) -> torch.Tensor | None:
@@ -85,7 +85,7 @@ def prepare_training_targets(
             return None
         return torch.cat([p[i] if p[i].dim() == 1 else pad_to_width(p[i], width) for p in parts])
 
-    start = sum(len(p[0]) for p in parts[: ctx.rank])
+    start = sum(len(p[0]) for p in parts[: layout.rank])
     rows = slice(start, start + len(batch))
     local_width = batch.response_mask.shape[1]
 

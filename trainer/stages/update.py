@@ -74,13 +74,15 @@ def update_policy(
     dp_size: int,
     before_step: Callable[[], None] | None = None,
     timer=None,
+    dp_group: Any = None,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Train on the batch; return averaged metrics and the log-probs seen by the first forward.
 
     ``batch.targets`` must be filled; its ``old_logprobs`` is optional: when it is absent (one optimizer step per rollout, no corrections) the first forward's detached log-probs
     are pi_old, so the ratio is exactly 1 by construction.
     ``timer`` (a :class:`rlite.metrics.StepTimer`) times the parts: ``train/forward`` (forward and
-    loss), ``train/backward``, ``train/optimizer`` (clipping and the optimizer step).
+    loss), ``train/backward``, ``train/optimizer`` (clipping and the optimizer step). Counts and
+    metrics are summed over ``dp_group`` (the data-parallel ranks; default all) of ``dp_size`` ranks.
     """
     phase = timer.phase if timer is not None else nullcontext
     backend.train_mode()
@@ -90,7 +92,7 @@ def update_policy(
     for epoch in range(epochs):
         offset = 0
         for mini in split_minibatches(batch, minibatches):
-            totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]))
+            totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]), dp_group)
             counts = dict(global_tokens=float(totals[0]), global_sequences=float(totals[1]), dp_size=dp_size)
             # per-step sums stay tensors until the step ends: no host sync per micro-batch
             step_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
@@ -108,7 +110,7 @@ def update_policy(
                 grad_norm = backend.step(before_step)
             optimizer_steps += 1
             # every summed value is this rank's share x dp_size: average over ranks
-            reduced = all_reduce_sum(torch.stack([v.detach().double().cpu() for v in step_sums.values()])) / dp_size
+            reduced = all_reduce_sum(torch.stack([v.detach().double().cpu() for v in step_sums.values()]), dp_group) / dp_size
             for name, value in zip(step_sums, reduced.tolist()):
                 sums[name] += value
             sums["actor/grad_norm"] += grad_norm

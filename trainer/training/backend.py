@@ -30,6 +30,7 @@ import torch
 
 if TYPE_CHECKING:
     from rlite.config import CriticConfig
+    from rlite.distributed import DataLayout
     from rlite.rollout import RolloutBatch
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
@@ -147,6 +148,10 @@ class TrainingBackend(Protocol):
 
     def current_lr(self) -> float:
         """The learning rate the next :meth:`step` applies."""
+
+    def data_layout(self) -> DataLayout:
+        """Which data shard this rank trains on: ``DataLayout.whole_world()`` when every rank is a
+        data-parallel rank of its own (FSDP2); tensor-parallel ranks share a shard (a replica)."""
 
     def train_mode(self) -> None:
         """Put the policy in training mode (dropout and the like) before an update."""

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig, TrainingConfig
+from rlite.distributed import DataLayout
 from rlite.hf_models import DTYPES, apply_lora, load_causal_lm
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
 from rlite.training.backend import BackendCapabilities, ForwardSpec, LoraAdapter
@@ -183,6 +184,9 @@ class FSDP2Backend:
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def data_layout(self) -> DataLayout:
+        return DataLayout.whole_world()
 
     # -- weights out ------------------------------------------------------------------------------
     def full_weights(self, *, views: bool = False):
