@@ -64,12 +64,9 @@ def init_model_parallel(tp: int, ep: int) -> None:
     from megatron.core import parallel_state
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world % (tp * ep) != 0 and world % tp != 0:
-        raise ConfigError(
-            f"parallelism.backend.args: tensor_parallel={tp} x expert_parallel={ep} must divide the world size {world}"
-        )
-    if world % ep != 0:
-        raise ConfigError(f"parallelism.backend.args.expert_parallel={ep} must divide the world size {world}")
+    for key, size in (("tensor_parallel", tp), ("expert_parallel", ep)):
+        if world % size:
+            raise ConfigError(f"parallelism.backend.args.{key}={size} must divide the world size {world}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -281,12 +278,8 @@ class MegatronBackend:
                 f"{self.shape.num_experts} experts"
             )
         self.full_names = [name for name, _ in hf_to_megatron_full(hf_state, self.shape, tp_size=cfg.tensor_parallel)]
-        self.local_state = lambda: hf_to_megatron_local(
-            hf_state, self.shape, tp_rank=self.tp_rank, tp_size=cfg.tensor_parallel, ep_rank=self.ep_rank,
-            ep_size=cfg.expert_parallel,
-        )
-        self.model = self._build_model()
-        del hf
+        self.model = self._build_model(hf_state)
+        del hf, hf_state  # the megatron model holds this rank's part; the full copy goes
         train = config.training
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -295,11 +288,15 @@ class MegatronBackend:
         self.scheduler = build_lr_scheduler(self.optimizer, train, total_optimizer_steps)
         self.grad_clip = train.grad_clip
 
-    def _build_model(self) -> torch.nn.Module:
-        tcfg = transformer_config(self.shape, tp=self.cfg.tensor_parallel, ep=self.cfg.expert_parallel,
-                                  params_dtype=torch.float32)
-        model = build_gpt_model(self.shape, tcfg, self.cfg.tensor_parallel)
-        load_weights(model, self.local_state())
+    def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A ``GPTModel`` holding this rank's part of the Hugging Face weights."""
+        cfg = self.cfg
+        tcfg = transformer_config(self.shape, tp=cfg.tensor_parallel, ep=cfg.expert_parallel, params_dtype=torch.float32)
+        model = build_gpt_model(self.shape, tcfg, cfg.tensor_parallel)
+        load_weights(model, hf_to_megatron_local(
+            hf_state, self.shape, tp_rank=self.tp_rank, tp_size=cfg.tensor_parallel, ep_rank=self.ep_rank,
+            ep_size=cfg.expert_parallel,
+        ))
         return model.to(self.device)
 
     # -- training ---------------------------------------------------------------------------------
@@ -471,7 +468,10 @@ class MegatronBackend:
 
     # -- other models -----------------------------------------------------------------------------
     def build_reference(self) -> MegatronReference:
-        model = self._build_model()
+        """The initial policy, loaded again from its Hugging Face folder."""
+        hf = load_causal_lm(self.config.model)
+        model = self._build_model({name: t.detach() for name, t in hf.state_dict().items()})
+        del hf
         model.requires_grad_(False)
         return MegatronReference(model, self.shape.vocab_size)
 
