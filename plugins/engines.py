@@ -103,6 +103,7 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         mem_fraction_static=cfg.mem_fraction_static,
         load_format=load_format,
         engine_kwargs=engine_kwargs,
+        fixed_base=rollout_config.lora_sync == "adapter",
     )
 
 

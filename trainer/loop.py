@@ -101,7 +101,12 @@ def train(run: Run) -> dict[str, Any]:
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
-    return run.rollouts.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
+    metrics = run.rollouts.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
+    # an evaluation runs between a sync and the next rollout, which needs the engine whole; after
+    # the last step's nothing generates again, and the final checkpoint and export get the memory
+    if step == run.config.training.steps:
+        run.engine.release_memory()
+    return metrics
 
 
 def update_critic(run: Run, batch) -> dict[str, float]:

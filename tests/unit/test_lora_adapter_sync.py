@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlite.backends.fsdp2.weights import iter_lora_adapter_tensors, lora_adapter_config
-from rlite.engines.base import SamplingParams
+from rlite.engines.base import EngineError, SamplingParams
 from rlite.engines.sglang.engine import SGLangEngine
 from rlite.testing import tiny_qwen2
 
@@ -83,7 +83,7 @@ class FakeLoRAServer:
 
 def test_sglang_adapter_sync_versions_names_and_drops_the_old_adapter():
     fake = FakeLoRAServer()
-    engine = SGLangEngine("unused", eos_token_ids=[1], backend=fake)
+    engine = SGLangEngine("unused", eos_token_ids=[1], fixed_base=True, backend=fake)
     model = _peft_model()
     for version in (1, 2):
         engine.update_lora_adapter(iter_lora_adapter_tensors(model), lora_adapter_config(model), version)
@@ -95,6 +95,17 @@ def test_sglang_adapter_sync_versions_names_and_drops_the_old_adapter():
     ]
     assert set(fake.adapters) == {"rlite_v2"}
     assert all(".lora_A." in k or ".lora_B." in k for k in fake.adapters["rlite_v2"])
+
+
+def test_an_engine_without_a_fixed_base_refuses_adapters():
+    """Its weights are released with the KV cache and only a full sync restores them: an adapter over
+    released (lost) weights would sample garbage."""
+    fake = FakeLoRAServer()
+    engine = SGLangEngine("unused", eos_token_ids=[1], backend=fake)
+    model = _peft_model()
+    with pytest.raises(EngineError, match="fixed_base=True"):
+        engine.update_lora_adapter(iter_lora_adapter_tensors(model), lora_adapter_config(model), 1)
+    assert fake.calls == []
 
 
 def test_adapter_sync_config_needs_an_engine_that_serves_adapters(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import importlib.util
 import os
-import pickle
 import sys
 import time
 import types
@@ -22,6 +21,7 @@ import torch
 
 from rlite.engines.base import EngineError, SamplingParams
 from rlite.engines.sglang.engine import SGLangEngine
+from rlite.engines.sglang.fake import FakeSGLang, RuleBroken, pure_deserialize, pure_reconstruct
 from rlite.engines.sglang.payloads import (
     FLATTENED_BUCKET,
     REST_TAGS,
@@ -34,8 +34,6 @@ from rlite.engines.sglang.payloads import (
 from rlite.sync.buckets import ALIGNMENT
 
 torch.set_num_threads(1)
-
-ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
 
 
 def _load_sglang():
@@ -82,16 +80,6 @@ def named_tensors(step: int = 0) -> list[tuple[str, torch.Tensor]]:
 # -- how the receiving side reads a payload ------------------------------------------------------
 
 
-def pure_deserialize(payload):
-    return pickle.loads(base64.b64decode(payload) if isinstance(payload, str) else payload)
-
-
-def pure_reconstruct(data):
-    """SGLang's ``FlattenedTensorBucket.reconstruct_tensors``, line for line."""
-    flat = data["flattened_tensor"]
-    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in data["metadata"]]
-
-
 def sglang_deserialize(payload):
     return SGLANG.serializer.deserialize(payload)
 
@@ -105,116 +93,6 @@ def sglang_reconstruct(data):
 READERS = [pytest.param((pure_deserialize, pure_reconstruct, FlattenedTensorMetadataFields), id="pure")]
 if SGLANG is not None:
     READERS.append(pytest.param((sglang_deserialize, sglang_reconstruct, SGLANG.metadata), id="sglang"))
-
-
-# -- a fake SGLang that enforces SGLang's rules ---------------------------------------------------
-
-
-class RuleBroken(AssertionError):
-    pass
-
-
-class FakeSGLang:
-    """Records calls; breaks like SGLang 0.5.23 where rlite's order would break the real engine."""
-
-    output_str = False
-
-    def __init__(self, *, tp_size=1, reader=READERS[0].values[0], fail_on_bucket=None, cpu_backup=False):
-        self.deserialize, self.reconstruct, self.metadata_cls = reader
-        self.tp_size = tp_size
-        self.fail_on_bucket = fail_on_bucket
-        self.cpu_backup = cpu_backup
-        self.calls: list[tuple] = []
-        self.released: set[str] = set()
-        self.session = False
-        self.weights: dict[str, torch.Tensor] = {}
-        self.weights_valid = True
-        self.buckets = 0
-        self.version = "default"
-
-    def _rule(self, ok: bool, message: str) -> None:
-        if not ok:
-            raise RuleBroken(f"SGLang rule broken: {message} (calls so far: {[c[0] for c in self.calls]})")
-
-    def release_memory_occupation(self, tags=None):
-        self.calls.append(("release_memory_occupation", tags))
-        tags = tags or ALL_TAGS
-        self._rule(not self.session, "release during a weight-update session")
-        self._rule(not (set(tags) & self.released), f"release of already released {tags}")
-        self.released |= set(tags)
-
-    def resume_memory_occupation(self, tags=None):
-        self.calls.append(("resume_memory_occupation", tags))
-        tags = tags or ALL_TAGS
-        self._rule(set(tags) <= self.released, f"resume of {tags}, not released (SGLang: KeyError)")
-        self.released -= set(tags)
-        if "weights" in tags and not self.cpu_backup:
-            self.weights_valid = False  # the memory is back, its contents are not
-
-    def begin_weight_update(self, selector="all"):
-        self.calls.append(("begin_weight_update",))
-        self._rule(not self.session, "a weight-update session is already open")
-        self._rule("weights" not in self.released, "loading weights into released memory")
-        self.session = True
-        self.buckets = 0
-        return (True, "Success")
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update_weights_from_tensor", load_format, flush_cache))
-        self._rule(self.session, "update_weights_from_tensor outside begin/end_weight_update")
-        self._rule(load_format == FLATTENED_BUCKET, f"load_format {load_format!r}")
-        self._rule(
-            len(named_tensors) == self.tp_size, f"{len(named_tensors)} payloads for tp_size {self.tp_size}"
-        )
-        per_rank = []
-        for payload in named_tensors:
-            data = self.deserialize(payload)
-            self._rule(set(data) == {"flattened_tensor", "metadata"}, f"payload keys {sorted(data)}")
-            per_rank.append(self.reconstruct(data))
-        self.buckets += 1
-        if self.fail_on_bucket == self.buckets - 1:
-            return (False, "injected failure")
-        for name, tensor in per_rank[0]:
-            self.weights[name] = tensor.clone()
-        return (True, "Success")
-
-    def end_weight_update(self):
-        self.calls.append(("end_weight_update",))
-        self._rule(self.session, "end_weight_update without begin")
-        self.session = False
-        self.weights_valid = True
-        return (True, "Success")
-
-    def update_weight_version(self, version):
-        self.calls.append(("update_weight_version", version))
-        self._rule(not self.session, "version update inside a session")
-        self.version = version
-
-    def flush_cache(self):
-        self.calls.append(("flush_cache",))
-        self._rule(not self.session, "flush_cache inside a session")
-
-    def generate(self, *, input_ids, sampling_params, return_logprob):
-        self.calls.append(("generate", len(input_ids)))
-        self._rule(not self.released, f"generate with {sorted(self.released)} released")
-        self._rule(not self.session, "generate inside a weight-update session")
-        self._rule(self.weights_valid, "generate with lost weights")
-        self._rule(return_logprob, "rlite needs log-probs")
-        self._rule(len(sampling_params) == len(input_ids), "one sampling-params dict per request")
-        outputs = []
-        for ids, sp in zip(input_ids, sampling_params):
-            tokens = [(sum(ids) + k) % 50 + 2 for k in range(sp["max_new_tokens"])]
-            entries = [(-0.25 * (k + 1), t, None) for k, t in enumerate(tokens)]
-            meta = {
-                "output_token_logprobs": entries,
-                "finish_reason": {"type": "length", "length": len(tokens)},
-                "weight_version": self.version,
-            }
-            outputs.append({"text": None, "output_ids": tokens, "meta_info": meta})
-        return outputs
-
-    def shutdown(self):
-        self.calls.append(("shutdown",))
 
 
 def _engine(fake: FakeSGLang, bucket_bytes: int = 2048) -> SGLangEngine:
@@ -300,27 +178,28 @@ def test_colocated_cycle_follows_sglang_rules(reader):
     fake = FakeSGLang(tp_size=2, reader=reader)
     engine = _engine(fake)
     for version in (1, 2):
-        engine.release_memory()  # before training
+        completions = engine.generate([[3, 4], [5]], SamplingParams(n=2, max_new_tokens=3))  # the rollout
+        assert len(completions) == 4 and [c.prompt_index for c in completions] == [0, 0, 1, 1]
+        assert all(c.weight_version == version - 1 for c in completions)
+        assert completions[0].logprobs == [-0.25, -0.5, -0.75]
+        engine.release_memory()  # right after it: the trainer's turn
         tensors = named_tensors(version)
         engine.update_weights(iter(tensors), version)  # after the optimizer step
         engine.resume_memory()  # before the next rollout
-        completions = engine.generate([[3, 4], [5]], SamplingParams(n=2, max_new_tokens=3))
-        assert len(completions) == 4 and [c.prompt_index for c in completions] == [0, 0, 1, 1]
-        assert all(c.weight_version == version for c in completions)
-        assert completions[0].logprobs == [-0.25, -0.5, -0.75]
         for name, tensor in tensors:
             assert torch.equal(fake.weights[name], tensor), name
     n_buckets = fake.buckets
     assert n_buckets > 1  # the small bucket size split the model
     cycle = (
         [
-            ("release_memory_occupation", None),
+            ("generate", 4),
+            ("release_memory_occupation", WEIGHT_TAGS + REST_TAGS),
             ("resume_memory_occupation", WEIGHT_TAGS),
             ("begin_weight_update",),
         ]
         + [("update_weights_from_tensor", FLATTENED_BUCKET, False)] * n_buckets
         + [("end_weight_update",), ("update_weight_version", "2"), ("resume_memory_occupation", REST_TAGS)]
-        + [("flush_cache",), ("generate", 4)]
+        + [("flush_cache",)]
     )
     assert fake.calls[-len(cycle) :] == cycle
 
@@ -677,7 +556,7 @@ def _server_engine(url: str, *, tp_size: int = 1, timeout_s: float = 30.0) -> SG
     from rlite.engines.sglang.launch import ServerBackend
 
     backend = ServerBackend.connect(url, timeout_s=timeout_s, tp_size=tp_size)
-    return SGLangEngine("unused", eos_token_ids=[1], tp_size=tp_size, backend=backend)
+    return SGLangEngine("unused", eos_token_ids=[1], tp_size=tp_size, fixed_base=True, backend=backend)
 
 
 @pytest.mark.parametrize("reader", READERS)

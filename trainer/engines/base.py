@@ -4,6 +4,13 @@ Shaped after SGLang's offline ``Engine``: generation from token ids with ``n`` s
 per-token log-probs of the sampled tokens, finish reasons and the weight version the sample was drawn
 with; weights arrive as flattened buckets (:mod:`rlite.sync`); memory can be released
 while the trainer runs and resumed before the next rollout.
+
+A colocated step calls, in this order::
+
+    generate(...)                 # the rollout (dynamic sampling: several calls)
+    release_memory()              # the trainer computes log-probs and updates the policy
+    update_weights(...)           # or update_lora_adapter: re-acquire the weights' memory, load
+    resume_memory()               # the KV cache back, for the evaluation or rollout that follows
 """
 
 from __future__ import annotations
@@ -68,13 +75,17 @@ class RolloutEngine(Protocol):
         """Sample ``params.n`` completions per prompt; results are grouped by prompt, in order."""
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | None, version: int) -> None:
-        """Load new weights (Hugging Face names) and start sampling with ``version``."""
+        """Load new weights (Hugging Face names) and start sampling with ``version``. Called after
+        :meth:`release_memory`: re-acquire what the weights need before loading them."""
 
     def release_memory(self) -> None:
-        """Free weights/KV cache memory while the trainer runs (no-op where meaningless)."""
+        """Free device memory (weights, KV cache) for the trainer, right after a rollout and after the
+        last evaluation; no-op where meaningless. Keep whatever no later sync rewrites (the base
+        weights of an adapter-serving engine) or keep a host copy of it."""
 
     def resume_memory(self) -> None:
-        """Re-acquire memory before the next rollout."""
+        """Re-acquire what :meth:`release_memory` freed; called by the weight sync after the new
+        weights are loaded, before the next evaluation or rollout."""
 
     def shutdown(self) -> None:
         """Stop the engine and free its resources."""

@@ -3,6 +3,11 @@
 With DAPO's dynamic sampling, groups whose rewards are all equal are dropped and more prompts are
 drawn until every rank has its quota of groups. The held-out evaluation (greedy and sampled accuracy)
 lives here too: it is a rollout without training.
+
+Memory: the engine holds its weights and KV cache only from a weight sync to the end of the next
+rollout. :meth:`Rollouts.collect` releases them as soon as the batch is complete, so that the
+log-probs and the update have the device to themselves; the sync (:mod:`rlite.stages.sync`) takes
+them back. An evaluation runs between a sync and the next rollout, on memory the engine holds.
 """
 
 from __future__ import annotations
@@ -62,8 +67,15 @@ class Rollouts:
         return broadcast_object(make() if layout.leader else None, layout.replica_leader, layout.replica_group)
 
     def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """This rank's batch of the step: generate, score, and with dynamic sampling (DAPO) drop
-        groups whose rewards are all equal and draw more prompts until every rank has its quota.
+        """This rank's batch of the step (:meth:`sample`), then the engine releases its memory: the
+        log-probs and the update that follow get it, and the weight sync takes it back."""
+        batch, stats = self.sample(step)
+        self.engine.release_memory()
+        return batch, stats
+
+    def sample(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate, score, and with dynamic sampling (DAPO) drop groups whose rewards are all equal
+        and draw more prompts until every rank has its quota.
 
         Rounds are collective (every rank draws while any rank is short), so the prompt samplers of
         all ranks stay in step. A batch still short after ``dynamic_sampling_max_rounds`` is topped up
@@ -107,7 +119,6 @@ class Rollouts:
         extra_round = (round_index,) if round_index else ()  # round 0 keeps the seed of a run without dynamic sampling
         params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, self.layout.rank, *extra_round))
         engine = self.engine
-        engine.resume_memory()
         completions = engine.generate([p.prompt_ids for p in prompts], params)
         stale = {c.weight_version for c in completions} - {engine.weight_version}
         if stale or engine.weight_version != step - 1:

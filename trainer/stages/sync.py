@@ -54,8 +54,15 @@ def check_sync_mode(lora_sync: str, engine: RolloutEngine, backend: TrainingBack
 def sync_weights_to_engine(
     engine: RolloutEngine, backend: TrainingBackend, *, lora_sync: str, quantizer: Quantizer | None, version: int
 ) -> None:
-    """Stream the policy's weights into the engine; the engine must report ``version``."""
-    engine.release_memory()
+    """Stream the policy's weights into the engine, then let it take back the rest of its memory; the
+    engine must report ``version``.
+
+    The engine released its memory after the last rollout (:meth:`Rollouts.collect`). Loading
+    re-acquires the weights' memory first (SGLang resumes its weights before the update, the KV cache
+    after it): :meth:`RolloutEngine.update_weights` does that, :meth:`RolloutEngine.resume_memory`
+    the rest, so the engine is whole again for the rollout (or evaluation) that follows.
+    """
     LORA_SYNC[lora_sync](engine, backend, quantizer, version)
+    engine.resume_memory()
     if engine.weight_version != version:
         raise RuntimeError(f"weight sync: engine reports version {engine.weight_version}, expected {version}")

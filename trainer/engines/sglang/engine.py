@@ -5,16 +5,22 @@ imported at module level: everything here that runs without it (the payload, the
 conversion of outputs) is a pure function, tested on CPU against a fake engine that enforces SGLang's
 rules and against SGLang's own deserializer.
 
-One colocated step, as :class:`SGLangEngine` drives it::
+One colocated step, as the loop drives :class:`SGLangEngine` (``rlite.engines.base``)::
 
-    release_memory()  -> release_memory_occupation()              # all tags, before training
-    update_weights()  -> resume_memory_occupation(["weights"])
+    generate()        -> generate(input_ids=..., return_logprob=True)  # the rollout
+    release_memory()  -> release_memory_occupation(["weights", "kv_cache", "cuda_graph"])
+                                                                    # right after it: the trainer's turn
+    update_weights()  -> resume_memory_occupation(["weights"])      # after the optimizer step
                          begin_weight_update()
                          update_weights_from_tensor(payloads, load_format="flattened_bucket",
                                                     flush_cache=False)      # once per bucket
                          end_weight_update()                                 # also on failure
                          update_weight_version(str(version))
     resume_memory()   -> resume_memory_occupation(["kv_cache", "cuda_graph"]); flush_cache()
+
+An engine that serves LoRA adapters over its own base weights (``fixed_base=True``, for
+``rollout.lora_sync: adapter``) never receives those weights again, so it releases only the KV cache
+and CUDA graphs, unless SGLang keeps a CPU copy of the weights (``enable_weights_cpu_backup``).
 
 A payload is, per tensor-parallel rank, ``MultiprocessingSerializer.serialize({"flattened_tensor":
 uint8 buffer, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]})``
@@ -79,6 +85,7 @@ class SGLangEngine:
         mem_fraction_static: float | None = None,
         dtype: str = "auto",
         engine_kwargs: dict[str, Any] | None = None,
+        fixed_base: bool = False,
         backend: Any = None,
     ) -> None:
         """Start SGLang on ``model_path`` (``launch="engine"`` or ``"server"``) with random weights.
@@ -86,7 +93,9 @@ class SGLangEngine:
         ``load_format="dummy"`` (the default) starts from random weights: the first
         :meth:`update_weights` brings the trainer's. ``true_on_policy`` turns on SGLang's deterministic
         inference and its FSDP on-policy target. ``engine_kwargs`` go to SGLang's ``ServerArgs``
-        unchanged. ``backend`` replaces SGLang altogether (tests).
+        unchanged. ``fixed_base``: the engine loaded its real base weights and will only ever receive
+        LoRA adapters (:meth:`update_lora_adapter`), so :meth:`release_memory` must not lose them.
+        ``backend`` replaces SGLang altogether (tests).
         """
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.pad_token_id = pad_token_id
@@ -100,6 +109,7 @@ class SGLangEngine:
         self.lora_name: str | None = None
         """The adapter every request names (adapter-only LoRA sync), or None."""
         self._released: list[str] = []
+        self.fixed_base = fixed_base
         self._weights_backup = bool((engine_kwargs or {}).get("enable_weights_cpu_backup", False))
         self._weights_lost = False
         """Weights were released without a CPU backup and no sync has rewritten them yet."""
@@ -177,11 +187,18 @@ class SGLangEngine:
     ) -> None:
         """Adapter-only sync: load the new adapter under a versioned name, then drop the old one.
 
-        The engine must have been started with its real base weights and ``enable_lora`` (the
-        ``sglang`` engine plugin does this when ``rollout.lora_sync: adapter``). Generation then
-        names the adapter in every request, so a sample can never come from a stale adapter.
+        The engine must have been started with its real base weights, ``enable_lora`` and
+        ``fixed_base=True`` (the ``sglang`` engine plugin does this when ``rollout.lora_sync:
+        adapter``). Generation then names the adapter in every request, so a sample can never come
+        from a stale adapter.
         """
-        self._resume(WEIGHT_TAGS)
+        if not self.fixed_base:
+            raise EngineError(
+                "update_lora_adapter: this engine was not started to serve adapters over its own base "
+                "weights (SGLangEngine(fixed_base=True)); released weights would be lost and no sync "
+                "would restore them"
+            )
+        self._resume(WEIGHT_TAGS)  # only with a CPU backup were they released
         name = f"rlite_v{int(version)}"
         tensors = {key: tensor.contiguous() for key, tensor in named_tensors}
         check_reply(
@@ -272,11 +289,14 @@ class SGLangEngine:
 
     # -- memory -------------------------------------------------------------------------------
     def release_memory(self) -> None:
-        """Free weights, KV cache and CUDA graphs (the engine must be idle)."""
-        if self._released:
+        """Free weights, KV cache and CUDA graphs (the engine must be idle); an engine with a fixed base
+        keeps its weights unless SGLang backs them up to CPU, because no sync would bring them back."""
+        keep_weights = self.fixed_base and not self._weights_backup
+        todo = [t for t in (REST_TAGS if keep_weights else WEIGHT_TAGS + REST_TAGS) if t not in self._released]
+        if not todo:
             return
-        check_reply(self.backend.release_memory_occupation(), "release_memory_occupation")
-        self._released = WEIGHT_TAGS + REST_TAGS
+        check_reply(self.backend.release_memory_occupation(tags=todo), f"release_memory_occupation({todo})")
+        self._released += todo
 
     def resume_memory(self) -> None:
         """Re-acquire what :meth:`release_memory` freed (weights too, if no sync resumed them) and flush."""

@@ -1,0 +1,245 @@
+"""A stand-in for SGLang 0.5.23 that breaks where SGLang breaks, for CPU tests of the SGLang engine.
+
+SGLang cannot run a model without a GPU (``shared/notes/sglang-megatron.md`` §1), so rlite's SGLang
+engine is tested against this fake: it records every call and raises :class:`RuleBroken` where the
+real engine would fail or silently do the wrong thing (the rules are SGLang 0.5.23's, read from its
+source; each ``_rule`` names what SGLang does). Two ways in:
+
+* ``SGLangEngine(..., backend=FakeSGLang(...))``: the engine's calls, one object;
+* :func:`fake_sglang_modules`: an importable ``sglang`` whose ``Engine(**server_args)`` is a
+  :class:`FakeSGLangEngine`, so the ``sglang`` engine plugin, its ``ServerArgs`` and the in-process
+  launch run unchanged (``monkeypatch.setitem(sys.modules, name, module)`` for each module).
+
+Weights arrive as rlite's flattened buckets; the fake unpickles them with plain ``pickle`` and the
+stand-in metadata class unless given SGLang's own reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import pickle
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlite.engines.sglang.payloads import FLATTENED_BUCKET, FlattenedTensorMetadataFields
+
+ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
+"""SGLang's ``GPU_MEMORY_ALL_TYPES`` (``srt/constants.py``)."""
+
+
+class RuleBroken(AssertionError):
+    """rlite called the fake in an order or form that breaks the real SGLang."""
+
+
+def pure_deserialize(payload):
+    """``MultiprocessingSerializer.deserialize`` without SGLang's allowlist."""
+    return pickle.loads(base64.b64decode(payload) if isinstance(payload, str) else payload)
+
+
+def pure_reconstruct(data):
+    """SGLang's ``FlattenedTensorBucket.reconstruct_tensors``, line for line."""
+    flat = data["flattened_tensor"]
+    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in data["metadata"]]
+
+
+PURE_READER = (pure_deserialize, pure_reconstruct, FlattenedTensorMetadataFields)
+
+
+class FakeSGLang:
+    """Records calls (``calls``); keeps the weights it was sent (``weights``) and the adapters loaded."""
+
+    output_str = False
+
+    def __init__(
+        self,
+        *,
+        tp_size: int = 1,
+        reader=PURE_READER,
+        fail_on_bucket: int | None = None,
+        cpu_backup: bool = False,
+        memory_saver: bool = True,
+        lora: bool = False,
+    ) -> None:
+        self.deserialize, self.reconstruct, self.metadata_cls = reader
+        self.tp_size = tp_size
+        self.fail_on_bucket = fail_on_bucket
+        self.cpu_backup = cpu_backup
+        self.memory_saver = memory_saver
+        self.lora = lora
+        self.calls: list[tuple] = []
+        self.released: set[str] = set()
+        self.session = False
+        self.weights: dict[str, torch.Tensor] = {}
+        self.weights_valid = True
+        self.buckets = 0
+        self.version = "default"
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _rule(self, ok: bool, message: str) -> None:
+        if not ok:
+            raise RuleBroken(f"SGLang rule broken: {message} (calls so far: {[c[0] for c in self.calls]})")
+
+    # -- memory (scheduler_components/weight_updater.py) ----------------------------------------
+    def release_memory_occupation(self, tags=None):
+        self.calls.append(("release_memory_occupation", tags))
+        tags = tags or ALL_TAGS
+        self._rule(self.memory_saver, "release without enable_memory_saver frees nothing (a no-op adapter)")
+        self._rule(not self.session, "release during a weight-update session")
+        self._rule(not (set(tags) & self.released), f"release of already released {tags}")
+        self.released |= set(tags)
+
+    def resume_memory_occupation(self, tags=None):
+        self.calls.append(("resume_memory_occupation", tags))
+        tags = tags or ALL_TAGS
+        self._rule(set(tags) <= self.released, f"resume of {tags}, not released (SGLang: KeyError)")
+        self.released -= set(tags)
+        if "weights" in tags and not self.cpu_backup:
+            self.weights_valid = False  # the memory is back, its contents are not
+
+    # -- weight updates ---------------------------------------------------------------------------
+    def begin_weight_update(self, selector="all"):
+        self.calls.append(("begin_weight_update",))
+        self._rule(not self.session, "a weight-update session is already open")
+        self._rule("weights" not in self.released, "loading weights into released memory")
+        self.session = True
+        self.buckets = 0
+        return (True, "Success")
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(("update_weights_from_tensor", load_format, flush_cache))
+        self._rule(self.session, "update_weights_from_tensor outside begin/end_weight_update")
+        self._rule(load_format == FLATTENED_BUCKET, f"load_format {load_format!r}")
+        self._rule(
+            len(named_tensors) == self.tp_size, f"{len(named_tensors)} payloads for tp_size {self.tp_size}"
+        )
+        per_rank = []
+        for payload in named_tensors:
+            data = self.deserialize(payload)
+            self._rule(set(data) == {"flattened_tensor", "metadata"}, f"payload keys {sorted(data)}")
+            per_rank.append(self.reconstruct(data))
+        self.buckets += 1
+        if self.fail_on_bucket == self.buckets - 1:
+            return (False, "injected failure")
+        for name, tensor in per_rank[0]:
+            self.weights[name] = tensor.clone()
+        return (True, "Success")
+
+    def end_weight_update(self):
+        self.calls.append(("end_weight_update",))
+        self._rule(self.session, "end_weight_update without begin")
+        self.session = False
+        self.weights_valid = True
+        return (True, "Success")
+
+    def update_weight_version(self, version):
+        self.calls.append(("update_weight_version", version))
+        self._rule(not self.session, "version update inside a session")
+        self.version = version
+
+    def flush_cache(self):
+        self.calls.append(("flush_cache",))
+        self._rule(not self.session, "flush_cache inside a session")
+
+    # -- LoRA adapters (the adapter pool is not in the "weights" region: released weights keep it) --
+    def load_lora_adapter_from_tensors(self, *, lora_name, tensors, config_dict, load_format=None):
+        self.calls.append(("load_lora_adapter_from_tensors", lora_name))
+        self._rule(self.lora, "LoRA is not enabled (enable_lora)")
+        self._rule(lora_name not in self.adapters, f"adapter {lora_name} loaded twice")
+        self.adapters[lora_name] = {name: tensor.clone() for name, tensor in dict(tensors).items()}
+        return {"success": True, "error_message": None}
+
+    def unload_lora_adapter(self, *, lora_name):
+        self.calls.append(("unload_lora_adapter", lora_name))
+        self._rule(lora_name in self.adapters, f"unloading unknown adapter {lora_name}")
+        del self.adapters[lora_name]
+        return {"success": True, "error_message": None}
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None):
+        self.calls.append(("generate", len(input_ids)))
+        self._rule(not self.released, f"generate with {sorted(self.released)} released")
+        self._rule(not self.session, "generate inside a weight-update session")
+        self._rule(self.weights_valid, "generate with lost weights (released without a CPU backup, not reloaded)")
+        self._rule(return_logprob, "rlite needs log-probs")
+        self._rule(len(sampling_params) == len(input_ids), "one sampling-params dict per request")
+        if lora_path is not None:
+            self._rule(len(lora_path) == len(input_ids), "one adapter name per request")
+            self._rule(all(name in self.adapters for name in lora_path), f"unknown adapter in {set(lora_path)}")
+        outputs = []
+        for ids, sp in zip(input_ids, sampling_params):
+            tokens = [(sum(ids) + k) % 50 + 2 for k in range(sp["max_new_tokens"])]
+            entries = [(-0.25 * (k + 1), t, None) for k, t in enumerate(tokens)]
+            meta = {
+                "output_token_logprobs": entries,
+                "finish_reason": {"type": "length", "length": len(tokens)},
+                "weight_version": self.version,
+            }
+            outputs.append({"text": None, "output_ids": tokens, "meta_info": meta})
+        return outputs
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+# --------------------------------------------------------------------------------------------------
+# an importable `sglang` whose Engine is the fake
+# --------------------------------------------------------------------------------------------------
+
+
+class FakeSGLangEngine(FakeSGLang):
+    """``sglang.Engine(**server_args)``: the ServerArgs it was built with decide its rules."""
+
+    instances: list[FakeSGLangEngine] = []
+    """Every engine built since :func:`fake_sglang_modules` (in order)."""
+
+    def __init__(self, **server_args: Any) -> None:
+        super().__init__(
+            tp_size=int(server_args.get("tp_size", 1)),
+            cpu_backup=bool(server_args.get("enable_weights_cpu_backup", False)),
+            memory_saver=bool(server_args.get("enable_memory_saver", False)),
+            lora=bool(server_args.get("enable_lora", False)),
+        )
+        self.server_args = server_args
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = types.SimpleNamespace(update_weight_version=self._update_weight_version_async)
+        FakeSGLangEngine.instances.append(self)
+
+    async def _update_weight_version_async(self, request) -> None:
+        self.update_weight_version(request.new_version)
+
+    def get_all_child_pids(self) -> list[int]:
+        return []
+
+    def shutdown(self):
+        super().shutdown()
+        self.loop.close()
+
+
+@dataclass
+class _UpdateWeightVersionReqInput:
+    new_version: str
+    abort_all_requests: bool = True
+
+
+def fake_sglang_modules() -> dict[str, types.ModuleType]:
+    """``{module name: module}`` for ``sys.modules``: ``sglang`` (``Engine``), the request class and the
+    metadata class rlite imports from it. Clears :attr:`FakeSGLangEngine.instances`."""
+    FakeSGLangEngine.instances = []
+    modules = {name: types.ModuleType(name) for name in (
+        "sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.managers.io_struct",
+        "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket",
+    )}  # fmt: skip
+    for name, module in modules.items():
+        module.__path__ = []  # a package, so its submodules import
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, module)
+    modules["sglang"].Engine = FakeSGLangEngine
+    modules["sglang"].__version__ = "0.5.23"
+    modules["sglang.srt.managers.io_struct"].UpdateWeightVersionReqInput = _UpdateWeightVersionReqInput
+    modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata = FlattenedTensorMetadataFields
+    return modules
