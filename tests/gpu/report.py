@@ -74,6 +74,11 @@ def results(junit: Path) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _cell(text: object) -> str:
+    """Text that stays inside one markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def render(junit: Path | None, metrics: Path | None, skipped_reason: str | None = None) -> str:
     out = ["# rlite GPU checks (tests/gpu)", "", *machine(), ""]
     if skipped_reason:
@@ -84,12 +89,14 @@ def render(junit: Path | None, metrics: Path | None, skipped_reason: str | None 
     counts = {o: sum(r[2] == o for r in rows) for o in ("passed", "FAILED", "ERROR", "skipped")}
     out += [", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n), "",
             "| check | test | result | detail |", "| --- | --- | --- | --- |"]
-    out += [f"| {c} | `{t}` | {o} | {d.replace('|', '/')} |" for c, t, o, d in rows]
+    out += [f"| {c} | `{t}` | {o} | {_cell(d)} |" for c, t, o, d in rows]
     measured = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if (
         metrics and metrics.exists()) else []
     if measured:
         out += ["", "## Measured", "", "| what | value | note |", "| --- | --- | --- |"]
-        out += [f"| {m['name']} | {m['value']} {m['unit']} | {m['note']} |" for m in measured]
+        for m in measured:
+            value = f"{m['value']} {m['unit']}".strip()
+            out.append(f"| {_cell(m['name'])} | {_cell(value)} | {_cell(m['note'])} |")
     return "\n".join(out) + "\n"
 
 

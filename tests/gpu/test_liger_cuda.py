@@ -60,9 +60,9 @@ def test_liger_logprobs_match_rlite_values_and_gradients(dtype, measure):
     (lp_r, gh_r, gw_r), (lp_l, gh_l, gw_l) = results["rlite"], results["liger"]
     value_error = (lp_l - lp_r).abs().max().item()
     hidden_error, weight_error = _relative_error(gh_l, gh_r), _relative_error(gw_l, gw_r)
-    version = importlib.metadata.version("liger-kernel")
-    measure(f"liger {version} vs rlite {dtype}: log-prob max abs error", f"{value_error:.2e}", "nats")
-    measure(f"liger {version} vs rlite {dtype}: gradient relative error (hidden, weight)",
+    version, name = importlib.metadata.version("liger-kernel"), str(dtype).removeprefix("torch.")
+    measure(f"liger {version} vs rlite, {name}: log-prob max abs error", f"{value_error:.2e}", "nats")
+    measure(f"liger {version} vs rlite, {name}: gradient relative error (hidden, weight)",
             f"{hidden_error:.2e}, {weight_error:.2e}")
     assert value_error <= value_tol
     assert hidden_error <= grad_tol
@@ -97,10 +97,13 @@ def test_liger_through_the_fsdp2_backend_in_bf16(measure):
         value_error = (results[True][0] - results[False][0])[mask].abs().max().item()
         grad_errors = {n: _relative_error(results[True][1][n], g) for n, g in results[False][1].items()}
         worst = max(grad_errors, key=grad_errors.get)
-        measure("liger via FSDP2 bf16: log-prob max abs error", f"{value_error:.2e}", "nats")
-        measure("liger via FSDP2 bf16: worst parameter-gradient relative error", f"{grad_errors[worst]:.2e}",
+        version = importlib.metadata.version("liger-kernel")
+        measure(f"liger {version} via FSDP2 bf16: log-prob max abs error", f"{value_error:.2e}", "nats")
+        measure(f"liger {version} via FSDP2 bf16: worst parameter-gradient relative error", f"{grad_errors[worst]:.2e}",
                 note=worst)
-        assert value_error <= 5e-2
+        # bf16's own rounding sets the scale: on this model bf16 and fp32 log-probs differ by up to 0.14 nats
+        # (test_fsdp2_bf16.py); liger-kernel < 0.8.2 is off by gradient errors of order 100 here
+        assert value_error <= 1e-1
         assert grad_errors[worst] <= 1e-1, worst
         backend.close()
     finally:
