@@ -171,7 +171,7 @@ def unique_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> t
     Returns ``(unique_rows, inverse)``: row indices of the first row of each run, and for every row
     the index of its run, so that ``x[unique_rows][inverse]`` rebuilds ``x`` for prompt tensors.
     """
-    same_as_previous = torch.zeros(prompt_ids.shape[0], dtype=torch.bool)
+    same_as_previous = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     if prompt_ids.shape[0] > 1:
         same_as_previous[1:] = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
     unique_rows = (~same_as_previous).nonzero().squeeze(-1)

@@ -94,8 +94,9 @@ def policy_logprobs(
         recompute_above_bytes=spec.recompute_above_bytes,
         share_prompts=spec.share_prompts,
     )
-    width = batch.response_ids.shape[1]
-    return pad_to_width(logprobs, width), None if entropy is None else pad_to_width(entropy, width)
+    # back to the batch's device (the CPU): the rollout batch and the loss live there, the model may be on a GPU
+    width, device = batch.response_ids.shape[1], batch.response_mask.device
+    return pad_to_width(logprobs, width).to(device), None if entropy is None else pad_to_width(entropy, width).to(device)
 
 
 @dataclass

@@ -99,7 +99,7 @@ class Critic:
         values = self.model(
             inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_start, inputs.response_mask
         )
-        return pad_to_width(values, batch.response_ids.shape[1])
+        return pad_to_width(values, batch.response_ids.shape[1]).to(batch.response_mask.device)  # the batch's device
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, micro_batch_size: int, exact_layout: bool, minibatches: int = 1) -> torch.Tensor:

@@ -205,7 +205,8 @@ class TransformersEngine:
         if not prompts:
             return []
         expanded = [p for p in prompts for _ in range(params.n)]  # groups stay contiguous
-        ids, mask = left_pad(expanded, self.pad_token_id)
+        device = next(self.model.parameters()).device  # the engine runs where its model lives
+        ids, mask = (t.to(device) for t in left_pad(expanded, self.pad_token_id))
         stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         with torch.random.fork_rng(devices=[]):
@@ -217,7 +218,7 @@ class TransformersEngine:
             else:
                 cache = self._prefill_once_per_prompt(prompts, params.n) if self.share_prefill else None
                 tokens, logprobs = self._sample_generate(ids, mask, params, stop_ids, cache)
-        return self._to_completions(tokens, logprobs, params, stop_ids)
+        return self._to_completions(tokens.cpu(), logprobs.cpu(), params, stop_ids)
 
     def _prefill_once_per_prompt(self, prompts: list[list[int]], n: int, reserve: int | None = None):
         """KV cache of every prompt but its last token, computed once and repeated for the n samples
@@ -226,7 +227,8 @@ class TransformersEngine:
         transformers' own ``DynamicCache`` (for ``generate``)."""
         from transformers import DynamicCache
 
-        unique_ids, unique_mask = left_pad(prompts, self.pad_token_id)
+        device = next(self.model.parameters()).device
+        unique_ids, unique_mask = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
         if n == 1 or unique_ids.shape[1] < 2:
             return None
         if reserve is None:
@@ -277,11 +279,12 @@ class TransformersEngine:
             cache, step_ids, step_positions = decode_cache(self.model.config, reserve), ids, positions
         else:  # the cache holds every prompt token but the last
             step_ids, step_positions = ids[:, -1:], positions[:, -1:]
-        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(batch, params.max_new_tokens)
-        rows = torch.arange(batch)  # the rows still generating
+        device = ids.device
+        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(batch, params.max_new_tokens, device=device)
+        rows = torch.arange(batch, device=device)  # the rows still generating
         attention = mask
-        stop = torch.tensor(stop_ids, dtype=torch.long)
+        stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
         next_position = positions[:, -1] + 1
         for t in range(params.max_new_tokens):
             logits = self.model(
@@ -305,7 +308,7 @@ class TransformersEngine:
                 keep = going.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 rows, chosen, attention, next_position = rows[keep], chosen[keep], attention[keep], next_position[keep]
-            attention = torch.cat([attention, torch.ones(len(rows), 1, dtype=attention.dtype)], dim=1)
+            attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
             step_ids, step_positions = chosen[:, None], next_position[:, None]
             next_position = next_position + 1
         return tokens, logprobs
@@ -314,12 +317,14 @@ class TransformersEngine:
         """Sample with full forwards over a fixed [B, P+T] buffer (bitwise equal to the trainer)."""
         batch, prompt_len = ids.shape
         total = prompt_len + params.max_new_tokens
-        buffer = torch.full((batch, total), self.pad_token_id, dtype=torch.long)
+        device = ids.device
+        buffer = torch.full((batch, total), self.pad_token_id, dtype=torch.long, device=device)
         buffer[:, :prompt_len] = ids
-        full_mask = torch.cat([mask, torch.ones(batch, params.max_new_tokens, dtype=torch.long)], dim=1)
+        full_mask = torch.cat([mask, mask.new_ones(batch, params.max_new_tokens)], dim=1)
         positions = position_ids_from_mask(full_mask)
-        logprobs = torch.zeros(batch, params.max_new_tokens)
-        done = torch.zeros(batch, dtype=torch.bool)
+        logprobs = torch.zeros(batch, params.max_new_tokens, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
         for t in range(params.max_new_tokens):
             logits = self.model(input_ids=buffer, attention_mask=full_mask, position_ids=positions).logits
             step_logits = logits[:, prompt_len - 1 + t].float() / params.temperature
@@ -333,7 +338,7 @@ class TransformersEngine:
             buffer[:, prompt_len + t] = nxt
             logprobs[:, t] = step_logprobs.gather(-1, nxt[:, None]).squeeze(1)
             if stop_ids:
-                done |= torch.isin(nxt, torch.tensor(stop_ids))
+                done |= torch.isin(nxt, stop)
             if bool(done.all()):
                 break
         return buffer[:, prompt_len:], logprobs
