@@ -3,8 +3,9 @@
 A quantizer runs on each weight at sync time, ``quantizer(name, tensor, cfg) -> tensor``, and
 returns what the engine loads: the *dequantized* weight, so an engine without the quantized kernels
 (the CPU transformers engine) samples with exactly the rounding a quantized engine would see. Only
-2-D floating tensors whose name matches one of ``cfg.include`` (fnmatch patterns, default
-``*_proj.weight``: the q/k/v/o and gate/up/down projections of the decoder blocks) and none of
+2-D floating tensors (and the 3-D expert stacks of MoE layers, matrix by matrix) whose name matches one of ``cfg.include`` (fnmatch patterns, default
+``*_proj.weight``: the q/k/v/o and gate/up/down projections of the decoder blocks, plus
+``*experts.gate_up_proj`` and ``*experts.down_proj``) and none of
 ``cfg.exclude`` are touched; embeddings, norms, biases and ``lm_head`` pass through unchanged.
 :func:`quantize_for_engine` produces the pre-quantized checkpoint layout instead, for engines
 (SGLang) that load quantized weights themselves.
@@ -119,19 +120,33 @@ def dequantize_int8_per_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.T
 # --------------------------------------------------------------------------------------------------
 
 
+DEFAULT_TARGETS = ("*_proj.weight", "*experts.gate_up_proj", "*experts.down_proj")
+"""The linear layers of the decoder blocks; ``experts.*`` are the ``[experts, out, in]`` stacks of
+Hugging Face MoE layers (transformers 5), quantized expert by expert."""
+
+
+def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    """``fn`` on a matrix, or on each matrix of a ``[experts, out, in]`` stack."""
+    if tensor.dim() == 2:
+        return fn(tensor)
+    return torch.stack([fn(matrix) for matrix in tensor])
+
+
 @dataclass
 class QuantizationTargets:
     """Which weights a quantizer touches."""
 
-    include: list[str] = field(default_factory=lambda: ["*_proj.weight"])
-    """fnmatch patterns of weight names to quantize (default: the decoder blocks' linear layers)."""
+    include: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    """fnmatch patterns of weight names to quantize (default: the decoder blocks' linear layers and
+    the stacked experts of MoE layers; routers, embeddings, norms and ``lm_head`` stay as they are)."""
     exclude: list[str] = field(default_factory=list)
     """fnmatch patterns of weight names to leave alone even if included."""
 
     def matches(self, name: str, tensor: torch.Tensor) -> bool:
-        """True for a 2-D floating tensor whose name is included and not excluded."""
+        """True for a floating 2-D matrix or 3-D stack of matrices (one per expert) whose name is
+        included and not excluded."""
         return (
-            tensor.dim() == 2
+            tensor.dim() in (2, 3)
             and tensor.is_floating_point()
             and any(fnmatch.fnmatchcase(name, p) for p in self.include)
             and not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
@@ -169,30 +184,49 @@ def fp8_blockwise(name: str, tensor: torch.Tensor, cfg: Fp8BlockwiseConfig) -> t
     """The FP8-rounded weight in ``tensor``'s dtype, or ``tensor`` itself if not targeted."""
     if not cfg.matches(name, tensor):
         return tensor
-    q, scale_inv = quantize_fp8_blockwise(tensor, cfg.block_size)
-    return dequantize_fp8_blockwise(q, scale_inv, cfg.block_size).to(tensor.dtype)
+
+    def rounded(w: torch.Tensor) -> torch.Tensor:
+        q, scale_inv = quantize_fp8_blockwise(w, cfg.block_size)
+        return dequantize_fp8_blockwise(q, scale_inv, cfg.block_size).to(w.dtype)
+
+    return per_matrix(rounded, tensor)
 
 
 def int8_channel(name: str, tensor: torch.Tensor, cfg: Int8ChannelConfig) -> torch.Tensor:
     """The INT8-rounded weight in ``tensor``'s dtype, or ``tensor`` itself if not targeted."""
     if not cfg.matches(name, tensor):
         return tensor
-    q, scale = quantize_int8_per_channel(tensor)
-    return dequantize_int8_per_channel(q, scale).to(tensor.dtype)
+
+    def rounded(w: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_int8_per_channel(w)
+        return dequantize_int8_per_channel(q, scale).to(w.dtype)
+
+    return per_matrix(rounded, tensor)
 
 
 def _fp8_engine_layout(
     name: str, tensor: torch.Tensor, cfg: Fp8BlockwiseConfig
 ) -> list[tuple[str, torch.Tensor]]:
-    q, scale_inv = quantize_fp8_blockwise(tensor, cfg.block_size)
-    return [(name, q), (_scale_name(name, "scale_inv"), scale_inv)]
+    parts = [quantize_fp8_blockwise(w, cfg.block_size) for w in _matrices(tensor)]
+    return [(name, _restack(tensor, [q for q, _ in parts])),
+            (_scale_name(name, "scale_inv"), _restack(tensor, [s for _, s in parts]))]
 
 
 def _int8_engine_layout(
     name: str, tensor: torch.Tensor, cfg: Int8ChannelConfig
 ) -> list[tuple[str, torch.Tensor]]:
-    q, scale = quantize_int8_per_channel(tensor)
-    return [(name, q), (_scale_name(name, "scale"), scale)]
+    parts = [quantize_int8_per_channel(w) for w in _matrices(tensor)]
+    return [(name, _restack(tensor, [q for q, _ in parts])),
+            (_scale_name(name, "scale"), _restack(tensor, [s for _, s in parts]))]
+
+
+def _matrices(tensor: torch.Tensor) -> list[torch.Tensor]:
+    return [tensor] if tensor.dim() == 2 else list(tensor)
+
+
+def _restack(like: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One matrix back as itself, an expert stack's per-expert results stacked on a leading axis."""
+    return parts[0] if like.dim() == 2 else torch.stack(parts)
 
 
 ENGINE_LAYOUTS: dict[type, Callable[..., list[tuple[str, torch.Tensor]]]] = {

@@ -30,6 +30,7 @@ from rlite.mismatch import (
     sequence_sum,
     weight_stats,
 )
+from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
 from rlite.rollout import RolloutBatch, TrainTargets, model_inputs, pad_to_width
 from rlite.training.backend import (
     BackendCapabilities,
@@ -72,6 +73,9 @@ __all__ = [
     "Register",
     "RolloutBatch",
     "RolloutEngine",
+    "RouterHooks",
+    "RoutingPlan",
+    "RoutingStats",
     "RunConfig",
     "SamplingParams",
     "ScoringModel",

@@ -20,6 +20,7 @@ from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
 from rlite.run.lifecycle import finish_run, log_metrics, save_run_checkpoint
 from rlite.stages.report import step_metrics
+from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
 from rlite.stages.update import update_policy
 
@@ -46,6 +47,11 @@ def train(run: Run) -> dict[str, Any]:
                 batch, run.targets, policy=run.backend, reference=run.reference, critic=run.critic,
                 forward=run.forward, loss=run.loss, kl_controller=run.kl_controller, layout=run.layout,
             )
+            if run.routing is not None and run.routing.metrics:  # MoE: routing with and without replay
+                target_metrics.update(measure_routing(
+                    run.backend, batch, run.forward, run.routing, minibatches=cfg.algorithm.minibatches_per_step,
+                    layout=run.layout,
+                ))
 
         # 4. policy update (mini-batches x micro-batches, global loss normalisation)
         with timer.phase("train"):

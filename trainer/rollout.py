@@ -67,6 +67,10 @@ class RolloutBatch:
     """Weight version each sample was drawn with."""
     targets: TrainTargets | None = None
     """Advantages, loss mask and the log-probs of the loss (filled before the update)."""
+    routed_experts: torch.Tensor | None = None
+    """[B, P + T, L, K] experts the engine routed each token to in every decoder layer (int16; -1
+    where nothing was recorded: padding, dense layers, each response's last token), on the grid of
+    ``cat(prompt_ids, response_ids)``; ``None`` unless the engine was asked (:mod:`rlite.moe_routing`)."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -92,6 +96,7 @@ class RolloutBatch:
             scores=None if self.scores is None else self.scores[idx],
             weight_versions=[self.weight_versions[i] for i in index] if self.weight_versions else [],
             targets=None if self.targets is None else self.targets.select(idx),
+            routed_experts=None if self.routed_experts is None else self.routed_experts[idx],
         )
 
 
@@ -129,7 +134,31 @@ def build_rollout_batch(
         finish_reasons=[c.finish_reason for c in completions],
         samples=[samples[c.prompt_index] for c in completions],
         weight_versions=[c.weight_version for c in completions],
+        routed_experts=routing_grid(completions, [len(r) for r in prompt_rows], prompt_ids.shape[1], width),
     )
+
+
+def routing_grid(
+    completions: list[Completion], prompt_lengths: list[int], prompt_width: int, response_width: int
+) -> torch.Tensor | None:
+    """The completions' routings on the batch grid ``[B, P + T, L, K]`` (``None`` when they carry none)."""
+    from rlite.moe_routing import ROUTING_DTYPE, completion_rows, place_on_grid
+
+    if not completions or completions[0].routed_experts is None:
+        return None
+    _, layers, top_k = completions[0].routed_experts.shape
+    grid = torch.full((len(completions), prompt_width + response_width, layers, top_k), -1, dtype=ROUTING_DTYPE)
+    for row, (comp, prompt_len) in enumerate(zip(completions, prompt_lengths)):
+        routing = comp.routed_experts
+        expected = completion_rows(prompt_len, len(comp.token_ids))
+        if routing is None or tuple(routing.shape) != (expected, layers, top_k):
+            got = None if routing is None else tuple(routing.shape)
+            raise ValueError(
+                f"routed_experts of completion {row}: shape {got}, expected {(expected, layers, top_k)} "
+                "(prompt + response - 1 tokens): the engine reported routing for other tokens"
+            )
+        place_on_grid(grid, row, routing, prompt_width, prompt_len)
+    return grid
 
 
 @dataclass
@@ -139,6 +168,8 @@ class ModelInputs:
     position_ids: torch.Tensor
     response_start: int
     response_mask: torch.Tensor
+    routed_experts: torch.Tensor | None = None
+    """[B, S, L, K] the engine's routing on the grid of ``input_ids`` (see ``RolloutBatch``)."""
 
 
 def model_inputs(batch: RolloutBatch, *, exact_layout: bool = False) -> ModelInputs:
@@ -149,12 +180,16 @@ def model_inputs(batch: RolloutBatch, *, exact_layout: bool = False) -> ModelInp
     """
     prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
     response_ids, response_mask = batch.response_ids, batch.response_mask
+    routing = batch.routed_experts
     if exact_layout:
         attn_response = torch.ones_like(response_ids)
     else:
         first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else 0
-        prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
         width = max(1, int(response_mask.sum(-1).max().item()))
+        if routing is not None:
+            width_p = prompt_ids.shape[1]
+            routing = torch.cat([routing[:, first:width_p], routing[:, width_p : width_p + width]], dim=1)
+        prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
         response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
         attn_response = response_mask.long()
     attention_mask = torch.cat([prompt_mask.long(), attn_response.long()], dim=1)
@@ -164,6 +199,7 @@ def model_inputs(batch: RolloutBatch, *, exact_layout: bool = False) -> ModelInp
         position_ids=position_ids_from_mask(attention_mask),
         response_start=prompt_ids.shape[1],
         response_mask=response_mask,
+        routed_experts=routing,
     )
 
 
@@ -200,4 +236,20 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         completion_texts=[t for b in batches for t in b.completion_texts],
         scores=None if any(b.scores is None for b in batches) else cat([b.scores for b in batches]),
         weight_versions=[v for b in batches for v in b.weight_versions],
+        routed_experts=concat_routing(batches, prompt_width, response_width),
     )
+
+
+def concat_routing(batches: list[RolloutBatch], prompt_width: int, response_width: int) -> torch.Tensor | None:
+    """The batches' routing grids re-padded with -1 like their prompts (left) and responses (right)."""
+    if any(b.routed_experts is None for b in batches):
+        return None
+    parts = []
+    for b in batches:
+        p = b.prompt_ids.shape[1]
+        prompt, response = b.routed_experts[:, :p], b.routed_experts[:, p:]
+        pad = (0, 0, 0, 0)
+        prompt = torch.nn.functional.pad(prompt, (*pad, prompt_width - p, 0), value=-1)
+        response = torch.nn.functional.pad(response, (*pad, 0, response_width - response.shape[1]), value=-1)
+        parts.append(torch.cat([prompt, response], dim=1))
+    return torch.cat(parts)

@@ -57,6 +57,7 @@ from rlite.plugins.megatron.convert import (
     tp_layout,
     tp_merge,
 )
+from rlite.plugins.megatron.routing import routing_context
 from rlite.plugins.megatron.shims import apply_cpu_shims, seed_model_parallel_rng
 
 
@@ -95,6 +96,7 @@ def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: tor
             moe_router_pre_softmax=not shape.norm_topk_prob,
             moe_shared_expert_intermediate_size=shape.shared_expert_ffn,
             moe_shared_expert_gate=bool(shape.shared_expert_ffn),
+            moe_enable_routing_replay=True,  # every router gets a RouterReplay (idle unless rlite drives it)
         )
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -216,7 +218,15 @@ def gpt_logprobs(
     mask = causal[None, None] | padding  # True: masked out
     position_ids = torch.arange(seq, device=ids.device).expand_as(ids)  # rotary: only differences count
     rows, cols = inputs.input_ids.shape
-    logits = model(ids, position_ids, mask)[:rows, :cols]
+    routing = inputs.routed_experts
+    if spec.routing is not None and spec.routing.replay and routing is None:
+        raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
+    if routing is not None:  # padded like the tokens (-1: no recorded choice)
+        routing = torch.nn.functional.pad(
+            routing.to(ids.device), (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
+        )
+    with routing_context(model, spec.routing, routing):
+        logits = model(ids, position_ids, mask)[:rows, :cols]
     ids = inputs.input_ids
     start, width = inputs.response_start, inputs.response_mask.shape[1]
     logits = logits[:, start - 1 : start - 1 + width].float() / spec.temperature
@@ -249,7 +259,7 @@ class MegatronReference:
 class MegatronBackend:
     """A megatron-core ``GPTModel`` with AdamW and rlite's LR schedule."""
 
-    capabilities = BackendCapabilities(lora=False, critic=False, weight_views=False)
+    capabilities = BackendCapabilities(lora=False, critic=False, weight_views=False, routing_replay=True)
 
     def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
         from megatron.core import parallel_state
@@ -483,3 +493,6 @@ class MegatronBackend:
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()  # the process-wide list megatron keeps

@@ -277,9 +277,14 @@ class AlgorithmConfig:
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     epochs_per_step: int = 1
     """Passes over the rollout batch per training step (PPO epochs)."""
+    routing_replay: str = "none"
+    """Mixture-of-Experts models: ``rollout`` routes every token in the trainer's forwards (pi_old, pi_ref, training) to the experts the engine used (R3); ``none`` lets the trainer's routers choose."""
+    routing_metrics: bool = True
+    """Mixture-of-Experts models: every step, routing agreement and the mismatch KL with and without replay (two extra no-grad forwards)."""
 
     def __post_init__(self) -> None:
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice("algorithm.routing_replay", self.routing_replay, ("none", "rollout"))
         _check_choice("algorithm.old_logprob_mode", self.old_logprob_mode, ("decoupled", "bypass"))
         _check(self.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
         _check(

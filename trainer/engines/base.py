@@ -16,7 +16,7 @@ A colocated step calls, in this order::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +33,9 @@ class SamplingParams:
     greedy: bool = False
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    return_routed_experts: bool = False
+    """Report the experts every MoE layer chose for every token (``Completion.routed_experts``);
+    only for engines with ``capabilities.routed_experts``."""
 
 
 @dataclass
@@ -49,6 +52,11 @@ class Completion:
     """``stop`` (a stop token was produced) or ``length`` (max_new_tokens reached)."""
     weight_version: int
     """Version of the weights the engine sampled with."""
+    routed_experts: Any = None
+    """With ``SamplingParams.return_routed_experts``: int32 ``[len(prompt) + len(token_ids) - 1,
+    num_hidden_layers, top_k]`` numpy array, the experts each MoE layer routed every token the
+    engine ran to (prompt, then generated tokens but the last; -1 in dense layers), SGLang's
+    ``routed_experts`` layout (:mod:`rlite.moe_routing`)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,9 @@ class EngineCapabilities:
     lora_adapters: bool = False
     """Serves LoRA adapters on a fixed base: :meth:`RolloutEngine.update_lora_adapter` works
     (``rollout.lora_sync: adapter``)."""
+    routed_experts: bool = False
+    """Reports the experts of every MoE layer for every token when asked
+    (``SamplingParams.return_routed_experts``): routing replay and its metrics need it."""
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import build_reward_runner
 from rlite.run.lifecycle import maybe_resume
 from rlite.stages.collect import Rollouts
+from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
 from rlite.stages.targets import TargetsSpec
 from rlite.stages.update import LossSpec
@@ -58,6 +59,8 @@ class Run:
     loggers: list = field(default_factory=list)
     timer: StepTimer = field(default_factory=StepTimer)
     start_step: int = 0
+    routing: RoutingSetup | None = None
+    """MoE routing replay and metrics (``None``: a dense model, or both off)."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(
@@ -172,6 +175,9 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
     )
     try:
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name)
+        run.routing = routing_setup(cfg, backend, engine, layout)
+        run.forward.routing = replay_plan(run.routing)
+        run.rollouts.record_routing = run.routing is not None
         run.sync_weights(version=start_step)
     except BaseException:
         engine.shutdown()

@@ -53,6 +53,8 @@ class Rollouts:
         self.engine, self.sampler, self.rewards, self.tokenizer = engine, sampler, rewards, tokenizer
         self.rollout, self.algorithm, self.seed, self.layout, self.hooks, self.timer = (
             rollout, algorithm, seed, layout, hooks, timer)
+        self.record_routing = False
+        """Ask the engine for the experts of every MoE token (routing replay and its metrics)."""
 
     @property
     def per_rank(self) -> int:
@@ -118,6 +120,7 @@ class Rollouts:
     def _generate(self, prompts: list, step: int, round_index: int) -> RolloutBatch:
         extra_round = (round_index,) if round_index else ()  # round 0 keeps the seed of a run without dynamic sampling
         params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, self.layout.rank, *extra_round))
+        params.return_routed_experts = self.record_routing
         engine = self.engine
         completions = engine.generate([p.prompt_ids for p in prompts], params)
         stale = {c.weight_version for c in completions} - {engine.weight_version}

@@ -31,6 +31,7 @@ import torch
 if TYPE_CHECKING:
     from rlite.config import CriticConfig
     from rlite.distributed import DataLayout
+    from rlite.moe_routing import RoutingPlan
     from rlite.rollout import RolloutBatch
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
@@ -56,6 +57,10 @@ class ForwardSpec:
     """Checkpoint output-layer chunks only when a micro-batch's response logits exceed this size."""
     share_prompts: bool = False
     """Run each distinct prompt of a micro-batch once and share its KV cache with its samples."""
+    routing: RoutingPlan | None = None
+    """MoE models: replay the engine's routing of the batch (``batch.routed_experts``) or route
+    naturally, and count agreement on the way (:mod:`rlite.moe_routing`); ``None``: route naturally.
+    Only for backends with ``capabilities.routing_replay``."""
 
 
 @dataclass
@@ -119,6 +124,9 @@ class BackendCapabilities:
     weight_views: bool = False
     """:meth:`TrainingBackend.full_weights` can yield the parameters' own storage (an in-process engine
     then shares the trainer's weights and a sync moves no bytes)."""
+    routing_replay: bool = False
+    """Follows ``ForwardSpec.routing`` for a Mixture-of-Experts policy: replays ``batch.routed_experts``
+    and fills its agreement counts (``algorithm.routing_replay``, routing metrics)."""
 
 
 @runtime_checkable

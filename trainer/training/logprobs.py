@@ -31,6 +31,9 @@ numbers equal the engine's bit for bit (true on-policy mode).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -246,8 +249,12 @@ class PolicyModel(nn.Module):
     """
 
     def __init__(self, lm: nn.Module) -> None:
+        from rlite.moe_routing import RouterHooks
+
         super().__init__()
         self.lm = lm
+        self.routers = RouterHooks.attach(lm)
+        """Hooks on the routers of an MoE model (``None`` when dense): routing replay and agreement."""
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -268,8 +275,17 @@ class PolicyModel(nn.Module):
         entropy_grad: bool = True,
         recompute_above_bytes: float = 0.0,
         share_prompts: bool = False,
+        routed_experts: torch.Tensor | None = None,
+        routing=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``routed_experts`` ``[B, S, L, K]``: the engine's routing of ``input_ids``; ``routing`` (a
+        :class:`rlite.moe_routing.RoutingPlan`) says whether to replay it and what to count."""
         lm = self.causal_lm
+        if self.routers is None or routing is None:
+            routed_experts = None
+        elif routed_experts is not None:
+            routed_experts = routed_experts.to(input_ids.device)
+        route = functools.partial(self._route, routing, routed_experts)
         head = lm.get_output_embeddings()
         targets = input_ids[:, response_start:]
         batch, width = targets.shape
@@ -277,13 +293,14 @@ class PolicyModel(nn.Module):
             unique_rows, inverse = unique_prompt_rows(input_ids[:, :response_start], attention_mask[:, :response_start])
             if len(unique_rows) < batch:
                 h = self._shared_prompt_hidden(
-                    input_ids, attention_mask, position_ids, response_start, unique_rows, inverse, response_mask
+                    input_ids, attention_mask, position_ids, response_start, unique_rows, inverse, response_mask, route
                 )
                 return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy,
                                    use_liger, entropy_grad, recompute_above_bytes)
-        hidden = lm.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        with route(slice(None), slice(None)):
+            hidden = lm.get_decoder()(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
         if exact_layout:
             logits = head(hidden).float()
             logprobs_all = torch.log_softmax(logits[:, response_start - 1 : -1] / temperature, dim=-1)
@@ -297,8 +314,15 @@ class PolicyModel(nn.Module):
         return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
                            entropy_grad, recompute_above_bytes)
 
+    def _route(self, plan, routed_experts, rows, columns):
+        """The routing context of one decoder call over ``input_ids[rows, columns]``."""
+        if routed_experts is None:
+            return contextlib.nullcontext()
+        return self.routers.applying(plan, routed_experts[rows][:, columns])
+
     def _shared_prompt_hidden(
-        self, input_ids, attention_mask, position_ids, response_start, unique_rows, inverse, response_mask
+        self, input_ids, attention_mask, position_ids, response_start, unique_rows, inverse, response_mask,
+        route=None,
     ):
         """Hidden states predicting the response tokens, running each distinct prompt once.
 
@@ -314,13 +338,15 @@ class PolicyModel(nn.Module):
         decoder = lm.get_decoder()
         prompt = slice(0, response_start)
         cache = DynamicCache(config=lm.config)
-        prompt_out = decoder(
-            input_ids=input_ids[unique_rows, prompt],
-            attention_mask=attention_mask[unique_rows, prompt],
-            position_ids=position_ids[unique_rows, prompt],
-            past_key_values=cache,
-            use_cache=True,
-        )
+        route = route or (lambda rows, columns: contextlib.nullcontext())
+        with route(unique_rows, prompt):  # a group's samples share the prompt's routing: the first's
+            prompt_out = decoder(
+                input_ids=input_ids[unique_rows, prompt],
+                attention_mask=attention_mask[unique_rows, prompt],
+                position_ids=position_ids[unique_rows, prompt],
+                past_key_values=cache,
+                use_cache=True,
+            )
         last_prompt_hidden = prompt_out.last_hidden_state[:, -1:][inverse]
         batch, width = input_ids.shape[0], input_ids.shape[1] - response_start
         if width == 1:
@@ -337,13 +363,14 @@ class PolicyModel(nn.Module):
             source = inverse[index]
             bucket_cache = DynamicCache(ddp_cache_data=[(k[source], v[source]) for k, v in prompt_kv], config=lm.config)
             responses = slice(response_start, response_start + run)
-            out = decoder(
-                input_ids=input_ids[index, responses],
-                attention_mask=attention_mask[index, : response_start + run],
-                position_ids=position_ids[index, responses],
-                past_key_values=bucket_cache,
-                use_cache=True,
-            ).last_hidden_state
+            with route(index, responses):
+                out = decoder(
+                    input_ids=input_ids[index, responses],
+                    attention_mask=attention_mask[index, : response_start + run],
+                    position_ids=position_ids[index, responses],
+                    past_key_values=bucket_cache,
+                    use_cache=True,
+                ).last_hidden_state
             out = torch.nn.functional.pad(out, (0, 0, 0, width - 1 - run))
             hidden = hidden.index_copy(0, index, out)
         return torch.cat([last_prompt_hidden, hidden], dim=1)

@@ -60,10 +60,14 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
         from rlite.backends.fsdp2.lean_activations import apply_lean_activations
 
         apply_lean_activations(lm)
-    if par_cfg.activation_checkpointing and trainable:
-        causal_lm_of(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
-    policy = PolicyModel(lm).to(device)
+    policy = PolicyModel(lm)
+    if par_cfg.activation_checkpointing and trainable:
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if policy.routers is not None:  # recomputation in backward replays the forward's routing
+            kwargs["context_fn"] = policy.routers.checkpoint_context
+        causal_lm_of(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    policy = policy.to(device)
     if not trainable:
         policy.requires_grad_(False)
     policy = apply_fsdp(policy, par_cfg)
@@ -79,6 +83,8 @@ def policy_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[B, T]`` log-probs (and entropy) of a batch's responses under a :class:`PolicyModel`."""
     inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    if spec.routing is not None and spec.routing.replay and inputs.routed_experts is None:
+        raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
     logprobs, entropy = model(
         inputs.input_ids,
         inputs.attention_mask,
@@ -93,6 +99,8 @@ def policy_logprobs(
         entropy_grad=spec.entropy_grad,
         recompute_above_bytes=spec.recompute_above_bytes,
         share_prompts=spec.share_prompts,
+        routed_experts=inputs.routed_experts,
+        routing=spec.routing,
     )
     # back to the batch's device (the CPU): the rollout batch and the loss live there, the model may be on a GPU
     width, device = batch.response_ids.shape[1], batch.response_mask.device
@@ -125,7 +133,7 @@ class FSDP2Backend:
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(lora=self.lora, critic=True, weight_views=not self.lora)
+        return BackendCapabilities(lora=self.lora, critic=True, weight_views=not self.lora, routing_replay=True)
 
     @classmethod
     def build(

@@ -11,6 +11,7 @@ rollout log-probs equal the trainer's bit for bit (``../docs/mismatch.md``). It 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.moe_routing import RouterHooks
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +186,10 @@ class TransformersEngine:
         self.true_on_policy = true_on_policy
         self.weight_version = 0
         self.share_weights = share_weights
-        self.capabilities = EngineCapabilities(shares_weights=share_weights)
+        self.routers = RouterHooks.attach(self.model)
+        """Hooks on the routers of an MoE model (``None`` for a dense one): record the routing."""
+        self.capabilities = EngineCapabilities(shares_weights=share_weights, routed_experts=True)
+        self._grid: torch.Tensor | None = None
         self.shared_bytes = 0
         """Bytes of the engine's weights that are the sync's tensors themselves (``share_weights``)."""
         for p in self.model.parameters():
@@ -209,7 +214,16 @@ class TransformersEngine:
         ids, mask = (t.to(device) for t in left_pad(expanded, self.pad_token_id))
         stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        with torch.random.fork_rng(devices=[]):
+        record = params.return_routed_experts and self.routers is not None
+        if record and self.decode == "generate" and not self.true_on_policy:
+            raise EngineError("return_routed_experts: the transformers engine records routing with decode='loop' only")
+        self._grid = None
+        if record:  # [B, P + T, L, K] on the batch's grid, -1 where nothing ran
+            shape = self.routers.shape
+            self._grid = torch.full(
+                (len(expanded), ids.shape[1] + params.max_new_tokens, shape.num_layers, shape.top_k), -1, dtype=torch.int32
+            )
+        with torch.random.fork_rng(devices=[]), self.routers.recording() if record else contextlib.nullcontext():
             torch.manual_seed(seed)
             if self.true_on_policy:
                 tokens, logprobs = self._sample_fixed_shape(ids, mask, params, stop_ids)
@@ -218,7 +232,23 @@ class TransformersEngine:
             else:
                 cache = self._prefill_once_per_prompt(prompts, params.n) if self.share_prefill else None
                 tokens, logprobs = self._sample_generate(ids, mask, params, stop_ids, cache)
-        return self._to_completions(tokens.cpu(), logprobs.cpu(), params, stop_ids)
+        completions = self._to_completions(tokens.cpu(), logprobs.cpu(), params, stop_ids)
+        if record:
+            width = ids.shape[1]
+            for row, completion in enumerate(completions):
+                start = width - len(expanded[row])
+                end = width + len(completion.token_ids) - 1
+                completion.routed_experts = self._grid[row, start:max(end, start)].numpy().copy()
+            self._grid = None
+        return completions
+
+    def _record_routing(self, rows: torch.Tensor | slice, columns: slice, num_rows: int) -> None:
+        """After a forward of ``num_rows`` rows over ``columns`` of the grid: store its routing."""
+        if self._grid is None:
+            return
+        width = columns.stop - columns.start
+        taken = self.routers.take(num_rows * width).view(num_rows, width, *self._grid.shape[2:])
+        self._grid[rows, columns] = taken
 
     def _prefill_once_per_prompt(self, prompts: list[list[int]], n: int, reserve: int | None = None):
         """KV cache of every prompt but its last token, computed once and repeated for the n samples
@@ -242,6 +272,10 @@ class TransformersEngine:
             past_key_values=cache,
             use_cache=True,
         )
+        if self._grid is not None:  # the prompts' routing, once per prompt, to each of its n rows
+            columns = unique_ids.shape[1] - 1
+            taken = self.routers.take(len(prompts) * columns).view(len(prompts), columns, *self._grid.shape[2:])
+            self._grid[:, :columns] = taken.repeat_interleave(n, dim=0)
         cache.batch_repeat_interleave(n)
         return cache
 
@@ -279,6 +313,7 @@ class TransformersEngine:
             cache, step_ids, step_positions = decode_cache(self.model.config, reserve), ids, positions
         else:  # the cache holds every prompt token but the last
             step_ids, step_positions = ids[:, -1:], positions[:, -1:]
+        first_column = ids.shape[1] - step_ids.shape[1]  # grid column of the step's first token
         device = ids.device
         tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(batch, params.max_new_tokens, device=device)
@@ -295,6 +330,8 @@ class TransformersEngine:
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1].float() / params.temperature
+            self._record_routing(rows.cpu(), slice(first_column, first_column + step_ids.shape[1]), len(rows))
+            first_column += step_ids.shape[1]
             if params.greedy:
                 chosen = logits.argmax(-1)
             else:
@@ -327,6 +364,7 @@ class TransformersEngine:
         stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
         for t in range(params.max_new_tokens):
             logits = self.model(input_ids=buffer, attention_mask=full_mask, position_ids=positions).logits
+            self._record_routing(slice(None), slice(0, total), batch)  # the last forward's holds every token
             step_logits = logits[:, prompt_len - 1 + t].float() / params.temperature
             step_logprobs = torch.log_softmax(step_logits, dim=-1)
             if params.greedy:
