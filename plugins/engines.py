@@ -67,6 +67,9 @@ class SGLangEngineConfig:
     """How long the engine may take to start before it is reported dead."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra SGLang ServerArgs, passed unchanged."""
+    return_routed_experts: bool = True
+    """For a Mixture-of-Experts model: start SGLang with ``enable_return_routed_experts`` so rollouts can
+    report every token's experts (routing replay and its metrics; costs a host buffer of routing)."""
 
     def __post_init__(self) -> None:
         if self.launch not in ("engine", "server"):
@@ -104,7 +107,19 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         load_format=load_format,
         engine_kwargs=engine_kwargs,
         fixed_base=rollout_config.lora_sync == "adapter",
+        routed_experts=moe_routing_layout(model_config.path) if cfg.return_routed_experts else None,
     )
+
+
+def moe_routing_layout(model_path) -> tuple[int, int] | None:
+    """``(num_hidden_layers, num_experts_per_tok)`` of a Mixture-of-Experts checkpoint, else ``None``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    config = getattr(config, "text_config", None) or config
+    if not (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
+        return None
+    return int(config.num_hidden_layers), int(config.num_experts_per_tok)
 
 
 @hookimpl

@@ -86,6 +86,7 @@ class SGLangEngine:
         dtype: str = "auto",
         engine_kwargs: dict[str, Any] | None = None,
         fixed_base: bool = False,
+        routed_experts: tuple[int, int] | None = None,
         backend: Any = None,
     ) -> None:
         """Start SGLang on ``model_path`` (``launch="engine"`` or ``"server"``) with random weights.
@@ -95,8 +96,12 @@ class SGLangEngine:
         inference and its FSDP on-policy target. ``engine_kwargs`` go to SGLang's ``ServerArgs``
         unchanged. ``fixed_base``: the engine loaded its real base weights and will only ever receive
         LoRA adapters (:meth:`update_lora_adapter`), so :meth:`release_memory` must not lose them.
+        ``routed_experts = (num_hidden_layers, top_k)`` of an MoE model starts SGLang with
+        ``enable_return_routed_experts`` so that a rollout can report every token's experts.
         ``backend`` replaces SGLang altogether (tests).
         """
+        self.routing_layout = routed_experts
+        self.capabilities = EngineCapabilities(lora_adapters=True, routed_experts=routed_experts is not None)
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.pad_token_id = pad_token_id
         self.timeout_s = float(timeout_s)
@@ -126,6 +131,8 @@ class SGLangEngine:
                 kwargs["mem_fraction_static"] = mem_fraction_static
             if true_on_policy:
                 kwargs.update(enable_deterministic_inference=True, rl_on_policy_target="fsdp")
+            if routed_experts is not None:
+                kwargs["enable_return_routed_experts"] = True
             kwargs.update(engine_kwargs or {})
             start = start_timeout_s if start_timeout_s is not None else self.timeout_s
             if launch == "engine":
@@ -156,9 +163,13 @@ class SGLangEngine:
         )
         if seeds is None:
             sampling = sampling * len(expanded)
-        adapter = {"lora_path": [self.lora_name] * len(expanded)} if self.lora_name is not None else {}
+        extra: dict[str, Any] = {"lora_path": [self.lora_name] * len(expanded)} if self.lora_name is not None else {}
+        if params.return_routed_experts:
+            if self.routing_layout is None:
+                raise EngineError("return_routed_experts: this SGLang engine was started without routed_experts")
+            extra["return_routed_experts"] = True
         outputs = self.backend.generate(
-            input_ids=expanded, sampling_params=sampling, return_logprob=True, **adapter
+            input_ids=expanded, sampling_params=sampling, return_logprob=True, **extra
         )
         if isinstance(outputs, dict):
             outputs = [outputs]
@@ -171,16 +182,18 @@ class SGLangEngine:
                 raise EngineError(
                     f"SGLang sampled with weight version {served!r}, expected {self.weight_version}"
                 )
+            routing = (len(expanded[row]), *self.routing_layout) if params.return_routed_experts else None
             completions.append(
                 completion_from_output(
-                    output, prompt_index=row // params.n, weight_version=self.weight_version
+                    output, prompt_index=row // params.n, weight_version=self.weight_version, routing=routing
                 )
             )
         return completions
 
     # -- weights ------------------------------------------------------------------------------
     capabilities = EngineCapabilities(lora_adapters=True)
-    """This engine can serve a LoRA adapter on top of its base weights (``update_lora_adapter``)."""
+    """This engine can serve a LoRA adapter on top of its base weights (``update_lora_adapter``), and
+    reports routed experts when started with ``routed_experts`` (set per instance)."""
 
     def update_lora_adapter(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any], version: int

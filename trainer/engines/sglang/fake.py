@@ -23,6 +23,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlite.engines.sglang.payloads import FLATTENED_BUCKET, FlattenedTensorMetadataFields
@@ -53,6 +54,8 @@ class FakeSGLang:
     """Records calls (``calls``); keeps the weights it was sent (``weights``) and the adapters loaded."""
 
     output_str = False
+    routed_experts: tuple[int, int, int] | None = None
+    """(layers, top_k, experts) when started with ``enable_return_routed_experts``."""
 
     def __init__(
         self,
@@ -159,7 +162,7 @@ class FakeSGLang:
         return {"success": True, "error_message": None}
 
     # -- generation -------------------------------------------------------------------------------
-    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None):
+    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None, return_routed_experts=False):
         self.calls.append(("generate", len(input_ids)))
         self._rule(not self.released, f"generate with {sorted(self.released)} released")
         self._rule(not self.session, "generate inside a weight-update session")
@@ -178,6 +181,12 @@ class FakeSGLang:
                 "finish_reason": {"type": "length", "length": len(tokens)},
                 "weight_version": self.version,
             }
+            if return_routed_experts:  # [prompt + output - 1, layers, top_k] int32, base64 (SGLang's layout)
+                self._rule(self.routed_experts is not None, "return_routed_experts without enable_return_routed_experts")
+                layers, top_k, experts = self.routed_experts
+                rows = len(ids) + len(tokens) - 1
+                values = (np.arange(rows * layers * top_k, dtype=np.int32) + sum(ids)) % experts
+                meta["routed_experts"] = base64.b64encode(values.tobytes()).decode()
             outputs.append({"text": None, "output_ids": tokens, "meta_info": meta})
         return outputs
 
@@ -204,6 +213,8 @@ class FakeSGLangEngine(FakeSGLang):
             lora=bool(server_args.get("enable_lora", False)),
         )
         self.server_args = server_args
+        if server_args.get("enable_return_routed_experts"):  # (layers, top_k, experts) of the fake's MoE
+            self.routed_experts = (2, 2, 4)
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager = types.SimpleNamespace(update_weight_version=self._update_weight_version_async)
         FakeSGLangEngine.instances.append(self)

@@ -104,11 +104,19 @@ def sampling_params_for(
     return [dict(base, sampling_seed=seed) for seed in seeds]
 
 
-def completion_from_output(output: dict[str, Any], *, prompt_index: int, weight_version: int) -> Completion:
+def completion_from_output(
+    output: dict[str, Any],
+    *,
+    prompt_index: int,
+    weight_version: int,
+    routing: tuple[int, int, int] | None = None,
+) -> Completion:
     """An SGLang output dict (``return_logprob=True``) as a :class:`Completion`.
 
     Tokens and log-probs come from ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, text)``
     per sampled token), which SGLang computes from the temperature-scaled logits, the trainer's formula.
+    ``routing = (prompt_len, num_hidden_layers, top_k)`` decodes ``meta_info["routed_experts"]``
+    (``return_routed_experts=True``: base64 int32 of ``[prompt_len + len(tokens) - 1, layers, top_k]``).
     """
     meta = output.get("meta_info", {})
     entries = meta.get("output_token_logprobs")
@@ -123,12 +131,22 @@ def completion_from_output(output: dict[str, Any], *, prompt_index: int, weight_
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind not in ("stop", "length"):
         raise EngineError(f"SGLang request ended with finish_reason {reason!r}")
+    routed = None
+    if routing is not None:
+        from rlite.moe_routing import completion_rows, decode_routed_experts
+
+        payload = meta.get("routed_experts")
+        if payload is None:
+            raise EngineError("SGLang output has no routed_experts (start it with enable_return_routed_experts=True)")
+        prompt_len, layers, top_k = routing
+        routed = decode_routed_experts(payload, completion_rows(prompt_len, len(token_ids)), layers, top_k)
     return Completion(
         prompt_index=prompt_index,
         token_ids=token_ids,
         logprobs=logprobs,
         finish_reason=kind,
         weight_version=weight_version,
+        routed_experts=routed,
     )
 
 

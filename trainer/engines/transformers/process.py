@@ -186,7 +186,7 @@ class ProcessEngine:
             )
         self.timeout_s = float(timeout_s)
         self.weight_version = 0
-        self.capabilities = EngineCapabilities()  # weights arrive in shared buckets, copied by no one
+        self.capabilities = EngineCapabilities(routed_experts=True)  # weights arrive in shared buckets, copied by no one
         self.last_sync: SyncStats | None = None
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
