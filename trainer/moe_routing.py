@@ -79,7 +79,14 @@ def find_routers(model: nn.Module) -> list[tuple[int, nn.Module, RouterRule]]:
     """``(decoder layer index, router, rule)`` for every top-k router of a Hugging Face MoE model,
     in layer order; empty for a dense model. Raises for a router family rlite cannot replay."""
     found = []
-    for index, layer in enumerate(decoder_layers_of(model)):
+    try:
+        layers = decoder_layers_of(model)
+    except (ValueError, AttributeError, NotImplementedError):  # not a decoder-layers model: fine if dense
+        routers = [type(m).__name__ for m in model.modules() if type(m).__name__ in ROUTER_FAMILIES]
+        if routers:
+            raise ValueError(f"routing: found {routers[0]} but no decoder layers (model.get_decoder().layers)") from None
+        return []
+    for index, layer in enumerate(layers):
         for module in layer.modules():
             name = type(module).__name__
             if name in ROUTER_FAMILIES:

@@ -232,3 +232,14 @@ def test_fp8_quantizer_rounds_expert_stacks_matrix_by_matrix():
     assert not torch.equal(out, stack)
     router = torch.randn(4, 8)
     assert fp8_blockwise("model.layers.0.mlp.gate.weight", router, cfg) is router  # routers stay exact
+
+
+def test_a_dense_model_without_decoder_layers_still_builds_an_engine_and_reports_no_routing():
+    """GPT-2 keeps its blocks in ``transformer.h``: no routers to hook, and no error for it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, eos_token_id=1, bos_token_id=1))
+    engine = TransformersEngine(model, pad_token_id=0, eos_token_ids=[1])
+    assert engine.routers is None and PolicyModel(model).routers is None
+    completions = engine.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=3, seed=0, return_routed_experts=True))
+    assert completions[0].routed_experts is None
