@@ -234,3 +234,35 @@ def test_length_buckets_cover_every_row_once_at_the_lowest_cost():
                 parts = [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]
                 best = min(best, cost([(p, max(lengths[i] for i in p)) for p in parts], overhead))
         assert cost(buckets, overhead) == best, (lengths, overhead, buckets)
+
+
+@pytest.mark.parametrize("found", ["0.5.0", "0.8.1", "0.8.1.post2", None])
+def test_liger_older_than_0_8_2_is_refused(found):
+    """liger-kernel < 0.8.2 returns wrong weight gradients for reduction="none" with a per-token upstream
+    gradient (linkedin/Liger-Kernel#1298): exactly rlite's use, so an older install is a config error."""
+    from rlite.config import ConfigError
+    from rlite.run.build import check_liger_version
+
+    with pytest.raises(ConfigError, match=r"training.liger_fused_logprobs: liger-kernel .* 'liger-kernel>=0.8.2'"):
+        check_liger_version(found)
+
+
+@pytest.mark.parametrize("found", ["0.8.2", "0.8.5", "0.9", "1.0.0rc1"])
+def test_liger_0_8_2_and_later_pass_the_version_check(found):
+    from rlite.run.build import check_liger_version
+
+    check_liger_version(found)
+
+
+def test_liger_extra_pins_a_release_with_the_per_token_backward_fix():
+    import re
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    (line,) = re.findall(r"^liger = \[(.*)\]$", pyproject, flags=re.M)
+    (requirement,) = [Requirement(r.strip().strip('"')) for r in line.split(",")]
+    assert requirement.name == "liger-kernel"
+    assert not requirement.specifier.contains("0.8.1") and requirement.specifier.contains("0.8.2")
+    assert requirement.specifier.contains("0.8.5")  # the version the GPU checks ran

@@ -198,11 +198,41 @@ def check_liger(cfg: RunConfig) -> bool:
         import liger_kernel  # noqa: F401
     except ImportError:
         raise ConfigError("training.liger_fused_logprobs: liger-kernel is not installed; pip install 'rlite[liger]'") from None
+    check_liger_version(installed_version("liger-kernel"))
     if cfg.algorithm.entropy_coef != 0.0:
         raise ConfigError(
             "training.liger_fused_logprobs computes no entropy gradient; set algorithm.entropy_coef=0 or turn liger off"
         )
     return True
+
+
+LIGER_MIN_VERSION = (0, 8, 2)
+"""Before 0.8.2 liger's fused linear cross-entropy with ``reduction="none"`` scaled every token's weight
+gradient by the first token's upstream gradient (linkedin/Liger-Kernel#1298): rlite's per-token
+log-probs would train silently wrong."""
+
+
+def installed_version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def check_liger_version(found: str | None) -> None:
+    """Refuse a liger-kernel older than :data:`LIGER_MIN_VERSION` (or of unknown version)."""
+    import re
+
+    numbers = [int(n) for n in re.findall(r"\d+", found or "")[:3]]
+    if not numbers or tuple(numbers + [0] * (3 - len(numbers))) < LIGER_MIN_VERSION:
+        wanted = ".".join(map(str, LIGER_MIN_VERSION))
+        raise ConfigError(
+            f"training.liger_fused_logprobs: liger-kernel {found or '(version unknown)'} computes wrong weight "
+            f"gradients for per-token losses before {wanted}; pip install 'liger-kernel>={wanted}' "
+            "(or turn training.liger_fused_logprobs off)"
+        )
 
 
 def load_tokenizer(cfg: RunConfig):
