@@ -32,9 +32,11 @@ could race its copy; torch's IPC reference counting keeps a dropped buffer alive
 
 Two launch modes: ``"engine"`` (``sglang.Engine`` in this process, driven from one worker thread so
 every call can time out) and ``"server"`` (``python -m sglang.launch_server`` on 127.0.0.1, spoken to
-over HTTP, with a health check and a start timeout). Fallbacks that move no IPC handles:
-:meth:`SGLangEngine.update_weights_from_disk` and :meth:`SGLangEngine.update_weights_from_distributed`
-(NCCL broadcast).
+over HTTP, with a health check and a start timeout). Weights travel only as CUDA-IPC handles: an
+engine is colocated with the trainer ranks whose GPUs it runs on. (SGLang's NCCL path,
+``init_weights_update_group`` + ``update_weights_from_distributed``, needs the trainer and the engine
+on different GPUs: NCCL refuses two ranks of one communicator on the same device. rlite has no such
+layout, so it does not use that path.)
 
 Adapter-only LoRA sync (:meth:`SGLangEngine.update_lora_adapter`) works in both modes: the adapter goes
 through ``load_lora_adapter_from_tensors`` under a versioned name, and every request names it
@@ -238,66 +240,6 @@ class SGLangEngine:
             device=self.device,
         )
         self._weights_lost = False
-        self.weight_version = int(version)
-
-    def update_weights_from_disk(self, model_path: str | Path, version: int) -> None:
-        """Fallback: SGLang reloads a saved Hugging Face checkpoint (no begin/end session needed)."""
-        self._resume(WEIGHT_TAGS)
-        check_reply(self.backend.update_weights_from_disk(model_path=str(model_path)), "update_weights_from_disk")
-        self._weights_lost = False
-        check_reply(self.backend.update_weight_version(str(int(version))), "update_weight_version")
-        self.weight_version = int(version)
-
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
-    ) -> None:
-        """Join SGLang to a NCCL group in which the trainer's rank 0 broadcasts (non-colocated fallback)."""
-        check_reply(
-            self.backend.init_weights_update_group(
-                master_address=master_address,
-                master_port=master_port,
-                rank_offset=rank_offset,
-                world_size=world_size,
-                group_name=group_name,
-                backend="nccl",
-            ),
-            "init_weights_update_group",
-        )
-
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        version: int,
-        *,
-        group_name: str = "weight_update_group",
-        load_format: str | None = None,
-    ) -> None:
-        """Fallback: SGLang receives the tensors by NCCL broadcast from the trainer's rank 0.
-
-        Blocks until the broadcasts are done, so call it from a thread while rank 0 broadcasts each
-        tensor in order in the group of :meth:`init_weights_update_group` (or, with
-        ``load_format="flattened_bucket"``, one buffer packed without gaps, as SGLang's
-        ``FlattenedTensorBucket.empty`` lays it out).
-        """
-        self._resume(WEIGHT_TAGS)
-        check_reply(self.backend.begin_weight_update(), "begin_weight_update")
-        try:
-            result = self.backend.update_weights_from_distributed(
-                names=names,
-                dtypes=dtypes,
-                shapes=shapes,
-                group_name=group_name,
-                flush_cache=False,
-                load_format=load_format,
-            )
-        finally:
-            ended = self.backend.end_weight_update()
-        check_reply(result, "update_weights_from_distributed")
-        check_reply(ended, "end_weight_update")
-        self._weights_lost = False
-        check_reply(self.backend.update_weight_version(str(int(version))), "update_weight_version")
         self.weight_version = int(version)
 
     # -- memory -------------------------------------------------------------------------------

@@ -244,15 +244,6 @@ class ServerBackend:
     def flush_cache(self):
         return self._post("/flush_cache")
 
-    def update_weights_from_disk(self, model_path, load_format=None):
-        return self._post("/update_weights_from_disk", {"model_path": model_path, "load_format": load_format})
-
-    def init_weights_update_group(self, **kwargs):
-        return self._post("/init_weights_update_group", kwargs)
-
-    def update_weights_from_distributed(self, **kwargs):
-        return self._post("/update_weights_from_distributed", kwargs)
-
     # LoRA adapters over HTTP. Contract read from the installed sglang 0.5.23 wheel:
     #  - entrypoints/http_server.py: POST /load_lora_adapter_from_tensors and /unload_lora_adapter
     #    validate the JSON body as io_struct.LoadLoRAAdapterFromTensorsReqInput /
