@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from rlite.api import hookimpl
 
 
@@ -35,7 +37,7 @@ def _eos_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: TransformersEngineConfig):
+def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: TransformersEngineConfig, context):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = dict(pad_token_id=pad, eos_token_ids=_eos_ids(tokenizer), true_on_policy=rollout_config.true_on_policy)
     if cfg.process:
@@ -60,9 +62,21 @@ class SGLangEngineConfig:
     launch: str = "engine"
     """``engine`` (in-process sglang.Engine) or ``server`` (an sglang.launch_server subprocess on 127.0.0.1)."""
     tp_size: int = 1
-    """Tensor-parallel size of the engine."""
+    """Tensor-parallel size of each engine: one engine runs on the GPUs of ``tp_size`` consecutive trainer
+    ranks of a machine (it must divide their number), started by the first of them."""
     mem_fraction_static: Optional[float] = None
-    """Fraction of GPU memory for weights and KV cache (None = SGLang's default)."""
+    """Fraction of the GPU memory free at the engine's start that SGLang takes for weights and KV cache.
+    None: computed so that the trainer's optimizer states (created at its first step), the weight sync's
+    buckets and SGLang's runtime (``runtime_reserve_gb``) fit beside it (``rlite.engines.sglang.placement``)."""
+    runtime_reserve_gb: Optional[float] = None
+    """GPU memory left to SGLang's activations and CUDA graphs when ``mem_fraction_static`` is computed
+    (None: an eighth of the GPU, at least 2 GiB)."""
+    dtype: str = "auto"
+    """SGLang's dtype (auto: the checkpoint's, float16 for a float32 one, as SGLang picks it); the trainer
+    sends its weights in it."""
+    verify_weights: bool = True
+    """After every sync, compare SGLang's checksums of the 1-D weights it holds (norms, unfused biases)
+    with the bytes the trainer sent; a difference stops the run."""
     start_timeout_s: float = 600.0
     """How long the engine may take to start before it is reported dead."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -74,17 +88,58 @@ class SGLangEngineConfig:
     def __post_init__(self) -> None:
         if self.launch not in ("engine", "server"):
             raise ValueError(f"launch must be 'engine' or 'server', got {self.launch!r}")
+        for key in ("tp_size", "mem_fraction_static", "dtype"):  # rlite needs to know these
+            if key in self.engine_kwargs:
+                raise ValueError(f"engine_kwargs.{key}: set it as rollout.engine.args.{key}")
+        for key in ("base_gpu_id", "gpu_id_step"):
+            if key in self.engine_kwargs:
+                raise ValueError(f"engine_kwargs.{key}: rlite puts each engine on its trainer ranks' GPUs itself")
 
 
-def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngineConfig):
+def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngineConfig, context):
     try:
         import sglang  # noqa: F401
     except ImportError:
         raise ImportError(
             "rollout.engine: sglang is not installed; pip install 'rlite[sglang]' (GPU machines only)"
         ) from None
-    from rlite.api import SGLangEngine
+    from rlite.api import (
+        EngineCapabilities,
+        EngineGroup,
+        SGLangEngine,
+        SGLangGroupMember,
+        engine_weight_bytes,
+        plan_engines,
+        plan_of,
+        read_model_config,
+        resolve_engine_dtype,
+        sglang_metadata_cls,
+    )
 
+    weight_dtype = resolve_engine_dtype(cfg.dtype, read_model_config(model_config.path))
+    quantization_config = None
+    if context.quantizer is not None:  # SGLang runs FP8 kernels on the quantized weights it is sent
+        quantize, quant_cfg = context.quantizer
+        quantization_config = quantize.checkpoint_quantization_config(quant_cfg)
+    measured = any(r.free_bytes is not None for r in context.engine_ranks)
+    plans = plan_engines(
+        context.engine_ranks, tp_size=cfg.tp_size, mem_fraction=cfg.mem_fraction_static,
+        runtime_reserve_bytes=None if cfg.runtime_reserve_gb is None else int(cfg.runtime_reserve_gb * 2**30),
+        sync_bucket_bytes=rollout_config.sync_bucket_mb << 20,
+        weight_bytes=engine_weight_bytes(model_config.path, weight_dtype, quantized=quantization_config is not None)
+        if measured and cfg.mem_fraction_static is None else 0,
+    )  # fmt: skip
+    plan = plan_of(plans, context.rank)
+    group = EngineGroup(plan.ranks, context.rank) if len(plan.ranks) > 1 else None
+    device = context.this.gpu_index
+    device = None if device is None else torch.device("cuda", device)
+    routed_experts = moe_routing_layout(model_config.path) if cfg.return_routed_experts else None
+    if group is not None and not group.is_leader:  # another rank runs the engine on this rank's GPU too
+        capabilities = EngineCapabilities(lora_adapters=True, routed_experts=routed_experts is not None,
+                                          weight_dtype=weight_dtype, reacquires_device_memory=True,
+                                          quantized_layout=quantization_config is not None)  # fmt: skip
+        return SGLangGroupMember(group, capabilities, bucket_bytes=rollout_config.sync_bucket_mb << 20, device=device,
+                                 metadata_cls=sglang_metadata_cls())  # fmt: skip
     engine_kwargs = dict(cfg.engine_kwargs)
     load_format = "dummy"  # weights arrive with the first sync
     if rollout_config.lora_sync == "adapter":  # the engine keeps the real base and serves adapters
@@ -101,13 +156,18 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         start_timeout_s=cfg.start_timeout_s,
         true_on_policy=rollout_config.true_on_policy,
         bucket_mb=rollout_config.sync_bucket_mb,
-        tp_size=cfg.tp_size,
+        tp_size=plan.tp_size,
+        base_gpu_id=plan.base_gpu_id,
         launch=cfg.launch,
-        mem_fraction_static=cfg.mem_fraction_static,
+        mem_fraction_static=plan.mem_fraction_static,
+        dtype=cfg.dtype,
         load_format=load_format,
         engine_kwargs=engine_kwargs,
         fixed_base=rollout_config.lora_sync == "adapter",
-        routed_experts=moe_routing_layout(model_config.path) if cfg.return_routed_experts else None,
+        routed_experts=routed_experts,
+        quantization_config=quantization_config,
+        verify_weights=cfg.verify_weights,
+        group=group,
     )
 
 

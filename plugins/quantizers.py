@@ -254,6 +254,26 @@ def quantize_for_engine(
     raise TypeError(f"no engine layout for quantizer config {type(cfg).__name__}")
 
 
+def _fp8_checkpoint_config(cfg: Fp8BlockwiseConfig) -> dict:
+    """The Hugging Face ``quantization_config`` of an FP8 checkpoint in :func:`_fp8_engine_layout`'s
+    layout (DeepSeek-V3's; SGLang's ``Fp8Config`` reads it: block quantization, activations quantized on
+    the fly per token group)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [cfg.block_size, cfg.block_size]}  # fmt: skip
+
+
+def _int8_checkpoint_config(cfg: Int8ChannelConfig) -> dict:
+    return {"quant_method": "w8a8_int8"}
+
+
+# What an engine that loads quantized weights needs (see register_rollout_quantizers in rlite.hookspecs):
+# the tensors it is sent for one weight, and the checkpoint config that declares their format.
+fp8_blockwise.engine_layout = quantize_for_engine
+fp8_blockwise.checkpoint_quantization_config = _fp8_checkpoint_config
+int8_channel.engine_layout = quantize_for_engine
+int8_channel.checkpoint_quantization_config = _int8_checkpoint_config
+
+
 @hookimpl
 def register_rollout_quantizers(register: Register) -> None:
     register("fp8_blockwise", fp8_blockwise, Fp8BlockwiseConfig)

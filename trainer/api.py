@@ -20,6 +20,7 @@ from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
 from rlite.config import ConfigError, RunConfig
 from rlite.distributed import DataLayout
 from rlite.engines.base import Completion, EngineCapabilities, EngineError, RolloutEngine, SamplingParams
+from rlite.engines.placement import EngineContext, RankDevice
 from rlite.hookspecs import Register, hookimpl
 from rlite.mismatch import (
     CorrectionOutput,
@@ -39,6 +40,7 @@ from rlite.training.backend import (
     LoraAdapter,
     ScoringModel,
     TrainingBackend,
+    optimizer_state_bytes_to_come,
 )
 from rlite.training.schedule import build_lr_scheduler
 
@@ -47,6 +49,14 @@ _LAZY = {
     "TransformersEngine": "rlite.engines.transformers.engine",
     "ProcessEngine": "rlite.engines.transformers.process",
     "SGLangEngine": "rlite.engines.sglang.engine",
+    "read_model_config": "rlite.engines.sglang.engine",
+    "SGLangGroupMember": "rlite.engines.sglang.group",
+    "EngineGroup": "rlite.engines.sglang.group",
+    "plan_engines": "rlite.engines.sglang.placement",
+    "plan_of": "rlite.engines.sglang.placement",
+    "engine_weight_bytes": "rlite.engines.sglang.placement",
+    "resolve_engine_dtype": "rlite.engines.sglang.payloads",
+    "sglang_metadata_cls": "rlite.engines.sglang.payloads",
     "load_causal_lm": "rlite.hf_models",
     "apply_lora": "rlite.hf_models",
 }
@@ -67,10 +77,12 @@ __all__ = [
     "CriticModel",
     "DataLayout",
     "EngineCapabilities",
+    "EngineContext",
     "EngineError",
     "ForwardSpec",
     "LoraAdapter",
     "Register",
+    "RankDevice",
     "RolloutBatch",
     "RolloutEngine",
     "RouterHooks",
@@ -89,6 +101,7 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "model_inputs",
+    "optimizer_state_bytes_to_come",
     "pad_to_width",
     "sequence_mean",
     "sequence_sum",

@@ -104,7 +104,13 @@ def register_rollout_quantizers(register: Register) -> None:
 
     :param register: call ``register(name, quantizer, config_cls)``. ``quantizer(name, tensor,
         cfg)`` is applied to each weight at sync time and returns the tensor the engine should
-        load (already dequantized for engines that cannot run the quantized format).
+        load (already dequantized for engines that cannot run the quantized format). For engines
+        that run quantized kernels (``EngineCapabilities.quantized_layout``, e.g. SGLang) the
+        quantizer also carries ``quantizer.engine_layout(name, tensor, cfg) -> [(name, tensor),
+        ...]`` (the quantized weight and its scales, named as in a quantized checkpoint) and
+        ``quantizer.checkpoint_quantization_config(cfg) -> dict`` (that checkpoint's Hugging Face
+        ``quantization_config``, which the engine is started with). The tensors arrive in the
+        engine's ``weight_dtype``.
     """
 
 
@@ -136,11 +142,14 @@ def register_rollout_engines(register: Register) -> None:
     """Register rollout engines, selected by ``rollout.engine.name``.
 
     :param register: call ``register(name, factory, config_cls)``. ``factory(model_config,
-        tokenizer, rollout_config, cfg)`` receives the ``model`` and ``rollout`` config sections, the
-        tokenizer and the engine's own config instance, and returns a :class:`rlite.api.RolloutEngine`
-        (its weights are overwritten by the first sync) whose ``capabilities``
-        (:class:`rlite.api.EngineCapabilities`) say whether it shares the trainer's weights and
-        serves LoRA adapters.
+        tokenizer, rollout_config, cfg, context)`` receives the ``model`` and ``rollout`` config
+        sections, the tokenizer, the engine's own config instance and an
+        :class:`rlite.api.EngineContext` (every rank's host, GPU, free device memory and what its
+        trainer will still allocate, and the rollout quantizer), and returns a
+        :class:`rlite.api.RolloutEngine` (its weights are overwritten by the first sync) whose
+        ``capabilities`` (:class:`rlite.api.EngineCapabilities`) say whether it shares the trainer's
+        weights, serves LoRA adapters, wants its weights in another dtype or pre-quantized. It is
+        called on every rank that builds an engine (``context.engine_ranks``), at the same time.
     """
 
 

@@ -205,3 +205,31 @@ def run_in_subprocess_env(**extra: str) -> dict[str, str]:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, run_dir: str, out_dir: str,
+                    overrides: list[str]) -> None:  # fmt: skip
+    """A real run at ``world_size`` (gloo) with ``rollout.engine=sglang`` against the fake SGLang
+    (:mod:`rlite.engines.sglang.fake`); each rank writes what its fake engines saw (ServerArgs, calls,
+    the weights each TP rank holds) to ``out_dir/rank<r>.pt``, rank 0 the exported model too."""
+    import sys
+
+    import torch.distributed as dist
+
+    from rlite.engines.sglang.fake import FakeSGLangEngine, fake_sglang_modules
+    from rlite.loop import run_training
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    sys.modules.update(fake_sglang_modules())
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        run_training(tiny_config(model_dir, run_dir, "rollout.engine=sglang", *overrides))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    engines = [
+        {"server_args": e.server_args, "calls": e.calls, "rank_weights": e.rank_weights}
+        for e in FakeSGLangEngine.instances
+    ]
+    torch.save({"engines": engines}, Path(out_dir) / f"rank{rank}.pt")

@@ -43,6 +43,7 @@ from rlite.api import (
     build_lr_scheduler,
     load_causal_lm,
     model_inputs,
+    optimizer_state_bytes_to_come,
     pad_to_width,
 )
 from rlite.plugins.megatron.convert import (
@@ -487,6 +488,9 @@ class MegatronBackend:
 
     def build_critic(self, cfg):
         raise ConfigError("algorithm.critic.enabled: the megatron backend has no critic yet; use parallelism.backend=fsdp2")
+
+    def device_bytes_to_come(self) -> int:
+        return optimizer_state_bytes_to_come(self.optimizer, self.device)
 
     def close(self) -> None:
         from megatron.core import parallel_state

@@ -94,7 +94,7 @@ class CudaTransformersEngine:
 
     @hookimpl
     def register_rollout_engines(self, register):
-        def make(model_config, tokenizer, rollout_config, cfg):
+        def make(model_config, tokenizer, rollout_config, cfg, context):
             from rlite.api import TransformersEngine, load_causal_lm
 
             model = load_causal_lm(model_config).to(torch.device("cuda", torch.cuda.current_device()))

@@ -64,7 +64,7 @@ def trace(calls: list[tuple]) -> list[str]:
             item = f"version {call[1]}"
         elif name == "generate":
             item = f"generate {call[1]}"  # requests: prompts x samples
-        elif name in ("flush_cache", "unload_lora_adapter"):
+        elif name in ("flush_cache", "unload_lora_adapter", "check_weights"):
             continue
         else:
             item = name
@@ -135,3 +135,27 @@ def test_adapter_sync_keeps_the_base_weights_through_release_and_generates(
     ]  # fmt: skip
     assert engine.weights_valid and list(engine.adapters) == ["rlite_v2"]
     assert all(".lora_A." in name or ".lora_B." in name for name in engine.adapters["rlite_v2"])
+
+
+def test_the_trainer_hands_its_cached_blocks_back_before_the_engine_takes_its_memory(
+    tmp_path, model_dir, fake_sglang, monkeypatch
+):
+    """SGLang re-acquires its memory from the driver in other processes: blocks the trainer freed but
+    torch's allocator still caches would count as taken (an out-of-memory on a GPU that is all but free)."""
+    import torch
+
+    def empty_cache():
+        for engine in fake_sglang.instances:
+            engine.calls.append(("empty_cache",))
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # as on a GPU, where the trainer runs CUDA
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    run_training(tiny_config(model_dir, tmp_path / "run", "rollout.engine=sglang", "training.steps=1", "data.num_eval=0"))
+    (engine,) = fake_sglang.instances
+    step = trace(engine.calls)[trace(engine.calls).index("optimizer_step") :]
+    assert step[:6] == [
+        "optimizer_step", "empty_cache",  # the activations' blocks, before the weights come back
+        f"resume {['weights']}", "sync weights", "version 1",
+        "empty_cache",  # the sync's buckets, before the KV cache comes back
+    ]  # fmt: skip
+    assert step[6] == f"resume {REST}"

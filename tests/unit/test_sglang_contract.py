@@ -198,7 +198,8 @@ def test_colocated_cycle_follows_sglang_rules(reader):
             ("begin_weight_update",),
         ]
         + [("update_weights_from_tensor", FLATTENED_BUCKET, False)] * n_buckets
-        + [("end_weight_update",), ("update_weight_version", "2"), ("resume_memory_occupation", REST_TAGS)]
+        + [("end_weight_update",), ("update_weight_version", "2"), ("check_weights", "checksum")]
+        + [("resume_memory_occupation", REST_TAGS)]
         + [("flush_cache",)]
     )
     assert fake.calls[-len(cycle) :] == cycle
@@ -411,7 +412,8 @@ def test_server_mode_reports_a_server_that_dies_or_never_gets_healthy(fake_serve
 
 
 def _engine_on(backend) -> SGLangEngine:
-    engine = SGLangEngine("unused", eos_token_ids=[1], backend=backend)
+    # the stand-in servers keep no weights to check (the weight check over HTTP has its own test)
+    engine = SGLangEngine("unused", eos_token_ids=[1], backend=backend, verify_weights=False)
     engine.bucket_bytes = 2048
     return engine
 

@@ -72,6 +72,18 @@ class EngineCapabilities:
     routed_experts: bool = False
     """Reports the experts of every MoE layer for every token when asked
     (``SamplingParams.return_routed_experts``): routing replay and its metrics need it."""
+    weight_dtype: torch.dtype | None = None
+    """The dtype the engine holds its floating-point weights in. The sync casts the trainer's weights
+    (fp32 master weights, say) to it before quantizing and sending them, so the bytes that travel are
+    the engine's own. None: weights are sent in the trainer's dtype."""
+    reacquires_device_memory: bool = False
+    """The engine releases its device memory while the trainer runs and takes it back at the sync from
+    other processes (SGLang's schedulers): the trainer first hands the blocks torch caches back to the
+    driver, or the engine's resume could run out of memory on a GPU that is all but free."""
+    quantized_layout: bool = False
+    """With ``rollout.quantization``: the engine loads the quantizer's pre-quantized layout (for FP8:
+    the e4m3 weight and its ``weight_scale_inv``) and runs quantized kernels on it. Otherwise it is sent
+    the dequantized weights, which reproduce the quantization's rounding in any engine."""
 
 
 @runtime_checkable

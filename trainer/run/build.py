@@ -17,6 +17,7 @@ from rlite.config import ConfigError, RunConfig, config_to_yaml
 from rlite.data import PromptSampler, PromptSet, load_prompt_splits
 from rlite.distributed import DataLayout, DistContext, init_distributed
 from rlite.engines.base import IdleEngine, RolloutEngine
+from rlite.engines.placement import describe_rank, gather_engine_context
 from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
@@ -144,11 +145,17 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
     if ctx.is_main:
         trim_metrics_file(run_dir / "metrics.jsonl", start_step if start_step else None)
         loggers = build_loggers(cfg, run_dir, pm)
-    # the engine last: a failure above leaves no engine process behind
+    # the engine last: a failure above leaves no engine process behind; every rank tells the engine
+    # factories where it runs and what its trainer will still allocate (a collective)
+    context = gather_engine_context(
+        describe_rank(ctx.rank, ctx.local_rank, ctx.device, bytes_to_come=backend.device_bytes_to_come(),
+                      builds_engine=layout.leader),
+        quantizer,
+    )  # fmt: skip
     engine: RolloutEngine = IdleEngine()  # ranks that receive their replica leader's batches
     if layout.leader:
         make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
-        engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg)
+        engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
     timer = StepTimer()
     run = Run(
         config=cfg,
@@ -174,7 +181,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         start_step=start_step,
     )
     try:
-        check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name)
+        check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer)
         run.routing = routing_setup(cfg, backend, engine, layout)
         run.forward.routing = replay_plan(run.routing)
         run.rollouts.record_routing = run.routing is not None

@@ -165,7 +165,8 @@ class Rollouts:
             params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, layout.rank, 7), n=1, greedy=greedy)
 
             def score_items(params=params) -> list[float]:
-                completions = self.engine.generate([p.prompt_ids for p in items], params) if items else []
+                # called with no items too: an engine serving several ranks samples them all in one call
+                completions = self.engine.generate([p.prompt_ids for p in items], params)
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
                 return self.rewards.score(texts, [p.row for p in items])[0] if items else []
 

@@ -8,21 +8,40 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from rlite.config import ConfigError
 from rlite.engines.base import RolloutEngine
-from rlite.training.backend import TrainingBackend
+from rlite.training.backend import NamedTensors, TrainingBackend
 
 Quantizer = tuple[Callable, object]
 """A rollout quantizer plugin and its config: ``quantize(name, tensor, cfg)``."""
 
 
+FLOATING = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes of trainer weights that are cast to the engine's ``weight_dtype`` (never FP8 or integers)."""
+
+
+def in_dtype(named: NamedTensors, dtype: torch.dtype) -> NamedTensors:
+    """The stream with every fp32/fp16/bf16 tensor cast to ``dtype`` (other tensors unchanged)."""
+    for name, tensor in named:
+        yield name, tensor.to(dtype) if tensor.dtype in FLOATING and tensor.dtype != dtype else tensor
+
+
 def send_full_weights(engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int) -> None:
+    capabilities = engine.capabilities
     # an in-process engine that shares the trainer's weights gets the parameters' own storage
-    views = engine.capabilities.shares_weights and backend.capabilities.weight_views and quantizer is None
+    views = capabilities.shares_weights and backend.capabilities.weight_views and quantizer is None
     named = backend.full_weights(views=views)
+    if capabilities.weight_dtype is not None:  # the engine's dtype travels, not the fp32 master weights
+        named = in_dtype(named, capabilities.weight_dtype)
     if quantizer is not None:  # the engine samples with quantized weights; the trainer keeps full precision
         quantize, quant_cfg = quantizer
-        named = ((name, quantize(name, tensor, quant_cfg)) for name, tensor in named)
+        if capabilities.quantized_layout:  # the quantized weights themselves, with their scales
+            layout = quantize.engine_layout
+            named = (pair for name, tensor in named for pair in layout(name, tensor, quant_cfg))
+        else:  # weights that carry the quantization's rounding, for an engine without its kernels
+            named = ((name, quantize(name, tensor, quant_cfg)) for name, tensor in named)
     engine.update_weights(named, version)
 
 
@@ -38,8 +57,22 @@ LORA_SYNC: dict[str, Callable[[RolloutEngine, TrainingBackend, Quantizer | None,
 """``rollout.lora_sync`` -> how the weights reach the engine (full-weight runs use ``merged``)."""
 
 
-def check_sync_mode(lora_sync: str, engine: RolloutEngine, backend: TrainingBackend, engine_name: str) -> None:
-    """Refuse a LoRA sync mode that the engine or the backend cannot serve (before the first sync)."""
+def check_sync_mode(
+    lora_sync: str, engine: RolloutEngine, backend: TrainingBackend, engine_name: str, quantizer: Quantizer | None = None
+) -> None:
+    """Refuse a LoRA sync mode or a quantizer that the engine or the backend cannot serve (before the
+    first sync)."""
+    if quantizer is not None and engine.capabilities.quantized_layout:
+        if getattr(quantizer[0], "engine_layout", None) is None:
+            raise ConfigError(
+                f"rollout.quantization: the {engine_name!r} engine loads pre-quantized weights, and this "
+                "quantizer has no engine layout (quantizer.engine_layout); use one that has (fp8_blockwise)"
+            )
+        if lora_sync == "adapter":
+            raise ConfigError(
+                f"rollout.lora_sync=adapter: the {engine_name!r} engine runs rollout.quantization on weights it "
+                "is sent, and an adapter sync sends none; use rollout.lora_sync=merged"
+            )
     if lora_sync != "adapter":
         return
     if not engine.capabilities.lora_adapters:
@@ -49,6 +82,17 @@ def check_sync_mode(lora_sync: str, engine: RolloutEngine, backend: TrainingBack
         )
     if not backend.capabilities.lora:
         raise ConfigError("rollout.lora_sync=adapter: the training backend trains no LoRA adapter")
+
+
+def return_cached_device_memory() -> None:
+    """Give the blocks torch's CUDA caching allocator keeps for reuse back to the driver.
+
+    A colocated engine in another process (SGLang's schedulers) re-acquires its memory from the driver;
+    blocks the trainer freed but torch still caches count as taken, and the engine's resume would run
+    out of memory on a GPU whose memory is all but free.
+    """
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def sync_weights_to_engine(
@@ -62,7 +106,12 @@ def sync_weights_to_engine(
     after it): :meth:`RolloutEngine.update_weights` does that, :meth:`RolloutEngine.resume_memory`
     the rest, so the engine is whole again for the rollout (or evaluation) that follows.
     """
+    elsewhere = engine.capabilities.reacquires_device_memory
+    if elsewhere:  # the training step's activations: the engine's weights go there
+        return_cached_device_memory()
     LORA_SYNC[lora_sync](engine, backend, quantizer, version)
+    if elsewhere:  # the sync's buckets and gathered tensors: the KV cache goes there
+        return_cached_device_memory()
     engine.resume_memory()
     if engine.weight_version != version:
         raise RuntimeError(f"weight sync: engine reports version {engine.weight_version}, expected {version}")

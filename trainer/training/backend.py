@@ -198,5 +198,26 @@ class TrainingBackend(Protocol):
     def build_critic(self, cfg: CriticConfig) -> CriticModel:
         """PPO's value model (only when ``capabilities.critic``)."""
 
+    def device_bytes_to_come(self) -> int:
+        """Device memory the backend (policy, and the reference and critic it built) has not allocated
+        yet but will, and keeps from step to step: optimizer states that appear at the first step. A
+        colocated engine that sizes itself from the memory free when it starts leaves room for it
+        (:func:`optimizer_state_bytes_to_come` counts it for a torch optimizer)."""
+
     def close(self) -> None:
         """Release what the backend holds outside Python's reach (files, pinned memory)."""
+
+
+def optimizer_state_bytes_to_come(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """The bytes an Adam-family optimizer without state yet will allocate on ``device`` at its first
+    step: two moments shaped like each trainable parameter that lives there (a DTensor's local shard).
+    0 once it has state, or for parameters elsewhere (CPU-offloaded)."""
+    if optimizer.state:
+        return 0
+    total = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if param.requires_grad and local.device == device:
+                total += 2 * local.numel() * local.element_size()
+    return total

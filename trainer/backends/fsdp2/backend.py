@@ -9,7 +9,7 @@ gradients are then added into ``.grad`` in place (:mod:`rlite.backends.fsdp2.gra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,12 @@ from rlite.config import CriticConfig, ModelConfig, ParallelismConfig, TrainingC
 from rlite.distributed import DataLayout
 from rlite.hf_models import DTYPES, apply_lora, load_causal_lm
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
-from rlite.training.backend import BackendCapabilities, ForwardSpec, LoraAdapter
+from rlite.training.backend import (
+    BackendCapabilities,
+    ForwardSpec,
+    LoraAdapter,
+    optimizer_state_bytes_to_come,
+)
 from rlite.training.logprobs import PolicyModel, causal_lm_of
 from rlite.training.schedule import build_lr_scheduler
 
@@ -130,6 +135,8 @@ class FSDP2Backend:
     model_cfg: ModelConfig
     par_cfg: ParallelismConfig
     device: torch.device
+    critics: list = field(default_factory=list)
+    """The critics this backend built (their optimizers count in :meth:`device_bytes_to_come`)."""
 
     @property
     def capabilities(self) -> BackendCapabilities:
@@ -243,7 +250,14 @@ class FSDP2Backend:
     def build_critic(self, cfg: CriticConfig):
         from rlite.backends.fsdp2.critic import Critic
 
-        return Critic.build(self.model_cfg, self.par_cfg, cfg, self.device)
+        critic = Critic.build(self.model_cfg, self.par_cfg, cfg, self.device)
+        self.critics.append(critic)
+        return critic
+
+    def device_bytes_to_come(self) -> int:
+        optimizers = [self.optimizer] + [critic.optimizer for critic in self.critics]
+        # a torch AdamW creates its moments at the first step (disk-offloaded AdamW keeps them in files)
+        return sum(optimizer_state_bytes_to_come(o, self.device) for o in optimizers if isinstance(o, torch.optim.AdamW))
 
     def close(self) -> None:
         close = getattr(self.optimizer, "close", None)  # DiskOffloadAdamW: deletes the moment files

@@ -45,19 +45,24 @@ through ``load_lora_adapter_from_tensors`` under a versioned name, and every req
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlite.config import ConfigError
 from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.engines.sglang.group import EngineGroup, generate_for_group
 from rlite.engines.sglang.launch import InProcessBackend, ServerBackend
 from rlite.engines.sglang.payloads import (
     REST_TAGS,
     WEIGHT_TAGS,
     check_reply,
     completion_from_output,
+    dtype_name,
+    resolve_engine_dtype,
     sampling_params_for,
     sglang_metadata_cls,
     sync_weights,
@@ -89,6 +94,10 @@ class SGLangEngine:
         engine_kwargs: dict[str, Any] | None = None,
         fixed_base: bool = False,
         routed_experts: tuple[int, int] | None = None,
+        base_gpu_id: int | None = None,
+        quantization_config: dict[str, Any] | None = None,
+        verify_weights: bool = True,
+        group: EngineGroup | None = None,
         backend: Any = None,
     ) -> None:
         """Start SGLang on ``model_path`` (``launch="engine"`` or ``"server"``) with random weights.
@@ -100,16 +109,36 @@ class SGLangEngine:
         LoRA adapters (:meth:`update_lora_adapter`), so :meth:`release_memory` must not lose them.
         ``routed_experts = (num_hidden_layers, top_k)`` of an MoE model starts SGLang with
         ``enable_return_routed_experts`` so that a rollout can report every token's experts.
-        ``backend`` replaces SGLang altogether (tests).
+        ``dtype`` is resolved as SGLang resolves it (``"auto"``: the checkpoint's) and passed explicitly;
+        weights are sent in it. ``base_gpu_id``: the GPU of TP rank 0 (:mod:`rlite.engines.sglang.placement`).
+        ``quantization_config``: the Hugging Face ``quantization_config`` of the pre-quantized weights the
+        engine is sent (rollout quantization); the engine starts with it as a model override and runs
+        quantized kernels. ``verify_weights``: after every sync, compare SGLang's checksums of the tensors
+        it holds unchanged with the sent bytes. ``group``: the trainer ranks on the engine's GPUs (this
+        rank leads; the others' prompts and payloads come through it). ``backend`` replaces SGLang
+        altogether (tests).
         """
         self.routing_layout = routed_experts
-        self.capabilities = EngineCapabilities(lora_adapters=True, routed_experts=routed_experts is not None)
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.pad_token_id = pad_token_id
         self.timeout_s = float(timeout_s)
         self.bucket_bytes = int(bucket_mb) << 20
         self.tp_size = int(tp_size)
         self.true_on_policy = true_on_policy
+        self.group = group
+        self.verify_weights = verify_weights
+        self.weight_dtype = (
+            backend.dtype if hasattr(backend, "dtype") else resolve_engine_dtype(dtype, read_model_config(model_path))
+        )
+        """SGLang's dtype for this model (a stand-in backend may state its own); what the sync sends."""
+        if quantization_config is not None:
+            check_reloadable_quantization(quantization_config)
+        self.capabilities = EngineCapabilities(
+            lora_adapters=True, routed_experts=routed_experts is not None, weight_dtype=self.weight_dtype,
+            quantized_layout=quantization_config is not None, reacquires_device_memory=True,
+        )  # fmt: skip
+        """Serves LoRA adapters over its base (``update_lora_adapter``), reports routed experts when
+        started with ``routed_experts``, wants its weights in its dtype (or FP8 with scales)."""
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         """Where buckets are packed: CPU-offloaded trainer weights go to the GPU before the handoff."""
         self.weight_version = 0
@@ -127,15 +156,24 @@ class SGLangEngine:
                 enable_memory_saver=True,
                 load_format=load_format,
                 tp_size=self.tp_size,
-                dtype=dtype,
+                dtype=dtype_name(self.weight_dtype),
             )
+            if base_gpu_id is not None:
+                kwargs.update(base_gpu_id=int(base_gpu_id), gpu_id_step=1)
             if mem_fraction_static is not None:
                 kwargs["mem_fraction_static"] = mem_fraction_static
+            if quantization_config is not None:
+                kwargs["json_model_override_args"] = with_quantization_config(
+                    (engine_kwargs or {}).get("json_model_override_args"), quantization_config
+                )
             if true_on_policy:
                 kwargs.update(enable_deterministic_inference=True, rl_on_policy_target="fsdp")
             if routed_experts is not None:
                 kwargs["enable_return_routed_experts"] = True
-            kwargs.update(engine_kwargs or {})
+            user_kwargs = dict(engine_kwargs or {})
+            if "json_model_override_args" in kwargs:  # the user's overrides are merged into it above
+                user_kwargs.pop("json_model_override_args", None)
+            kwargs.update(user_kwargs)
             start = start_timeout_s if start_timeout_s is not None else self.timeout_s
             if launch == "engine":
                 backend = InProcessBackend(kwargs, start_timeout_s=start, timeout_s=self.timeout_s)
@@ -147,6 +185,11 @@ class SGLangEngine:
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self.group is not None:  # every rank of the group calls this; one SGLang batch serves them all
+            return generate_for_group(self._generate, self.group, prompts, params)
+        return self._generate(prompts, params)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if not prompts:
             return []
         if self._released:
@@ -193,10 +236,6 @@ class SGLangEngine:
         return completions
 
     # -- weights ------------------------------------------------------------------------------
-    capabilities = EngineCapabilities(lora_adapters=True)
-    """This engine can serve a LoRA adapter on top of its base weights (``update_lora_adapter``), and
-    reports routed experts when started with ``routed_experts`` (set per instance)."""
-
     def update_lora_adapter(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any], version: int
     ) -> None:
@@ -238,6 +277,9 @@ class SGLangEngine:
             metadata_cls=getattr(self.backend, "metadata_cls", None) or sglang_metadata_cls(),
             output_str=self.backend.output_str,
             device=self.device,
+            group=self.group,
+            tensor_hash=self.backend.tensor_hash if self.verify_weights else None,
+            weight_dtype=self.weight_dtype,
         )
         self._weights_lost = False
         self.weight_version = int(version)
@@ -271,3 +313,40 @@ class SGLangEngine:
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.shutdown()
+
+
+RELOADABLE_QUANTIZATION = {"fp8"}
+"""``quant_method``s whose SGLang 0.5.23 linear method keeps its weight parameters when it processes them
+after loading, so an in-place weight update can load the next quantized weights: FP8 with block scales
+(``layers/quantization/fp8.py``: ``process_weights_after_loading_block_quant`` updates ``.data``).
+W8A8-INT8 replaces its weight with a transposed copy and has no ``restore_weights_before_loading``."""
+
+
+def check_reloadable_quantization(quantization_config: dict[str, Any]) -> None:
+    method = quantization_config.get("quant_method")
+    if method not in RELOADABLE_QUANTIZATION:
+        raise ConfigError(
+            f"rollout.quantization: SGLang cannot load {method!r} weights into a running engine (its linear "
+            f"layers do not keep their parameters after processing them); use fp8_blockwise"
+        )
+    if method == "fp8" and not quantization_config.get("weight_block_size"):
+        raise ConfigError("rollout.quantization: SGLang reloads FP8 weights only with block scales (weight_block_size)")
+
+
+def with_quantization_config(overrides: str | dict | None, quantization_config: dict[str, Any]) -> str:
+    """SGLang's ``json_model_override_args`` with ``quantization_config`` set (a user's other overrides
+    kept): the engine then builds FP8 linear layers from a checkpoint config that declares none."""
+    merged = json.loads(overrides) if isinstance(overrides, str) else dict(overrides or {})
+    if "quantization_config" in merged and merged["quantization_config"] != quantization_config:
+        raise ConfigError(
+            "rollout.engine.args.engine_kwargs.json_model_override_args: sets a quantization_config that "
+            "differs from rollout.quantization's"
+        )
+    merged["quantization_config"] = quantization_config
+    return json.dumps(merged)
+
+
+def read_model_config(model_path: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` (empty if there is none, e.g. a test's stand-in path)."""
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import json
 import pickle
 import types
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlite.engines.sglang.payloads import FLATTENED_BUCKET, FlattenedTensorMetadataFields
+from rlite.engines.sglang.payloads import CUDA_DEVICE_ARG, FLATTENED_BUCKET, FlattenedTensorMetadataFields
 
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
 """SGLang's ``GPU_MEMORY_ALL_TYPES`` (``srt/constants.py``)."""
@@ -66,6 +68,9 @@ class FakeSGLang:
         cpu_backup: bool = False,
         memory_saver: bool = True,
         lora: bool = False,
+        dtype: torch.dtype | None = None,
+        quantization_config: dict | None = None,
+        visible_gpus: tuple[str, ...] = (),
     ) -> None:
         self.deserialize, self.reconstruct, self.metadata_cls = reader
         self.tp_size = tp_size
@@ -73,10 +78,23 @@ class FakeSGLang:
         self.cpu_backup = cpu_backup
         self.memory_saver = memory_saver
         self.lora = lora
+        self.dtype = dtype
+        """The engine's dtype: a floating tensor of another dtype is cast on loading, as SGLang's
+        ``param.data.copy_`` does (silently: the bytes that travelled are recorded in ``received``).
+        None: kept as it arrives."""
+        self.quantization_config = quantization_config
+        self.visible_gpus = visible_gpus
+        """UUIDs of the GPUs SGLang's schedulers see, by index (a CUDA handle is opened among them)."""
         self.calls: list[tuple] = []
         self.released: set[str] = set()
         self.session = False
         self.weights: dict[str, torch.Tensor] = {}
+        """What TP rank 0 holds, by Hugging Face name (quantized weights as sent: e4m3 and scales)."""
+        self.rank_weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
+        self.received: dict[str, torch.dtype] = {}
+        """The dtype each tensor arrived in (last sync)."""
+        self.corrupt: set[str] = set()
+        """Test hook: tensors whose stored bytes are flipped after loading (a stale or raced buffer)."""
         self.weights_valid = True
         self.buckets = 0
         self.version = "default"
@@ -127,16 +145,81 @@ class FakeSGLang:
         self.buckets += 1
         if self.fail_on_bucket == self.buckets - 1:
             return (False, "injected failure")
-        for name, tensor in per_rank[0]:
-            self.weights[name] = tensor.clone()
+        for rank, tensors in enumerate(per_rank):
+            for name, tensor in tensors:
+                self._check_quantized(name, tensor)
+                if rank == 0:
+                    self.received[name] = tensor.dtype
+                kept = tensor.clone()
+                floating = kept.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                if self.dtype is not None and floating and not name.endswith("_scale_inv"):
+                    kept = kept.to(self.dtype)  # SGLang's param.data.copy_ casts to the parameter's dtype
+                if name in self.corrupt:
+                    kept.view(torch.uint8).view(-1)[0] ^= 1
+                self.rank_weights[rank][name] = kept
+        self.weights = self.rank_weights[0]
         return (True, "Success")
+
+    def _quantized(self, name: str) -> bool:
+        """A weight of a linear layer of a decoder block: an FP8 parameter when the engine runs FP8
+        (``Fp8Config.get_quant_method`` gives ``Fp8LinearMethod`` to ``LinearBase`` layers only)."""
+        return self.quantization_config is not None and ".layers." in name and name.endswith("_proj.weight")
+
+    def _check_quantized(self, name: str, tensor: torch.Tensor) -> None:
+        if self._quantized(name):
+            self._rule(
+                tensor.dtype == torch.float8_e4m3fn,
+                f"{name} arrived as {tensor.dtype} for an FP8 parameter: SGLang's weight loader copies it into "
+                "the e4m3 weight and leaves weight_scale_inv as it was (wrong weights, no error)",
+            )
+        if name.endswith("_scale_inv"):
+            self._rule(self._quantized(name.removesuffix("_scale_inv")), f"{name}: a scale without an FP8 weight")
+            self._rule(tensor.dtype == torch.float32, f"{name} arrived as {tensor.dtype}, SGLang's scales are fp32")
 
     def end_weight_update(self):
         self.calls.append(("end_weight_update",))
         self._rule(self.session, "end_weight_update without begin")
+        if self.quantization_config is not None:  # process_weights_after_loading needs weight and scale
+            for name in [n for n in self.weights if self._quantized(n)]:
+                self._rule(f"{name}_scale_inv" in self.weights, f"{name} has no weight_scale_inv")
         self.session = False
         self.weights_valid = True
         return (True, "Success")
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The weights TP rank 0 computes with: FP8 weights dequantized with their block scales."""
+        out = {}
+        for name, tensor in self.weights.items():
+            if name.endswith("_scale_inv"):
+                continue
+            if self._quantized(name):
+                block = self.quantization_config["weight_block_size"][0]
+                scale = self.weights[f"{name}_scale_inv"]
+                full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: tensor.shape[0], : tensor.shape[1]]
+                tensor = tensor.float() * full
+            out[name] = tensor
+        return out
+
+    # -- the weight checker (utils/weight_checker.py) ---------------------------------------------
+    @staticmethod
+    def tensor_hash(tensor: torch.Tensor) -> int:
+        """SGLang's ``tensor_hash`` on a CPU tensor: the first 8 bytes of the SHA-256 of its bytes."""
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return int.from_bytes(hashlib.sha256(memoryview(data)).digest()[:8], "big")
+
+    def check_weights(self, action="checksum"):
+        """``check_weights(action="checksum")``: one ChecksumInfo per TP rank, keyed by SGLang's own
+        parameter names (q/k/v and gate/up fused as SGLang's Llama/Qwen2 models hold them)."""
+        self.calls.append(("check_weights", action))
+        self._rule(action == "checksum", f"action {action!r}")
+        self._rule(not self.session, "check_weights inside a session")
+        self._rule("weights" not in self.released, "check_weights with released weights")
+        ranks = []
+        for rank, weights in enumerate(self.rank_weights):
+            params = sglang_parameters(weights)
+            checksums = {name: f"{self.tensor_hash(t):016x}" for name, t in params.items()}
+            ranks.append({"checksums": checksums, "per_gpu_checksum": "", "parallelism_info": [{"tp_rank": rank}]})
+        return (True, "Success.", ranks, "")
 
     def update_weight_version(self, version):
         self.calls.append(("update_weight_version", version))
@@ -194,6 +277,62 @@ class FakeSGLang:
         self.calls.append(("shutdown",))
 
 
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}  # fmt: skip
+"""SGLang's ``stacked_params_mapping`` of Llama/Qwen2: Hugging Face projections it holds fused."""
+
+
+def sglang_parameters(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors as SGLang's Llama/Qwen2 parameters: q/k/v and gate/up concatenated
+    under their fused names, everything else under its own."""
+    params: dict[str, torch.Tensor] = {}
+    fused: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in sorted(weights.items()):
+        parts = name.split(".")
+        hits = [i for i, part in enumerate(parts) if part in FUSED]
+        if hits:
+            parts[hits[0]] = FUSED[parts[hits[0]]]
+            fused.setdefault(".".join(parts), []).append(tensor)
+        else:
+            params[name] = tensor
+    params.update({name: torch.cat([t.reshape(-1) for t in parts]) for name, parts in fused.items()})
+    return params
+
+
+def receiving_rebuild(visible_gpus: tuple[str, ...]):
+    """``rebuild_cuda_tensor`` as SGLang's receivers run it after ``monkey_patch_torch_reductions()``
+    (``utils/patch_torch.py: _rebuild_cuda_tensor_modified``) in a process that sees ``visible_gpus``:
+    a UUID is mapped to that process's index of the GPU; an int passes through unchanged, which names
+    whatever GPU has that index there. Returns ``(device index, handle args)`` instead of a tensor (a
+    CPU test has no CUDA): what the receiving process would open."""
+
+    def rebuild(*args):
+        device = args[CUDA_DEVICE_ARG]
+        if isinstance(device, str):
+            if device not in visible_gpus:
+                raise RuleBroken(f"SGLang: Invalid device_uuid={device} (its process sees {list(visible_gpus)})")
+            device = visible_gpus.index(device)
+        return ("cuda", device, args)
+
+    return rebuild
+
+
+def open_cuda_payload(payload: bytes, visible_gpus: tuple[str, ...]):
+    """Unpickle a payload as an SGLang receiver that sees ``visible_gpus`` would: CUDA handles come back
+    as ``("cuda", device index there, args)``."""
+    import io
+
+    rebuild = receiving_rebuild(visible_gpus)
+
+    class Receiver(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+                return rebuild
+            return super().find_class(module, name)
+
+    return Receiver(io.BytesIO(payload)).load()
+
+
 # --------------------------------------------------------------------------------------------------
 # an importable `sglang` whose Engine is the fake
 # --------------------------------------------------------------------------------------------------
@@ -206,21 +345,29 @@ class FakeSGLangEngine(FakeSGLang):
     """Every engine built since :func:`fake_sglang_modules` (in order)."""
 
     def __init__(self, **server_args: Any) -> None:
+        overrides = json.loads(server_args.get("json_model_override_args") or "{}")
         super().__init__(
             tp_size=int(server_args.get("tp_size", 1)),
             cpu_backup=bool(server_args.get("enable_weights_cpu_backup", False)),
             memory_saver=bool(server_args.get("enable_memory_saver", False)),
             lora=bool(server_args.get("enable_lora", False)),
+            dtype=getattr(torch, server_args.get("dtype", "bfloat16")),
+            quantization_config=overrides.get("quantization_config"),
         )
         self.server_args = server_args
         if server_args.get("enable_return_routed_experts"):  # (layers, top_k, experts) of the fake's MoE
             self.routed_experts = (2, 2, 4)
         self.loop = asyncio.new_event_loop()
-        self.tokenizer_manager = types.SimpleNamespace(update_weight_version=self._update_weight_version_async)
+        self.tokenizer_manager = types.SimpleNamespace(
+            update_weight_version=self._update_weight_version_async, check_weights=self._check_weights_async
+        )
         FakeSGLangEngine.instances.append(self)
 
     async def _update_weight_version_async(self, request) -> None:
         self.update_weight_version(request.new_version)
+
+    async def _check_weights_async(self, request, http_request=None):
+        return self.check_weights(request.action)
 
     def get_all_child_pids(self) -> list[int]:
         return []
@@ -236,13 +383,21 @@ class _UpdateWeightVersionReqInput:
     abort_all_requests: bool = True
 
 
+@dataclass
+class _CheckWeightsReqInput:
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list | None = None
+    selector: str = "all"
+
+
 def fake_sglang_modules() -> dict[str, types.ModuleType]:
-    """``{module name: module}`` for ``sys.modules``: ``sglang`` (``Engine``), the request class and the
-    metadata class rlite imports from it. Clears :attr:`FakeSGLangEngine.instances`."""
+    """``{module name: module}`` for ``sys.modules``: ``sglang`` (``Engine``), the request classes, the
+    metadata class and ``tensor_hash`` rlite imports from it. Clears :attr:`FakeSGLangEngine.instances`."""
     FakeSGLangEngine.instances = []
     modules = {name: types.ModuleType(name) for name in (
         "sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.managers.io_struct",
-        "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket",
+        "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.managers.mm_utils",
     )}  # fmt: skip
     for name, module in modules.items():
         module.__path__ = []  # a package, so its submodules import
@@ -252,5 +407,7 @@ def fake_sglang_modules() -> dict[str, types.ModuleType]:
     modules["sglang"].Engine = FakeSGLangEngine
     modules["sglang"].__version__ = "0.5.23"
     modules["sglang.srt.managers.io_struct"].UpdateWeightVersionReqInput = _UpdateWeightVersionReqInput
+    modules["sglang.srt.managers.io_struct"].CheckWeightsReqInput = _CheckWeightsReqInput
+    modules["sglang.srt.managers.mm_utils"].tensor_hash = FakeSGLang.tensor_hash
     modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata = FlattenedTensorMetadataFields
     return modules

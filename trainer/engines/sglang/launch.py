@@ -76,6 +76,22 @@ class InProcessBackend:
             what="update_weight_version",
         )
 
+    def check_weights(self, action: str = "checksum"):
+        """SGLang's weight checker (not an ``Engine`` method in 0.5.23: its tokenizer manager's); answers
+        ``(success, message, ranks, per_engine_checksum)``."""
+        from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+        engine = self.engine
+        request = CheckWeightsReqInput(action=action)
+        return self._run(
+            lambda: engine.loop.run_until_complete(engine.tokenizer_manager.check_weights(request, None)),
+            what="check_weights",
+        )
+
+    @property
+    def tensor_hash(self):
+        return sglang_tensor_hash()
+
     def kill(self) -> None:
         """SIGKILL the engine's processes (its own shutdown may hang when the engine does)."""
         pids = self._engine_pids
@@ -96,6 +112,15 @@ class InProcessBackend:
                 pass
             self.engine = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def sglang_tensor_hash():
+    """SGLang's ``tensor_hash`` (``srt/managers/mm_utils.py``): a Triton hash of a CUDA tensor's bytes,
+    the one its weight checker uses, so the trainer hashes what it sent exactly as SGLang hashes what
+    it holds."""
+    from sglang.srt.managers.mm_utils import tensor_hash
+
+    return tensor_hash
 
 
 def _child_pids() -> list[int]:
@@ -243,6 +268,15 @@ class ServerBackend:
 
     def flush_cache(self):
         return self._post("/flush_cache")
+
+    def check_weights(self, action: str = "checksum"):
+        """``/weights_checker``: ``{"success", "message", "ranks": [ChecksumInfo per TP rank], ...}``
+        (``entrypoints/http_server.py``; HTTP 400 when it failed)."""
+        return self._post("/weights_checker", {"action": action})
+
+    @property
+    def tensor_hash(self):
+        return sglang_tensor_hash()
 
     # LoRA adapters over HTTP. Contract read from the installed sglang 0.5.23 wheel:
     #  - entrypoints/http_server.py: POST /load_lora_adapter_from_tensors and /unload_lora_adapter

@@ -69,10 +69,77 @@ def flattened_bucket_payload(
     return {"flattened_tensor": buffer, "metadata": metadata}
 
 
+CUDA_DEVICE_ARG = 6
+"""Where ``torch.multiprocessing.reductions.reduce_tensor`` puts a CUDA tensor's device index among the
+arguments of ``rebuild_cuda_tensor`` (SGLang's ``_REDUCE_TENSOR_ARG_DEVICE_INDEX``)."""
+
+
+def cuda_device_uuid(index: int) -> str:
+    """The GPU's UUID as SGLang's ``patch_torch._device_to_uuid`` writes it."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def reduce_tensor_by_device_uuid(tensor: torch.Tensor):
+    """torch's reduction of ``tensor`` for another process, with a CUDA tensor's device named by the
+    GPU's UUID instead of its index.
+
+    A device index means nothing across processes that see different GPUs: SGLang's schedulers may run
+    under another ``CUDA_VISIBLE_DEVICES`` than the trainer (or see the GPUs in another order), and
+    ``cuda:3`` of the trainer is then another GPU there, or none. SGLang's receivers call
+    ``monkey_patch_torch_reductions()`` before they unpickle, so their ``rebuild_cuda_tensor`` maps a
+    UUID string back to their own index (``_device_from_maybe_uuid``) and passes an int through
+    unchanged; this is the sending half of that patch (``_reduce_tensor_modified``), applied to rlite's
+    payloads only, so that torch's reductions stay untouched for everything else in the process (the
+    spawned transformers engine, DataLoader workers). CPU tensors reduce exactly as torch does.
+    """
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if getattr(rebuild, "__name__", "") in ("rebuild_cuda_tensor", "_rebuild_cuda_tensor_modified"):
+        device = args[CUDA_DEVICE_ARG]
+        if isinstance(device, int):
+            args = (*args[:CUDA_DEVICE_ARG], cuda_device_uuid(device), *args[CUDA_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
 def serialize_payload(obj: Any, *, output_str: bool) -> bytes | str:
-    """What ``MultiprocessingSerializer.serialize`` produces: ForkingPickler bytes, or their base64."""
-    data = bytes(ForkingPickler.dumps(obj))
+    """What ``MultiprocessingSerializer.serialize`` produces after SGLang's ``monkey_patch_torch_reductions``:
+    ForkingPickler bytes (or their base64) in which a CUDA tensor is a CUDA-IPC handle whose device is the
+    GPU's UUID (:func:`reduce_tensor_by_device_uuid`)."""
+    import io
+
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer)
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        pickler.dispatch_table[cls] = reduce_tensor_by_device_uuid
+    pickler.dump(obj)
+    data = buffer.getvalue()
     return base64.b64encode(data).decode("ascii") if output_str else data
+
+
+ENGINE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "half": torch.float16, "float": torch.float32}  # fmt: skip
+"""SGLang's ``dtype`` names (``_STR_DTYPE_TO_TORCH_DTYPE``) rlite passes or reads."""
+
+
+def resolve_engine_dtype(dtype: str, hf_config: dict[str, Any]) -> torch.dtype:
+    """The dtype SGLang 0.5.23 runs a model in (``configs/model_config.py: _get_and_verify_dtype``).
+
+    ``"auto"`` takes the checkpoint's ``dtype`` (or ``torch_dtype``) from its ``config.json``; a float32
+    checkpoint runs in float16, except Gemma models (bfloat16); a missing dtype counts as float32.
+    """
+    if dtype != "auto":
+        if dtype not in ENGINE_DTYPES:
+            raise ValueError(f"rollout.engine.args.dtype: unknown dtype {dtype!r}; one of auto, {', '.join(ENGINE_DTYPES)}")
+        return ENGINE_DTYPES[dtype]
+    declared = ENGINE_DTYPES.get(str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"), torch.float32)
+    if declared == torch.float32:
+        return torch.bfloat16 if str(hf_config.get("model_type", "")).startswith("gemma") else torch.float16
+    return declared
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def build_update_payloads(
@@ -169,6 +236,13 @@ def check_reply(result: Any, what: str) -> Any:
     return result
 
 
+def payloads_for_engine(payloads: list[bytes], *, tp_size: int, output_str: bool) -> list[bytes | str]:
+    """One payload per TP rank of the engine, in TP order, as bytes or base64."""
+    if len(payloads) != tp_size:
+        raise EngineError(f"{len(payloads)} weight payloads for an engine of tp_size {tp_size}")
+    return [base64.b64encode(p).decode("ascii") if output_str else p for p in payloads]
+
+
 def sync_weights(
     engine: Any,
     named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -179,32 +253,147 @@ def sync_weights(
     metadata_cls: type,
     output_str: bool,
     device: torch.device | str | None = None,
+    group: Any = None,
+    tensor_hash: Any = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> int:
     """The SGLang weight-update call sequence; returns the number of buckets sent.
 
-    ``engine`` has SGLang ``Engine``'s method names plus ``update_weight_version``; buckets are packed
-    on ``device`` (the GPU, so that they travel as CUDA-IPC handles).
+    ``engine`` has SGLang ``Engine``'s method names plus ``update_weight_version`` (None on the members
+    of an :class:`~rlite.engines.sglang.group.EngineGroup`: they only hand their payloads to the
+    leader); buckets are packed on ``device`` (the GPU, so that they travel as CUDA-IPC handles). With a
+    group, every rank packs the same stream on its own GPU and TP rank i of the engine loads rank i's
+    payload. ``tensor_hash`` (SGLang's ``tensor_hash``): after the update the engine's checksums of the
+    sent tensors it holds unchanged are compared with the sent values' in the engine's ``weight_dtype``
+    (:func:`check_engine_weights`).
     """
-    check_reply(engine.begin_weight_update(), "begin_weight_update")
+    leader = group is None or group.is_leader
+    sent_hashes: dict[str, str] = {}
+    failure = None
+    if leader:
+        failure = reply_error(engine.begin_weight_update(), "begin_weight_update")
+    if group is not None:
+        failure = group.share(failure)
+    if failure is not None:
+        raise EngineError(failure)
     buckets = 0
     try:
         for bucket in iter_buckets(named_tensors, bucket_bytes):
-            payloads = build_update_payloads(
-                bucket, tp_size=tp_size, metadata_cls=metadata_cls, output_str=output_str, device=device
-            )
+            payload = flattened_bucket_payload(bucket, metadata_cls=metadata_cls, device=device)
+            if leader and tensor_hash is not None:
+                sent_hashes.update(sampled_hashes(bucket, tensor_hash, weight_dtype))
             del bucket
-            check_reply(
-                engine.update_weights_from_tensor(payloads, load_format=FLATTENED_BUCKET, flush_cache=False),
-                f"update_weights_from_tensor (bucket {buckets})",
-            )
-            del payloads  # a fresh buffer per bucket; IPC refcounts free this one once SGLang is done
+            # each TP rank opens a handle of its own (a handle is single-use for a shared-memory fd, and
+            # each one counts a reference of SGLang's on the buffer); with a group, TP rank i gets rank i's
+            if group is None:
+                own = None
+                payloads = [serialize_payload(payload, output_str=False) for _ in range(tp_size)]
+            else:
+                own = serialize_payload(payload, output_str=False)
+                payloads = group.gather(own)
+            if leader:
+                try:
+                    reply = engine.update_weights_from_tensor(
+                        payloads_for_engine(payloads, tp_size=tp_size, output_str=output_str),
+                        load_format=FLATTENED_BUCKET, flush_cache=False,
+                    )  # fmt: skip
+                    failure = reply_error(reply, f"update_weights_from_tensor (bucket {buckets})")
+                except Exception as exc:  # the members must hear of it before the leader raises
+                    failure = f"SGLang update_weights_from_tensor (bucket {buckets}) raised {exc!r}"
+            if group is not None:
+                failure = group.share(failure)
+            del payload, own, payloads  # a fresh buffer per bucket; IPC refcounts free it once SGLang is done
+            if failure is not None:
+                raise EngineError(failure)
             buckets += 1
     finally:
-        ended = engine.end_weight_update()
-    check_reply(ended, "end_weight_update")
-    check_reply(engine.update_weight_version(str(int(version))), "update_weight_version")
+        if leader:
+            ended = reply_error(engine.end_weight_update(), "end_weight_update")
+            failure = failure or ended
+    if leader and failure is None:
+        failure = reply_error(engine.update_weight_version(str(int(version))), "update_weight_version")
+        if failure is None and tensor_hash is not None:
+            try:
+                check_engine_weights(engine.check_weights(action="checksum"), sent_hashes, version)
+            except EngineError as exc:
+                failure = str(exc)
+    if group is not None:
+        failure = group.share(failure)
+    if failure is not None:
+        raise EngineError(failure)
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
     return buckets
 
 
+def reply_error(result: Any, what: str) -> str | None:
+    """:func:`check_reply`'s error message, or None if the call succeeded."""
+    try:
+        check_reply(result, what)
+    except EngineError as exc:
+        return str(exc)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# checking what SGLang holds after a sync
+# --------------------------------------------------------------------------------------------------
+
+
+def sampled_hashes(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], tensor_hash, dtype: torch.dtype | None = None
+) -> dict[str, str]:
+    """SGLang's checksum (``f"{tensor_hash(t):016x}"``, ``utils/weight_checker.py: _hash_tensor``) of
+    every 1-D tensor sent, in the engine's ``dtype`` (SGLang's loader casts what it is given into its
+    parameters): norm weights and unfused biases, which SGLang keeps byte for byte under their Hugging
+    Face names on every TP rank."""
+    out = {}
+    for name, tensor in named_tensors:
+        if tensor.dim() == 1:
+            if dtype is not None and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16):
+                tensor = tensor.to(dtype)
+            out[name] = f"{tensor_hash(tensor.contiguous()):016x}"
+    return out
+
+
+def check_engine_weights(reply: Any, sent: dict[str, str], version: int) -> int:
+    """Compare SGLang's per-tensor checksums (``check_weights(action="checksum")``, one entry per TP
+    rank) with the sent tensors'; returns the number of tensors compared.
+
+    Compared: every sent 1-D tensor that each TP rank reports under the same name with the same checksum
+    on all ranks (a tensor whose ranks differ is sharded across them, not a copy of what was sent). A
+    mismatch means SGLang serves other bytes than the trainer sent (a stale or reused buffer, a handle
+    opened on the wrong GPU, a name its loader dropped).
+    """
+    ranks = checksum_ranks(reply)
+    compared = 0
+    for name, expected in sorted(sent.items()):
+        seen = {r["checksums"].get(name) for r in ranks}
+        if len(seen) != 1 or None in seen:
+            continue  # not held under this name, or sharded across the TP ranks
+        (got,) = seen
+        if got != expected:
+            raise EngineError(
+                f"weight check after sync v{version}: SGLang holds {name} with checksum {got}, the trainer "
+                f"sent {expected}"
+            )
+        compared += 1
+    if sent and not compared:
+        raise EngineError(
+            f"weight check after sync v{version}: SGLang reports none of the {len(sent)} 1-D tensors sent "
+            f"(e.g. {next(iter(sent))}) under its name; turn the check off (rollout.engine.args.verify_weights=false) "
+            "for a model whose loader renames them"
+        )
+    return compared
+
+
+def checksum_ranks(reply: Any) -> list[dict[str, Any]]:
+    """The per-rank ``ChecksumInfo`` dicts of a ``check_weights`` answer: the in-process tuple
+    ``(success, message, ranks, per_engine_checksum)`` or the HTTP body ``{"success", "message", "ranks"}``."""
+    if isinstance(reply, tuple):
+        success, message, ranks = reply[0], reply[1], reply[2]
+    else:
+        success, message, ranks = reply.get("success"), reply.get("message"), reply.get("ranks")
+    if not success or not ranks:
+        raise EngineError(f"SGLang check_weights failed: {message or 'no checksums returned'}")
+    return list(ranks)
