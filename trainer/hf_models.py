@@ -36,6 +36,20 @@ def load_causal_lm(cfg: ModelConfig) -> nn.Module:
     return model
 
 
+def empty_causal_lm(cfg: ModelConfig) -> nn.Module:
+    """The model ``model.path`` names, built on the meta device: its structure (and ties), no storage,
+    nothing read but the config. The ranks of a sharded model start from this and receive their shards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        )  # fmt: skip
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model

@@ -233,3 +233,66 @@ def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, 
         for e in FakeSGLangEngine.instances
     ]
     torch.save({"engines": engines}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def sharded_load(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str, lora: bool) -> None:
+    """Build the FSDP2 policy, reference and critic as a run does, on ``world_size`` gloo ranks; writes to
+    ``out_dir/rank<r>.pt`` the ``from_pretrained`` calls the rank made, how far its peak resident memory
+    rose while it built each model (bytes), and (rank 0) the full weights of all three, gathered."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from rlite.backends.fsdp2.backend import FSDP2Backend
+    from rlite.config import CriticConfig, LoraConfig, ModelConfig, ParallelismConfig, TrainingConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    calls = []
+    original = AutoModelForCausalLM.from_pretrained.__func__
+
+    def counted(cls, *args, **kwargs):
+        calls.append(str(args[0]))
+        return original(cls, *args, **kwargs)
+
+    AutoModelForCausalLM.from_pretrained = classmethod(counted)
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            (line,) = [line for line in f if line.startswith(key + ":")]
+        return int(line.split()[1]) * 1024
+
+    def reset_peak() -> int:
+        """The resident memory now, made the peak (Linux: ``5`` to ``clear_refs`` resets VmHWM)."""
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return status("VmRSS")
+
+    model_cfg = ModelConfig(path=model_dir, lora=LoraConfig(enabled=lora, rank=4))
+    try:
+        from rlite.hf_models import apply_lora, empty_causal_lm
+
+        with torch.device("meta"):  # import what building the model imports before measuring
+            apply_lora(empty_causal_lm(model_cfg), model_cfg.lora)
+        torch.manual_seed(0)
+        start = reset_peak()
+        backend = FSDP2Backend.build(model_cfg, ParallelismConfig(), TrainingConfig(), torch.device("cpu"), 1)
+        policy_rise = status("VmHWM") - start
+        start = reset_peak()
+        reference = backend.build_reference()
+        reference_rise = status("VmHWM") - start
+        start = reset_peak()
+        critic = backend.build_critic(CriticConfig(enabled=True))
+        critic_rise = status("VmHWM") - start
+        weights = {}
+        for prefix, model in (("policy", backend.model), ("reference", reference.model), ("critic", critic.model)):
+            for name, param in model.state_dict().items():
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                weights[f"{prefix}.{name}"] = full.detach().clone()
+            for name, buffer in model.named_buffers():
+                weights[f"{prefix}.buffer.{name}"] = buffer.clone()
+        result = {"from_pretrained": calls, "rise": (policy_rise, reference_rise, critic_rise)}
+        if rank == 0:
+            result["weights"] = weights
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

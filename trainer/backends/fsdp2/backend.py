@@ -9,6 +9,7 @@ gradients are then added into ``.grad`` in place (:mod:`rlite.backends.fsdp2.gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,25 +58,73 @@ def apply_fsdp(policy: PolicyModel, cfg: ParallelismConfig, mesh=None) -> Policy
     return policy
 
 
-def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: torch.device, *, trainable: bool):
-    lm = load_causal_lm(model_cfg)
-    if trainable and model_cfg.lora.enabled:
-        lm = apply_lora(lm, model_cfg.lora)
-    if par_cfg.lean_activations and trainable:
-        from rlite.backends.fsdp2.lean_activations import apply_lean_activations
+def load_sharded(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: torch.device,
+                 wrap: Callable[[nn.Module], nn.Module]) -> nn.Module:  # fmt: skip
+    """``wrap(load_causal_lm(model_cfg))`` sharded with :func:`apply_fsdp`, the checkpoint read once.
 
-        apply_lean_activations(lm)
-    lm.config.use_cache = False
-    policy = PolicyModel(lm)
-    if par_cfg.activation_checkpointing and trainable:
-        kwargs: dict[str, Any] = {"use_reentrant": False}
-        if policy.routers is not None:  # recomputation in backward replays the forward's routing
-            kwargs["context_fn"] = policy.routers.checkpoint_context
-        causal_lm_of(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    policy = policy.to(device)
-    if not trainable:
-        policy.requires_grad_(False)
-    policy = apply_fsdp(policy, par_cfg)
+    In a world of one process the model is loaded on the host, moved to ``device`` and sharded (the
+    plain module stays plain). With several ranks, only rank 0 reads the checkpoint (``from_pretrained``
+    on the host, where the full model sits once, in the whole run); every rank builds the model on the
+    meta device (no storage), shards it, allocates its own shard only, and receives it from rank 0
+    tensor by tensor (``set_model_state_dict`` with ``broadcast_from_rank0``: a rank other than 0 holds
+    one full tensor at a time, never the model). Buffers (the rotary embedding's, which no state dict
+    carries) come from rank 0 too. ``wrap`` (LoRA, activation patches, the wrapper module) runs on both
+    kinds of model alike, so rank 0's LoRA initialisation is every rank's.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return apply_fsdp(wrap(load_causal_lm(model_cfg)).to(device), par_cfg)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from rlite.hf_models import empty_causal_lm
+
+    full_state, full_buffers = {}, {}
+    if dist.get_rank() == 0:
+        loaded = wrap(load_causal_lm(model_cfg))
+        full_state = loaded.state_dict()
+        full_buffers = dict(loaded.named_buffers())
+        del loaded
+    with torch.device("meta"):  # what wrap adds (LoRA matrices, a value head) has no storage either
+        model = wrap(empty_causal_lm(model_cfg))
+    model = apply_fsdp(model, par_cfg)
+    model.to_empty(device=torch.device("cpu") if par_cfg.cpu_offload else device)  # this rank's shards only
+    set_model_state_dict(
+        model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    )
+    del full_state
+    for prefix, module in model.named_modules():  # buffers (non-persistent ones too) as rank 0 loaded them
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None:
+                continue
+            buffer = buffer.to(device)
+            if dist.get_rank() == 0:
+                buffer.copy_(full_buffers[f"{prefix}.{name}" if prefix else name])
+            dist.broadcast(buffer, src=0)
+            module._buffers[name] = buffer
+    return model
+
+
+def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: torch.device, *, trainable: bool):
+    def wrap(lm: nn.Module) -> PolicyModel:
+        if trainable and model_cfg.lora.enabled:
+            lm = apply_lora(lm, model_cfg.lora)
+        if par_cfg.lean_activations and trainable:
+            from rlite.backends.fsdp2.lean_activations import apply_lean_activations
+
+            apply_lean_activations(lm)
+        lm.config.use_cache = False
+        policy = PolicyModel(lm)
+        if par_cfg.activation_checkpointing and trainable:
+            kwargs: dict[str, Any] = {"use_reentrant": False}
+            if policy.routers is not None:  # recomputation in backward replays the forward's routing
+                kwargs["context_fn"] = policy.routers.checkpoint_context
+            causal_lm_of(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if not trainable:
+            policy.requires_grad_(False)
+        return policy
+
+    policy = load_sharded(model_cfg, par_cfg, device, wrap)
     if trainable and par_cfg.fused_grad_accumulation and not isinstance(policy, FSDPModule):
         from rlite.backends.fsdp2.grad_accumulation import accumulate_in_place
 

@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from rlite.algorithms import aggregate_loss
-from rlite.backends.fsdp2.backend import apply_fsdp
+from rlite.backends.fsdp2.backend import load_sharded
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig
 from rlite.distributed import all_reduce_sum
-from rlite.hf_models import load_causal_lm
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
 from rlite.training.logprobs import causal_lm_of
 
@@ -70,13 +69,15 @@ class Critic:
     @classmethod
     def build(cls, model_cfg: ModelConfig, par_cfg: ParallelismConfig, cfg: CriticConfig, device) -> Critic:
         backbone_cfg = type(model_cfg)(**{**model_cfg.__dict__, "path": cfg.path or model_cfg.path})
-        lm = load_causal_lm(backbone_cfg)
-        lm.config.use_cache = False
-        head = lm.get_output_embeddings()
-        if head is not None and head.weight is not lm.get_input_embeddings().weight:
-            head.weight.requires_grad_(False)  # the critic never uses the LM head: keep it out of the optimizer
-        model = ValueModel(lm).to(device)
-        apply_fsdp(model, par_cfg)
+
+        def wrap(lm: nn.Module) -> ValueModel:
+            lm.config.use_cache = False
+            head = lm.get_output_embeddings()
+            if head is not None and head.weight is not lm.get_input_embeddings().weight:
+                head.weight.requires_grad_(False)  # the critic never uses the LM head: keep it out of the optimizer
+            return ValueModel(lm)
+
+        model = load_sharded(backbone_cfg, par_cfg, device, wrap)  # the backbone read once, on rank 0
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, fused=True)
         return cls(model, optimizer, cfg)
