@@ -4,8 +4,10 @@
   by default, or in its own spawned process (``args.process: true``) receiving weights through
   shared-memory buckets (``rlite.engines.transformers.process``).
 * ``sglang``: SGLang >= 0.5.23 on GPUs (``pip install rlite[sglang]``), colocated with the memory
-  saver, weights through flattened CUDA-IPC buckets (``rlite.engines.sglang``). Not run on a
-  GPU by us yet.
+  saver, weights through flattened CUDA-IPC buckets (``rlite.engines.sglang``). Each engine runs on
+  the GPUs of ``tp_size`` trainer ranks of a machine, started by the first of them with
+  ``base_gpu_id`` = its GPU and a ``mem_fraction_static`` that leaves room for the trainer
+  (``rlite.engines.sglang.placement``). Not run on a GPU by us yet.
 """
 
 from __future__ import annotations

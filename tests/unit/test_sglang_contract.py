@@ -740,3 +740,72 @@ def test_sglang_parses_rlites_lora_server_flags():
     args, _ = parser.parse_known_args(cmd[3:])
     assert args.enable_lora is True and args.max_lora_rank == 4
     assert args.lora_target_modules == ["q_proj", "v_proj"]
+
+
+def test_server_mode_checks_the_weights_through_sglangs_weights_checker_route(recording_server):
+    """``POST /weights_checker {"action": "checksum"}`` answers ``{"success", "message", "ranks": [...]}``
+    (``entrypoints/http_server.py``); the sync compares its checksums with the sent tensors'."""
+    from rlite.engines.sglang.fake import FakeSGLang
+    from rlite.engines.sglang.launch import ServerBackend
+
+    backend = ServerBackend.connect(recording_server.url, timeout_s=30.0)
+    backend.metadata_cls = FlattenedTensorMetadataFields
+
+    class Backend(type(backend)):  # SGLang's Triton hash needs SGLang and a GPU: its CPU form stands in
+        tensor_hash = staticmethod(FakeSGLang.tensor_hash)
+
+    backend.__class__ = Backend
+    engine = SGLangEngine("unused", eos_token_ids=[1], backend=backend)
+    tensors = [("model.norm.weight", torch.arange(8, dtype=torch.float32)), ("x.q_proj.weight", torch.ones(4, 4))]
+    held = FakeSGLang.tensor_hash(tensors[0][1].to(engine.weight_dtype))  # SGLang holds it in its dtype
+    recording_server.replies["/weights_checker"] = (200, {"success": True, "message": "Success.", "ranks": [
+        {"checksums": {"model.norm.weight": f"{held:016x}"}, "per_gpu_checksum": "", "parallelism_info": []}
+    ]}, 0.0)  # fmt: skip
+    engine.update_weights(iter(tensors), 1)
+    assert ("/weights_checker", {"action": "checksum"}) in recording_server.calls
+    recording_server.replies["/weights_checker"] = (200, {"success": True, "message": "", "ranks": [
+        {"checksums": {"model.norm.weight": "0" * 16}}]}, 0.0)  # fmt: skip
+    with pytest.raises(EngineError, match="SGLang holds model.norm.weight with checksum 0000000000000000"):
+        engine.update_weights(iter(tensors), 2)
+
+
+@needs_sglang
+def test_sglangs_patched_receiver_opens_rlites_cuda_handle_on_the_gpu_with_that_uuid(monkeypatch):
+    """rlite's payload for a tensor on the trainer's cuda:3, read by SGLang's own ``SafeUnpickler`` and its
+    ``monkey_patch_torch_reductions()`` rebuild in a process that sees that GPU as its cuda:1."""
+    import types as pytypes
+
+    from torch.multiprocessing import reductions
+
+    from rlite.engines.sglang.payloads import CUDA_DEVICE_ARG, flattened_bucket_payload, serialize_payload
+
+    saved = {name: getattr(reductions, name) for name in ("reduce_tensor", "rebuild_cuda_tensor")}
+    for name, value in saved.items():  # restored after the test, with everything below
+        monkeypatch.setattr(reductions, name, value)
+
+    def reduce_as_cuda(tensor):  # torch's reduction of a tensor on cuda:3 (a CPU has none)
+        args = (type(tensor), tensor.size(), tensor.stride(), 0, torch.UntypedStorage, tensor.dtype, 3,
+                b"ipc-handle", tensor.untyped_storage().nbytes(), 0, False, b"ref", 0, b"event", True)  # fmt: skip
+        return saved["rebuild_cuda_tensor"], args
+
+    monkeypatch.setattr(reductions, "reduce_tensor", reduce_as_cuda)
+    monkeypatch.setattr("rlite.engines.sglang.payloads.cuda_device_uuid", lambda index: f"GPU-uuid-{index}")
+    payload = flattened_bucket_payload([("w", torch.ones(4))], metadata_cls=SGLANG.metadata)
+    data = serialize_payload(payload, output_str=True)
+
+    from sglang.srt.utils import patch_torch
+
+    visible = ["GPU-uuid-0", "GPU-uuid-3"]  # the receiving process: the trainer's cuda:3 is its cuda:1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: pytypes.SimpleNamespace(uuid=visible[i]))
+    monkeypatch.delattr(reductions, "_reduce_tensor_original", raising=False)
+    patch_torch.monkey_patch_torch_reductions()
+    opened = []
+    monkeypatch.setattr(reductions, "_rebuild_cuda_tensor_original", lambda *args: opened.append(args) or "tensor")
+    data_out = SGLANG.serializer.deserialize(data)
+    for name in ("_reduce_tensor_original", "_rebuild_cuda_tensor_original"):
+        monkeypatch.delattr(reductions, name, raising=False)
+    reductions.init_reductions()  # torch's own reducers again (monkeypatch restored the functions)
+    assert data_out["flattened_tensor"] == "tensor" and [m.name for m in data_out["metadata"]] == ["w"]
+    (args,) = opened
+    assert args[CUDA_DEVICE_ARG] == 1  # SGLang found the GPU by its UUID

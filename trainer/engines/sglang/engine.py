@@ -16,6 +16,7 @@ One colocated step, as the loop drives :class:`SGLangEngine` (``rlite.engines.ba
                                                     flush_cache=False)      # once per bucket
                          end_weight_update()                                 # also on failure
                          update_weight_version(str(version))
+                         check_weights(action="checksum")    # SGLang's hashes vs the sent bytes'
     resume_memory()   -> resume_memory_occupation(["kv_cache", "cuda_graph"]); flush_cache()
 
 An engine that serves LoRA adapters over its own base weights (``fixed_base=True``, for
@@ -26,7 +27,10 @@ A payload is, per tensor-parallel rank, ``MultiprocessingSerializer.serialize({"
 uint8 buffer, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]})``
 (``numel`` and the indices count bytes). The buffer is rlite's :func:`pack_bucket` layout, each tensor
 at a 64-byte-aligned offset, so every ``view(dtype)`` on the receiving side is aligned. A CUDA buffer
-pickles to a CUDA-IPC handle (no copy). A fresh buffer is made for every bucket and dropped after
+pickles to a CUDA-IPC handle (no copy) that names its GPU by UUID, as SGLang's patched reductions do
+(:func:`~rlite.engines.sglang.payloads.reduce_tensor_by_device_uuid`). Tensors travel in the engine's
+dtype (the sync casts them: ``EngineCapabilities.weight_dtype``), or as FP8 with block scales when the
+engine runs quantized rollouts (``quantization_config``). A fresh buffer is made for every bucket and dropped after
 SGLang has loaded it: SGLang does not synchronize the device before answering, so reusing a buffer
 could race its copy; torch's IPC reference counting keeps a dropped buffer alive until SGLang lets go.
 
@@ -37,6 +41,11 @@ engine is colocated with the trainer ranks whose GPUs it runs on. (SGLang's NCCL
 ``init_weights_update_group`` + ``update_weights_from_distributed``, needs the trainer and the engine
 on different GPUs: NCCL refuses two ranks of one communicator on the same device. rlite has no such
 layout, so it does not use that path.)
+
+An engine may run on the GPUs of several trainer ranks (``group``,
+:mod:`rlite.engines.sglang.group`): this rank drives it, the others hand it their prompts and their
+weight payloads, and TP rank i loads trainer rank i's (:mod:`rlite.engines.sglang.placement` lays the
+engines out).
 
 Adapter-only LoRA sync (:meth:`SGLangEngine.update_lora_adapter`) works in both modes: the adapter goes
 through ``load_lora_adapter_from_tensors`` under a versioned name, and every request names it
@@ -52,7 +61,6 @@ from typing import Any
 
 import torch
 
-from rlite.config import ConfigError
 from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
 from rlite.engines.sglang.group import EngineGroup, generate_for_group
 from rlite.engines.sglang.launch import InProcessBackend, ServerBackend
@@ -323,6 +331,8 @@ W8A8-INT8 replaces its weight with a transposed copy and has no ``restore_weight
 
 
 def check_reloadable_quantization(quantization_config: dict[str, Any]) -> None:
+    from rlite.config import ConfigError  # not at module level: the SGLang compat venv has no omegaconf
+
     method = quantization_config.get("quant_method")
     if method not in RELOADABLE_QUANTIZATION:
         raise ConfigError(
@@ -336,6 +346,8 @@ def check_reloadable_quantization(quantization_config: dict[str, Any]) -> None:
 def with_quantization_config(overrides: str | dict | None, quantization_config: dict[str, Any]) -> str:
     """SGLang's ``json_model_override_args`` with ``quantization_config`` set (a user's other overrides
     kept): the engine then builds FP8 linear layers from a checkpoint config that declares none."""
+    from rlite.config import ConfigError
+
     merged = json.loads(overrides) if isinstance(overrides, str) else dict(overrides or {})
     if "quantization_config" in merged and merged["quantization_config"] != quantization_config:
         raise ConfigError(
