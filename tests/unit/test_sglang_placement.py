@@ -158,4 +158,50 @@ def test_placement_keys_cannot_hide_in_engine_kwargs():
         SGLangEngineConfig(engine_kwargs={"base_gpu_id": 3})
     with pytest.raises(ValueError, match="engine_kwargs.tp_size: set it as rollout.engine.args.tp_size"):
         SGLangEngineConfig(engine_kwargs={"tp_size": 2})
-    assert EngineContext.single_process().engine_ranks[0].builds_engine
+
+
+def test_one_process_on_cpu_leaves_the_memory_to_sglang(sglang_plugin):
+    (engine,), (args,) = sglang_plugin(EngineContext.single_process().ranks)
+    assert args["base_gpu_id"] == 0 and args["tp_size"] == 1 and "mem_fraction_static" not in args
+    assert engine.group is None
+
+
+# -- what the trainer will still allocate ---------------------------------------------------------
+
+
+def test_the_backend_counts_adamws_moments_until_its_first_step(tmp_path):
+    from rlite.distributed import init_distributed, shutdown_distributed
+    from rlite.tokenizer import build_tiny_model_dir
+
+    model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
+    ctx = init_distributed()  # a world of one: fully_shard needs a process group
+    try:
+        _check_bytes_to_come(tmp_path, model_dir)
+    finally:
+        shutdown_distributed(ctx)
+
+
+def _check_bytes_to_come(tmp_path, model_dir):
+    from rlite.backends.fsdp2.backend import FSDP2Backend
+    from rlite.config import CriticConfig, LoraConfig, ParallelismConfig, TrainingConfig
+
+    def build(**training):
+        cfg = ModelConfig(path=model_dir, lora=LoraConfig(enabled=training.pop("lora", False), rank=4))
+        return FSDP2Backend.build(cfg, ParallelismConfig(), TrainingConfig(**training), torch.device("cpu"), 1,
+                                  offload_dir=tmp_path / "moments")  # fmt: skip
+
+    backend = build()
+    trainable = sum(p.numel() * p.element_size() for p in backend.trainable_parameters())
+    assert backend.device_bytes_to_come() == 2 * trainable  # AdamW's two moments, fp32 like the weights
+    critic = backend.build_critic(CriticConfig(enabled=True))
+    critic_bytes = sum(p.numel() * p.element_size() for p in critic.model.parameters() if p.requires_grad)
+    assert backend.device_bytes_to_come() == 2 * (trainable + critic_bytes)
+    for param in backend.trainable_parameters():
+        param.grad = torch.zeros_like(param)
+    backend.step()  # the moments exist now: only the critic's are still to come
+    assert backend.device_bytes_to_come() == 2 * critic_bytes
+    lora = build(lora=True)
+    assert lora.device_bytes_to_come() == 2 * sum(p.numel() * 4 for p in lora.trainable_parameters()) < trainable
+    offloaded = build(optimizer_offload="disk")
+    assert offloaded.device_bytes_to_come() == 0  # the moments live in files
+    offloaded.close()

@@ -70,7 +70,6 @@ class FakeSGLang:
         lora: bool = False,
         dtype: torch.dtype | None = None,
         quantization_config: dict | None = None,
-        visible_gpus: tuple[str, ...] = (),
     ) -> None:
         self.deserialize, self.reconstruct, self.metadata_cls = reader
         self.tp_size = tp_size
@@ -83,8 +82,6 @@ class FakeSGLang:
         ``param.data.copy_`` does (silently: the bytes that travelled are recorded in ``received``).
         None: kept as it arrives."""
         self.quantization_config = quantization_config
-        self.visible_gpus = visible_gpus
-        """UUIDs of the GPUs SGLang's schedulers see, by index (a CUDA handle is opened among them)."""
         self.calls: list[tuple] = []
         self.released: set[str] = set()
         self.session = False
