@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlite.api import hookimpl
+from rlite.api import ConfigError, hookimpl
 
 
 @dataclass
@@ -35,9 +35,11 @@ def _eos_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: TransformersEngineConfig):
+def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: TransformersEngineConfig, draft=None):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = dict(pad_token_id=pad, eos_token_ids=_eos_ids(tokenizer), true_on_policy=rollout_config.true_on_policy)
+    common = dict(
+        pad_token_id=pad, eos_token_ids=_eos_ids(tokenizer), true_on_policy=rollout_config.true_on_policy, draft=draft
+    )
     if cfg.process:
         from rlite.api import ProcessEngine
 
@@ -49,10 +51,15 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
             bucket_mb=rollout_config.sync_bucket_mb,
             **common,
         )
-    from rlite.api import TransformersEngine, load_causal_lm
+    from rlite.api import TransformersEngine, load_causal_lm, load_draft_model
 
     engine_model_cfg = type(model_config)(**{**model_config.__dict__, "attn_implementation": cfg.attn_implementation})
-    return TransformersEngine(load_causal_lm(engine_model_cfg), share_weights=cfg.share_weights, **common)
+    return TransformersEngine(
+        load_causal_lm(engine_model_cfg),
+        share_weights=cfg.share_weights,
+        draft_model=load_draft_model(draft, cfg.attn_implementation),
+        **common,
+    )
 
 
 @dataclass
@@ -76,7 +83,12 @@ class SGLangEngineConfig:
             raise ValueError(f"launch must be 'engine' or 'server', got {self.launch!r}")
 
 
-def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngineConfig):
+def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngineConfig, draft=None):
+    if draft is not None and rollout_config.true_on_policy:
+        raise ConfigError(
+            "rollout.draft: SGLang's true on-policy mode (rollout.true_on_policy) is not verified with speculative "
+            "decoding; set rollout.draft=none, or use rollout.engine=transformers, which keeps it bitwise with a draft"
+        )
     try:
         import sglang  # noqa: F401
     except ImportError:
@@ -108,6 +120,7 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         engine_kwargs=engine_kwargs,
         fixed_base=rollout_config.lora_sync == "adapter",
         routed_experts=moe_routing_layout(model_config.path) if cfg.return_routed_experts else None,
+        draft=draft,
     )
 
 
@@ -124,5 +137,5 @@ def moe_routing_layout(model_path) -> tuple[int, int] | None:
 
 @hookimpl
 def register_rollout_engines(register):
-    register("transformers", make_transformers_engine, TransformersEngineConfig)
-    register("sglang", make_sglang_engine, SGLangEngineConfig)
+    register("transformers", make_transformers_engine, TransformersEngineConfig, draft_methods=("model", "ngram"))
+    register("sglang", make_sglang_engine, SGLangEngineConfig, draft_methods=("model", "ngram", "eagle"))

@@ -112,8 +112,16 @@ def register_rollout_quantizers(register: Register) -> None:
 def register_speculative_drafts(register: Register) -> None:
     """Register speculative-decoding drafts, selected by ``rollout.draft.name``.
 
-    :param register: call ``register(name, factory, config_cls)``. ``factory(engine_kwargs, cfg)``
-        returns the extra keyword arguments the rollout engine needs to run with this draft.
+    :param register: call ``register(name, factory, config_cls, method=...)``, with ``method`` the
+        kind of draft (:attr:`rlite.api.DraftSpec.method`: ``model``, ``ngram`` or ``eagle``; the config
+        loader refuses a draft the chosen engine cannot run). ``factory(context, cfg)`` receives a
+        :class:`rlite.api.DraftContext` (the policy's model config and tokenizer, the rollout config,
+        the device and the data-parallel layout) and the draft's config instance, and returns a
+        :class:`rlite.api.SpeculativeDraft`: its ``spec`` (what the engine runs), ``update(batch)``
+        (called every step with the step's rollouts, after the policy's update; the draft's loss must
+        not reach the policy), ``named_weights()`` (sent to the engine after the policy's in every
+        weight sync when ``spec.trained``), ``state_dict()``/``load_state_dict()`` for checkpoints and
+        ``export(out_dir)``.
     """
 
 
@@ -140,7 +148,9 @@ def register_rollout_engines(register: Register) -> None:
         tokenizer and the engine's own config instance, and returns a :class:`rlite.api.RolloutEngine`
         (its weights are overwritten by the first sync) whose ``capabilities``
         (:class:`rlite.api.EngineCapabilities`) say whether it shares the trainer's weights and
-        serves LoRA adapters.
+        serves LoRA adapters. An engine that runs speculative drafts registers with
+        ``draft_methods=(...)`` (the :attr:`rlite.api.DraftSpec.method` values it runs); with a draft
+        on, its factory is called with ``draft=`` the draft's :class:`rlite.api.DraftSpec` too.
     """
 
 

@@ -2,46 +2,67 @@
 
 How LoRA weights travel is a table (:data:`LORA_SYNC`): ``merged`` streams ``W + scale * B @ A`` like
 full weights; ``adapter`` sends only the adapter to an engine that serves adapters on a fixed base.
+
+A speculative draft that learns during the run rides in the same stream, after the policy's tensors,
+under ``draft.`` names: one weight version and one set of checksums for both.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from rlite.config import ConfigError
-from rlite.engines.base import RolloutEngine
+from rlite.drafts import SpeculativeDraft
+from rlite.engines.base import DRAFT_PREFIX, RolloutEngine
 from rlite.training.backend import TrainingBackend
 
 Quantizer = tuple[Callable, object]
 """A rollout quantizer plugin and its config: ``quantize(name, tensor, cfg)``."""
 
 
-def send_full_weights(engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int) -> None:
+def send_full_weights(
+    engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int,
+    draft: SpeculativeDraft | None = None,
+) -> None:
     # an in-process engine that shares the trainer's weights gets the parameters' own storage
     views = engine.capabilities.shares_weights and backend.capabilities.weight_views and quantizer is None
     named = backend.full_weights(views=views)
     if quantizer is not None:  # the engine samples with quantized weights; the trainer keeps full precision
         quantize, quant_cfg = quantizer
         named = ((name, quantize(name, tensor, quant_cfg)) for name, tensor in named)
+    if draft is not None and draft.spec.trained:
+        named = itertools.chain(named, ((DRAFT_PREFIX + name, tensor) for name, tensor in draft.named_weights()))
     engine.update_weights(named, version)
 
 
-def send_lora_adapter(engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int) -> None:
+def send_lora_adapter(
+    engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int,
+    draft: SpeculativeDraft | None = None,
+) -> None:
     adapter = backend.lora_adapter()
     engine.update_lora_adapter(adapter.tensors, adapter.config, version)
 
 
-LORA_SYNC: dict[str, Callable[[RolloutEngine, TrainingBackend, Quantizer | None, int], None]] = {
+LORA_SYNC: dict[str, Callable[..., None]] = {
     "merged": send_full_weights,
     "adapter": send_lora_adapter,
 }
 """``rollout.lora_sync`` -> how the weights reach the engine (full-weight runs use ``merged``)."""
 
 
-def check_sync_mode(lora_sync: str, engine: RolloutEngine, backend: TrainingBackend, engine_name: str) -> None:
+def check_sync_mode(
+    lora_sync: str, engine: RolloutEngine, backend: TrainingBackend, engine_name: str,
+    draft: SpeculativeDraft | None = None,
+) -> None:
     """Refuse a LoRA sync mode that the engine or the backend cannot serve (before the first sync)."""
     if lora_sync != "adapter":
         return
+    if draft is not None and draft.spec.trained:
+        raise ConfigError(
+            "rollout.lora_sync=adapter sends only the LoRA adapter, and a trained draft's weights travel with "
+            "the full weights: use rollout.lora_sync=merged, or a draft that does not train (args.train=false)"
+        )
     if not engine.capabilities.lora_adapters:
         raise ConfigError(
             f"rollout.lora_sync=adapter: the {engine_name!r} engine cannot serve adapters; "
@@ -52,17 +73,18 @@ def check_sync_mode(lora_sync: str, engine: RolloutEngine, backend: TrainingBack
 
 
 def sync_weights_to_engine(
-    engine: RolloutEngine, backend: TrainingBackend, *, lora_sync: str, quantizer: Quantizer | None, version: int
+    engine: RolloutEngine, backend: TrainingBackend, *, lora_sync: str, quantizer: Quantizer | None, version: int,
+    draft: SpeculativeDraft | None = None,
 ) -> None:
-    """Stream the policy's weights into the engine, then let it take back the rest of its memory; the
-    engine must report ``version``.
+    """Stream the policy's weights (and a trained draft's) into the engine, then let it take back the
+    rest of its memory; the engine must report ``version``.
 
     The engine released its memory after the last rollout (:meth:`Rollouts.collect`). Loading
     re-acquires the weights' memory first (SGLang resumes its weights before the update, the KV cache
     after it): :meth:`RolloutEngine.update_weights` does that, :meth:`RolloutEngine.resume_memory`
     the rest, so the engine is whole again for the rollout (or evaluation) that follows.
     """
-    LORA_SYNC[lora_sync](engine, backend, quantizer, version)
+    LORA_SYNC[lora_sync](engine, backend, quantizer, version, draft)
     engine.resume_memory()
     if engine.weight_version != version:
         raise RuntimeError(f"weight sync: engine reports version {engine.weight_version}, expected {version}")
