@@ -209,7 +209,7 @@ class ModelDraft:
                 micro = batch.select(part[start : start + self.micro_batch_size])
                 loss_sum, agree, count = self._loss_sum(micro)
                 (loss_sum / tokens).backward()
-                totals += torch.tensor([float(loss_sum), float(agree), float(count), 0.0], dtype=torch.float64)
+                totals += torch.tensor([float(loss_sum.detach()), float(agree), float(count), 0.0], dtype=torch.float64)
             norms.append(self._step(group))
         self.model.eval()
         totals = all_reduce_sum(totals, group)

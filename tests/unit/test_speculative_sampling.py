@@ -9,25 +9,10 @@ import torch
 
 from rlite.engines import speculative
 from rlite.engines.speculative import prompt_lookup, verify_proposals
+from rlite.testing import chi_square_pvalue
 
 ALPHA = 1e-3
 """A correct sampler must pass every test at this level (the draws are seeded, so it is fixed)."""
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of observing ``counts`` under ``probs`` (cells expecting < 5 draws merged into one)."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    expected = probs / probs.sum() * counts.sum()
-    assert counts[expected == 0].sum() == 0, "a token of probability 0 was emitted"
-    small = (expected < 5) & (expected > 0)
-    big = expected >= 5
-    cells_obs = torch.cat([counts[big], counts[small].sum()[None]]) if small.any() else counts[big]
-    cells_exp = torch.cat([expected[big], expected[small].sum()[None]]) if small.any() else expected[big]
-    chi2 = ((cells_obs - cells_exp) ** 2 / cells_exp).sum()
-    dof = len(cells_obs) - 1
-    if dof == 0:  # one possible outcome, and only it was drawn
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), chi2 / 2))
 
 
 def first_token(p: torch.Tensor, q: torch.Tensor | None, n: int, seed: int) -> tuple[torch.Tensor, float]:

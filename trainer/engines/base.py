@@ -134,6 +134,8 @@ class DraftSpec:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.method != "ngram" and not self.model_path:
             raise ValueError(f"a {self.method!r} draft needs model_path")
+        if self.method == "ngram" and self.trained:
+            raise ValueError("an 'ngram' draft has no weights to train")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 

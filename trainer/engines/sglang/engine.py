@@ -39,17 +39,29 @@ over HTTP, with a health check and a start timeout). Fallbacks that move no IPC 
 Adapter-only LoRA sync (:meth:`SGLangEngine.update_lora_adapter`) works in both modes: the adapter goes
 through ``load_lora_adapter_from_tensors`` under a versioned name, and every request names it
 (``lora_path``); the HTTP contract is written out at :meth:`ServerBackend.load_lora_adapter_from_tensors`.
+
+A speculative draft (``draft=DraftSpec(...)``) becomes SGLang's ``STANDALONE`` / ``EAGLE`` / ``NGRAM``
+arguments; a trained draft's weights follow the policy's in a session of their own (``selector``),
+and acceptance is read from every request's ``meta_info`` (:mod:`rlite.engines.sglang.speculative`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.engines.base import (
+    Completion,
+    DraftSpec,
+    EngineCapabilities,
+    EngineError,
+    SamplingParams,
+    SpeculationStats,
+)
 from rlite.engines.sglang.launch import InProcessBackend, ServerBackend
 from rlite.engines.sglang.payloads import (
     REST_TAGS,
@@ -59,6 +71,13 @@ from rlite.engines.sglang.payloads import (
     sampling_params_for,
     sglang_metadata_cls,
     sync_weights,
+)
+from rlite.engines.sglang.speculative import (
+    has_draft_weights,
+    speculation_from_outputs,
+    speculative_server_args,
+    split_draft_stream,
+    top_logprobs_from_output,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -87,6 +106,7 @@ class SGLangEngine:
         engine_kwargs: dict[str, Any] | None = None,
         fixed_base: bool = False,
         routed_experts: tuple[int, int] | None = None,
+        draft: DraftSpec | None = None,
         backend: Any = None,
     ) -> None:
         """Start SGLang on ``model_path`` (``launch="engine"`` or ``"server"``) with random weights.
@@ -98,10 +118,15 @@ class SGLangEngine:
         LoRA adapters (:meth:`update_lora_adapter`), so :meth:`release_memory` must not lose them.
         ``routed_experts = (num_hidden_layers, top_k)`` of an MoE model starts SGLang with
         ``enable_return_routed_experts`` so that a rollout can report every token's experts.
+        ``draft`` starts SGLang with speculative decoding (:mod:`rlite.engines.sglang.speculative`).
         ``backend`` replaces SGLang altogether (tests).
         """
         self.routing_layout = routed_experts
-        self.capabilities = EngineCapabilities(lora_adapters=True, routed_experts=routed_experts is not None)
+        self.capabilities = EngineCapabilities(
+            lora_adapters=True, routed_experts=routed_experts is not None, draft_methods=("model", "ngram", "eagle")
+        )
+        self.draft = draft
+        self._speculation = SpeculationStats()
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.pad_token_id = pad_token_id
         self.timeout_s = float(timeout_s)
@@ -133,6 +158,8 @@ class SGLangEngine:
                 kwargs.update(enable_deterministic_inference=True, rl_on_policy_target="fsdp")
             if routed_experts is not None:
                 kwargs["enable_return_routed_experts"] = True
+            if draft is not None:
+                kwargs.update(speculative_server_args(draft))
             kwargs.update(engine_kwargs or {})
             start = start_timeout_s if start_timeout_s is not None else self.timeout_s
             if launch == "engine":
@@ -168,13 +195,19 @@ class SGLangEngine:
             if self.routing_layout is None:
                 raise EngineError("return_routed_experts: this SGLang engine was started without routed_experts")
             extra["return_routed_experts"] = True
+        if params.top_logprobs:
+            extra["top_logprobs_num"] = params.top_logprobs
+        start = time.perf_counter()
         outputs = self.backend.generate(
             input_ids=expanded, sampling_params=sampling, return_logprob=True, **extra
         )
+        elapsed = time.perf_counter() - start
         if isinstance(outputs, dict):
             outputs = [outputs]
         if len(outputs) != len(expanded):
             raise EngineError(f"SGLang returned {len(outputs)} outputs for {len(expanded)} requests")
+        if self.draft is not None:
+            self._speculation = speculation_from_outputs(outputs, self.draft, elapsed)
         completions = []
         for row, output in enumerate(outputs):
             served = output.get("meta_info", {}).get("weight_version")
@@ -183,12 +216,17 @@ class SGLangEngine:
                     f"SGLang sampled with weight version {served!r}, expected {self.weight_version}"
                 )
             routing = (len(expanded[row]), *self.routing_layout) if params.return_routed_experts else None
-            completions.append(
-                completion_from_output(
-                    output, prompt_index=row // params.n, weight_version=self.weight_version, routing=routing
-                )
+            completion = completion_from_output(
+                output, prompt_index=row // params.n, weight_version=self.weight_version, routing=routing
             )
+            if params.top_logprobs:
+                completion.top_ids, completion.top_logprobs = top_logprobs_from_output(output, params.top_logprobs)
+            completions.append(completion)
         return completions
+
+    def speculation_stats(self) -> SpeculationStats:
+        """What the draft did in the last ``generate``, from SGLang's per-request meta data."""
+        return self._speculation
 
     # -- weights ------------------------------------------------------------------------------
     capabilities = EngineCapabilities(lora_adapters=True)
@@ -225,18 +263,24 @@ class SGLangEngine:
         self.weight_version = int(version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None, version: int) -> None:
-        """Flattened CUDA-IPC buckets through ``update_weights_from_tensor``, then switch to ``version``."""
+        """Flattened CUDA-IPC buckets through ``update_weights_from_tensor``, then switch to ``version``.
+
+        With a draft worker the policy loads with ``selector="target"`` and a trained draft's tensors
+        (``draft.`` names, after the policy's) with ``selector="draft"``, each in its own session."""
         self._resume(WEIGHT_TAGS)
-        sync_weights(
-            self.backend,
-            named_tensors or (),
-            version,
+        common = dict(
             bucket_bytes=self.bucket_bytes,
             tp_size=self.tp_size,
             metadata_cls=getattr(self.backend, "metadata_cls", None) or sglang_metadata_cls(),
             output_str=self.backend.output_str,
             device=self.device,
         )
+        if has_draft_weights(self.draft):
+            for selector, tensors in split_draft_stream(named_tensors or ()):
+                sync_weights(self.backend, tensors, version, selector=selector, set_version=False, **common)
+            check_reply(self.backend.update_weight_version(str(int(version))), "update_weight_version")
+        else:
+            sync_weights(self.backend, named_tensors or (), version, **common)
         self._weights_lost = False
         self.weight_version = int(version)
 

@@ -179,13 +179,18 @@ def sync_weights(
     metadata_cls: type,
     output_str: bool,
     device: torch.device | str | None = None,
+    selector: str | None = None,
+    set_version: bool = True,
 ) -> int:
     """The SGLang weight-update call sequence; returns the number of buckets sent.
 
     ``engine`` has SGLang ``Engine``'s method names plus ``update_weight_version``; buckets are packed
-    on ``device`` (the GPU, so that they travel as CUDA-IPC handles).
+    on ``device`` (the GPU, so that they travel as CUDA-IPC handles). ``selector`` (``"target"`` or
+    ``"draft"``; None: SGLang's default ``"all"``) picks the runners that load them, for the session
+    and for every bucket; ``set_version=False`` leaves the version to a later session.
     """
-    check_reply(engine.begin_weight_update(), "begin_weight_update")
+    chosen = {} if selector is None else {"selector": selector}
+    check_reply(engine.begin_weight_update(**chosen), "begin_weight_update")
     buckets = 0
     try:
         for bucket in iter_buckets(named_tensors, bucket_bytes):
@@ -194,7 +199,7 @@ def sync_weights(
             )
             del bucket
             check_reply(
-                engine.update_weights_from_tensor(payloads, load_format=FLATTENED_BUCKET, flush_cache=False),
+                engine.update_weights_from_tensor(payloads, load_format=FLATTENED_BUCKET, flush_cache=False, **chosen),
                 f"update_weights_from_tensor (bucket {buckets})",
             )
             del payloads  # a fresh buffer per bucket; IPC refcounts free this one once SGLang is done
@@ -202,7 +207,8 @@ def sync_weights(
     finally:
         ended = engine.end_weight_update()
     check_reply(ended, "end_weight_update")
-    check_reply(engine.update_weight_version(str(int(version))), "update_weight_version")
+    if set_version:
+        check_reply(engine.update_weight_version(str(int(version))), "update_weight_version")
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
     return buckets
