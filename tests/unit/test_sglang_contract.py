@@ -825,22 +825,6 @@ def test_a_standalone_draft_needs_selectors_and_a_backed_up_or_synced_draft():
                 engine.generate([[3, 4]], SamplingParams(n=1, max_new_tokens=2))
 
 
-def test_sglang_refuses_a_draft_in_true_on_policy_mode(monkeypatch, tmp_path):
-    from rlite.config import ConfigError
-    from rlite.engines.base import DraftSpec
-    from rlite.engines.sglang.fake import fake_sglang_modules
-    from rlite.plugin_manager import build_plugin_manager, resolve_choice
-    from rlite.testing import tiny_config
-
-    for name, module in fake_sglang_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    pm = build_plugin_manager(autoload=False)
-    cfg = tiny_config("m", tmp_path, "rollout.engine=sglang", "rollout.true_on_policy=true", "rollout.draft=ngram", pm=pm)
-    factory, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
-    with pytest.raises(ConfigError, match="rollout.draft: SGLang's true on-policy mode"):
-        factory(cfg.model, None, cfg.rollout, engine_cfg, draft=DraftSpec("ngram"))
-
-
 def test_server_mode_sends_selectors_and_asks_for_top_logprobs(recording_server):
     from rlite.engines.base import DraftSpec
     from rlite.engines.sglang.launch import ServerBackend
@@ -864,7 +848,7 @@ def test_sglang_reads_rlites_speculative_flags_and_selector_requests():
     import argparse
 
     from sglang.srt.arg_groups.arg_utils import add_cli_args_from_dataclass
-    from sglang.srt.arg_groups.fields.exec_ import Exec
+    from sglang.srt.arg_groups.fields.exec_ import ExecFeatures
     from sglang.srt.arg_groups.fields.spec import Spec
 
     from rlite.engines.base import DraftSpec
@@ -873,7 +857,7 @@ def test_sglang_reads_rlites_speculative_flags_and_selector_requests():
 
     parser = argparse.ArgumentParser()
     add_cli_args_from_dataclass(parser, Spec)
-    add_cli_args_from_dataclass(parser, Exec)
+    add_cli_args_from_dataclass(parser, ExecFeatures)
     for draft in (DraftSpec("model", 3, model_path="/d"), DraftSpec("ngram", 4), DraftSpec("eagle", 2, model_path="/h")):
         server_args = speculative_server_args(draft)
         args, unknown = parser.parse_known_args(server_command(server_args, port=1)[3:])
