@@ -196,3 +196,28 @@ def test_a_trained_draft_with_adapter_only_lora_sync_is_refused(dirs, tmp_path):
                       pm=pm)
     with pytest.raises(ConfigError, match="rollout.lora_sync=adapter sends only the LoRA adapter"):
         run_training(cfg, pm)
+
+
+def test_the_user_page_lists_every_option_of_the_built_in_drafts_with_its_default():
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from rlite.plugins.drafts import DraftModelConfig, NgramDraftConfig
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "speculative.md").read_text()
+    for section, cls in (("### `draft_model`", DraftModelConfig), ("### `ngram`", NgramDraftConfig)):
+        start = text.index(section)
+        table = text[start : text.index("\n#", start + 1)]
+        rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, flags=re.M))
+        assert set(rows) == {f.name for f in dataclasses.fields(cls)}, section
+        for field in dataclasses.fields(cls):
+            shown = rows[field.name].strip().strip("`")
+            if field.default == "???":
+                assert shown == "(required)"
+            elif isinstance(field.default, bool):
+                assert shown == str(field.default).lower(), field.name
+            elif isinstance(field.default, (int, float)):
+                assert float(shown) == field.default, field.name
+            else:
+                assert shown == str(field.default), field.name

@@ -310,6 +310,9 @@ class SpeculativeDecoder:
                 proposals, draft_probs, counts = self.proposer.propose(limit)
                 counts = torch.minimum(counts, limit)
                 stats.draft_s += time.perf_counter() - t
+                width = int(counts.max())  # the policy verifies no more than the longest row proposes
+                proposals = proposals[:, :width]
+                draft_probs = None if draft_probs is None else draft_probs[:, :width]
             t = time.perf_counter()
             logits = target.logits(rows, done[rows], proposals).float() / params.temperature  # [R, K + 1, V]
             if plain_steps == 0:
