@@ -11,15 +11,19 @@ tokens per answer). ``prepare`` makes the two models once, deterministically (se
 * the draft: a Qwen2 of hidden size 64 and 1 layer with the same byte tokenizer, trained on the
   starting policy's own samples (temperature 1): a draft made for the policy as RL finds it.
 
-Each arm then trains the same policy with the same seeds in a fresh process (one thread): ``none``
-(plain decoding), ``frozen`` (the draft as prepared, ``args.train=false``), ``online`` (the same draft,
-trained every step on the step's rollouts) and ``ngram`` (prompt lookup). Printed: rollout tokens/s
-(generated tokens over ``time/generation``, steps 2..N), its ratio to ``none``, acceptance and tokens
-per target forward at the start and the end of the run, the engine's no-draft estimate, and the mean
-reward of the last steps. ``--plot`` draws reward, acceptance and tokens/s against step.
+Each arm then trains the same policy in a fresh process (one thread), once per training seed, the
+arms of a seed one after the other: ``none`` (plain decoding), ``frozen`` (the draft as prepared,
+``args.train=false``), ``online`` (the same draft, trained every step on the step's rollouts) and
+``ngram`` (prompt lookup). The samples of a speculative arm have the policy's distribution, but not
+the same random draws as ``none``, so their reward curves are other samples of the same process;
+the seeds show how far two samples of it lie apart. Printed per arm and seed: rollout tokens/s
+(generated tokens over ``time/generation``, steps 2..N), its ratio to the ``none`` run of the same
+seed, the engine's own no-draft estimate, acceptance and tokens per target forward at the start and
+the end of the run, train reward and held-out greedy accuracy at the start and the end. ``--plot``
+draws reward, held-out accuracy, acceptance and tokens/s against step.
 
-    python benchmarks/speculative.py [--steps 150] [--arms none,frozen,online,ngram] [--work runs/spec_bench]
-                                     [--plot benchmarks/speculative.png] [--append]
+    python benchmarks/speculative.py [--steps 200] [--arms none,frozen,online,ngram] [--seeds 0,1]
+                                     [--work runs/spec_bench] [--plot benchmarks/speculative.png] [--append]
 
 Why such a narrow, deep policy: one CPU core decodes a batch at the speed of its arithmetic, and a
 forward that checks k + 1 tokens per row costs about k + 1 times one that makes one, unless the
@@ -44,7 +48,9 @@ from machine_info import cpu_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 TASK = dict(task="spell_digits", num_train=4000, num_eval=128, seed=0)
-SFT_STEPS, DRAFT_STEPS = 700, 600
+SFT_MAX_STEPS, DRAFT_STEPS, TARGET_ACCURACY = 600, 600, 0.3
+"""The policy is supervised until its held-out greedy accuracy reaches TARGET_ACCURACY: partly competent,
+so that RL has something to learn and the policy moves."""
 
 # --------------------------------------------------------------------------------------------------
 # prepare: the policy (supervised to partial competence) and its draft (fit to the policy's samples)
@@ -83,12 +89,15 @@ def batches(examples, batch: int, steps: int, pad_id: int, seed: int):
         yield ids, labels, mask
 
 
-def fit(model, examples, steps: int, pad_id: int, lr: float, seed: int, log_every: int = 100) -> None:
+def fit(model, examples, steps: int, pad_id: int, lr: float, seed: int, stop=None, every: int = 20) -> int:
+    """AdamW on the answers (warm-up, then a constant rate) for ``steps`` batches of 64, or until
+    ``stop(step)`` (asked every ``every`` steps) says enough; returns the steps taken."""
     import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     model.train()
+    step = 0
     for step, (ids, labels, mask) in enumerate(batches(examples, 64, steps, pad_id, seed), start=1):
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
@@ -96,9 +105,15 @@ def fit(model, examples, steps: int, pad_id: int, lr: float, seed: int, log_ever
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
-        if step % log_every == 0:
+        if step % every == 0:
             print(f"  step {step}: loss {loss.item():.3f}", flush=True)
+            if stop is not None:
+                model.eval()
+                if stop(step):
+                    break
+                model.train()
     model.eval()
+    return step
 
 
 def generate(model, tokenizer, prompts, n: int, greedy: bool, seed: int):
@@ -132,24 +147,35 @@ def prepare(models: Path) -> None:
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompts = [encode(format_prompt(r["prompt"], tokenizer, True)) for r in train_rows]
     examples = [(p, encode(r["answer"]) + [tokenizer.eos_token_id]) for p, r in zip(prompts, train_rows)]
-    print(f"policy: supervised, {SFT_STEPS} steps", flush=True)
-    policy = qwen2(tokenizer, 64, 16)
-    fit(policy, examples, SFT_STEPS, tokenizer.pad_token_id, lr=2e-3, seed=0)
     held_out = [encode(format_prompt(r["prompt"], tokenizer, True)) for r in eval_rows]
-    answers = generate(policy, tokenizer, held_out, 1, greedy=True, seed=0)
-    accuracy = sum(tokenizer.decode(c.token_ids, skip_special_tokens=True).strip() == eval_rows[i]["answer"]
+
+    def accuracy() -> float:
+        answers = generate(policy, tokenizer, held_out, 1, greedy=True, seed=0)
+        return sum(tokenizer.decode(c.token_ids, skip_special_tokens=True).strip() == eval_rows[i]["answer"]
                    for i, c in answers) / len(eval_rows)
-    print(f"policy: held-out greedy accuracy {accuracy:.3f}", flush=True)
+
+    def competent(step: int) -> bool:
+        if step < 100:
+            return False
+        reached = accuracy()
+        print(f"  step {step}: held-out greedy accuracy {reached:.3f}", flush=True)
+        return reached >= TARGET_ACCURACY
+
+    print(f"policy: supervised until its held-out greedy accuracy is {TARGET_ACCURACY}", flush=True)
+    policy = qwen2(tokenizer, 64, 16)
+    sft_steps = fit(policy, examples, SFT_MAX_STEPS, tokenizer.pad_token_id, lr=2e-3, seed=0, stop=competent)
+    policy_accuracy = accuracy()
+    print(f"policy: {sft_steps} steps, held-out greedy accuracy {policy_accuracy:.3f}", flush=True)
     policy.save_pretrained(models / "policy")
     tokenizer.save_pretrained(models / "policy")
     print("draft: fit to 4 samples of the starting policy per training prompt (1000 prompts)", flush=True)
     samples = generate(policy, tokenizer, prompts[:1000], 4, greedy=False, seed=1)
     own = [(prompts[i], c.token_ids) for i, c in samples]
     draft = qwen2(tokenizer, 64, 1)
-    fit(draft, own, DRAFT_STEPS, tokenizer.pad_token_id, lr=3e-3, seed=1)
+    fit(draft, own, DRAFT_STEPS, tokenizer.pad_token_id, lr=3e-3, seed=1, every=100)
     draft.save_pretrained(models / "draft")
     tokenizer.save_pretrained(models / "draft")
-    (models / "prepare.json").write_text(json.dumps({"policy_greedy_accuracy": accuracy, "sft_steps": SFT_STEPS,
+    (models / "prepare.json").write_text(json.dumps({"policy_greedy_accuracy": policy_accuracy, "sft_steps": sft_steps,
                                                      "draft_steps": DRAFT_STEPS}))
 
 
@@ -168,7 +194,7 @@ pm = build_plugin_manager()
 run_training(load_config(None, spec["overrides"], pm), pm)
 """
 
-PROMPTS, SAMPLES = 4, 8
+PROMPTS, SAMPLES, LR = 4, 8, 1e-4
 
 
 def arm_overrides(arm: str, models: Path) -> list[str]:
@@ -182,17 +208,18 @@ def arm_overrides(arm: str, models: Path) -> list[str]:
     }[arm]
 
 
-def run_arm(arm: str, models: Path, work: Path, steps: int) -> list[dict]:
-    run_dir = work / arm
+def run_arm(arm: str, seed: int, models: Path, work: Path, steps: int) -> list[dict]:
+    run_dir = work / f"{arm}-seed{seed}"
     overrides = [
         f"model.path={models / 'policy'}", f"data.task={TASK['task']}", f"data.num_train={TASK['num_train']}",
-        f"data.num_eval={TASK['num_eval']}", f"data.seed={TASK['seed']}",
+        f"data.num_eval={TASK['num_eval']}", f"data.seed={TASK['seed']}", f"training.seed={seed}",
         f"rollout.prompts_per_step={PROMPTS}", f"rollout.samples_per_prompt={SAMPLES}", "rollout.max_new_tokens=48",
         "rollout.temperature=1.0",
-        f"training.steps={steps}", "training.lr=3e-4", "training.warmup_steps=5", "training.micro_batch_size=32",
-        "training.eval_every=25", "training.eval_max_prompts=64", "training.num_threads=1",
+        f"training.steps={steps}", f"training.lr={LR}", "training.warmup_steps=5", "training.micro_batch_size=32",
+        "training.eval_every=25", "training.eval_max_prompts=128", "training.num_threads=1",
         f"logging.run_dir={run_dir}", "logging.progress_bar=false", "logging.plot=false", "logging.loggers=[jsonl]",
-        "checkpoint.every=0", "checkpoint.save_final=false", "checkpoint.export_hf=false", "checkpoint.resume=never",
+        "checkpoint.every=0", "checkpoint.save_final=false", "checkpoint.resume=never",
+        f"checkpoint.export_hf={str(arm == 'online').lower()}",  # the end's policy and draft, for measure_generation
         *arm_overrides(arm, models),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -200,23 +227,23 @@ def run_arm(arm: str, models: Path, work: Path, steps: int) -> list[dict]:
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"overrides": overrides})], capture_output=True,
                          text=True, env=env, timeout=6 * 3600)
     if out.returncode != 0:
-        raise SystemExit(f"arm {arm} failed:\n{out.stderr[-4000:]}")
-    print(f"  {arm}: {time.time() - start:.0f} s", flush=True)
+        raise SystemExit(f"arm {arm} (seed {seed}) failed:\n{out.stderr[-4000:]}")
+    print(f"  {arm}, seed {seed}: {time.time() - start:.0f} s", flush=True)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def summarize(rows: list[dict]) -> dict:
     trained = [r for r in rows if "reward/mean" in r]
     steady = trained[1:]  # the first step pays for warm-up
-    tokens = [r["response/length"] * PROMPTS * SAMPLES for r in steady]
     tail = max(len(trained) // 5, 1)
+    evals = [r["eval/greedy_accuracy"] for r in rows if "eval/greedy_accuracy" in r]
     out = {
-        "tokens_per_s": sum(tokens) / sum(r["time/generation"] for r in steady),
+        "tokens_per_s": sum(r["response/length"] * PROMPTS * SAMPLES for r in steady) / sum(r["time/generation"] for r in steady),
+        "reward_first": statistics.mean(r["reward/mean"] for r in trained[:tail]),
         "reward_last": statistics.mean(r["reward/mean"] for r in trained[-tail:]),
-        "reward_last_se": statistics.stdev([r["reward/mean"] for r in trained[-tail:]]) / tail ** 0.5 if tail > 1 else 0.0,
         "tail": tail,
-        "eval_final": next((r["eval/greedy_accuracy"] for r in reversed(rows) if "eval/greedy_accuracy" in r), float("nan")),
-        "length": statistics.mean(r["response/length"] for r in trained),
+        "eval_first": evals[0] if evals else float("nan"),
+        "eval_last": statistics.mean(evals[-3:]) if evals else float("nan"),
     }
     if "spec/acceptance_rate" in trained[0]:
         for key, name in (("spec/acceptance_rate", "acceptance"), ("spec/tokens_per_target_forward", "tokens_per_forward")):
@@ -227,78 +254,165 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def plot(series: dict[str, list[dict]], path: Path) -> None:
+def measure_generation(policy_dir: Path, drafts: dict[str, Path | None], repeats: int = 3) -> dict[str, dict]:
+    """Generation alone, in this process, by CPU time: the same 64 held-out prompts x 8 samples (16 calls
+    of 4 prompts, fixed seeds) with each draft (``None``: no draft; ``"ngram"``: prompt lookup), the drafts
+    interleaved ``repeats`` times; CPU time is what a shared machine's load disturbs least."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlite.data import format_prompt
+    from rlite.engines.base import DraftSpec, SamplingParams
+    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.tasks import make_task
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    _, held_out = make_task(TASK["task"], TASK["num_train"], TASK["num_eval"], seed=TASK["seed"])
+    prompts = [tokenizer(format_prompt(r["prompt"], tokenizer, True), add_special_tokens=False)["input_ids"]
+               for r in held_out[:64]]
+    engines = {}
+    for name, path in drafts.items():
+        if path is None:
+            spec, draft_model = None, None
+        elif path == "ngram":
+            spec, draft_model = DraftSpec("ngram", 4), None
+        else:
+            spec, draft_model = DraftSpec("model", 4, model_path=str(path)), AutoModelForCausalLM.from_pretrained(path)
+        engines[name] = TransformersEngine(policy, pad_token_id=tokenizer.pad_token_id,
+                                           eos_token_ids=[tokenizer.eos_token_id], draft=spec, draft_model=draft_model)
+    calls = [(prompts[i : i + PROMPTS], SamplingParams(n=SAMPLES, max_new_tokens=48, seed=1000 + i))
+             for i in range(0, len(prompts), PROMPTS)]
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    counts: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            engine.generate(*calls[0])  # warm
+            start, accepted, proposed, emitted, forwards = time.process_time(), 0, 0, 0, 0
+            for batch, params in calls:
+                engine.generate(batch, params)
+                if engine.speculator is not None:
+                    stats = engine.speculation_stats()
+                    accepted, proposed = accepted + stats.accepted, proposed + stats.proposed
+                    emitted, forwards = emitted + stats.emitted, forwards + stats.verifications
+            times[name].append(time.process_time() - start)
+            counts[name] = [accepted / max(proposed, 1), emitted / max(forwards, 1)]
+    base = statistics.median(times["none"])
+    return {name: {"cpu_s": statistics.median(t), "vs_none": base / statistics.median(t),
+                   "acceptance": counts[name][0] if engines[name].speculator else None,
+                   "tokens_per_forward": counts[name][1] if engines[name].speculator else None}
+            for name, t in times.items()}
+
+
+COLORS = {"none": "black", "frozen": "tab:blue", "online": "tab:red", "ngram": "tab:green"}
+
+
+def plot(series: dict[tuple[str, int], list[dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def smooth(values, k=10):
+    def smooth(values, k=20):
         return [statistics.mean(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))]
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for arm, rows in series.items():
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    seeds = sorted({seed for _, seed in series})
+    for (arm, seed), rows in series.items():
         trained = [r for r in rows if "reward/mean" in r]
         steps = [r["step"] for r in trained]
-        axes[0].plot(steps, smooth([r["reward/mean"] for r in trained]), label=arm)
+        style = dict(color=COLORS.get(arm), linestyle=("-", "--", ":", "-.")[seeds.index(seed) % 4],
+                     label=f"{arm}, seed {seed}", alpha=0.85)
+        axes[0].plot(steps, smooth([r["reward/mean"] for r in trained]), **style)
+        evals = [(r["step"], r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
+        axes[1].plot(*zip(*evals), marker="o", markersize=3, **style)
         if "spec/acceptance_rate" in trained[0]:
-            axes[1].plot(steps, smooth([r["spec/acceptance_rate"] for r in trained]), label=arm)
+            axes[2].plot(steps, smooth([r["spec/acceptance_rate"] for r in trained]), **style)
         tokens = [r["response/length"] * PROMPTS * SAMPLES / r["time/generation"] for r in trained]
-        axes[2].plot(steps[1:], smooth(tokens[1:]), label=arm)
-    for ax, title in zip(axes, ("train reward (mean of 10 steps)", "draft acceptance rate (mean of 10 steps)",
-                                "rollout tokens/s (mean of 10 steps)")):
+        axes[3].plot(steps[1:], smooth(tokens[1:]), **style)
+    titles = ("train reward (mean of 20 steps)", "held-out greedy accuracy", "draft acceptance rate (mean of 20 steps)",
+              "rollout tokens/s (mean of 20 steps)")
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--arms", default="none,frozen,online,ngram")
+    parser.add_argument("--seeds", default="0,1", help="training seeds; every arm runs once per seed, arms interleaved")
     parser.add_argument("--work", type=Path, default=Path("runs/spec_bench"))
-    parser.add_argument("--plot", type=Path, default=None, help="write reward, acceptance and tokens/s curves here")
+    parser.add_argument("--plot", type=Path, default=None, help="write reward, accuracy, acceptance and tokens/s curves here")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     models = args.work / "models"
     prepare(models)
+    arms, seeds = args.arms.split(","), [int(s) for s in args.seeds.split(",")]
     series = {}
-    for arm in args.arms.split(","):
-        print(f"arm {arm}", flush=True)
-        series[arm] = run_arm(arm, models, args.work, args.steps)
-    summary = {arm: summarize(rows) for arm, rows in series.items()}
-    base = summary.get("none", {}).get("tokens_per_s")
+    for seed in seeds:  # arms side by side in time, so that a change of load on the machine hits them all
+        for arm in arms:
+            print(f"arm {arm}, seed {seed}", flush=True)
+            series[arm, seed] = run_arm(arm, seed, models, args.work, args.steps)
+    summary = {key: summarize(rows) for key, rows in series.items()}
     prepared = json.loads((models / "prepare.json").read_text())
     lines = [
         f"### speculative.py: drafts during GRPO on spell_digits ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores (shared), one thread per run; torch {torch_version()}",
-        f"- command: `python benchmarks/speculative.py --steps {args.steps} --arms {args.arms}`",
-        f"- job: policy Qwen2 hidden 64 x 16 layers (supervised {prepared['sft_steps']} steps, held-out greedy accuracy "
-        f"{prepared['policy_greedy_accuracy']:.2f}); draft Qwen2 hidden 64 x 1 layer fit to the starting policy's "
-        f"samples; GRPO, {PROMPTS} prompts x {SAMPLES} samples, temperature 1, up to 48 tokens, k = 4 proposals",
+        f"- command: `python benchmarks/speculative.py --steps {args.steps} --arms {args.arms} --seeds {args.seeds}`",
+        f"- job: policy Qwen2 hidden 64 x 16 layers (0.8M parameters; supervised {prepared['sft_steps']} steps, held-out "
+        f"greedy accuracy {prepared['policy_greedy_accuracy']:.2f}); draft Qwen2 hidden 64 x 1 layer fit to the starting "
+        f"policy's samples; GRPO, lr {LR}, {PROMPTS} prompts x {SAMPLES} samples, temperature 1, up to 48 tokens "
+        "(answers 30-40), k = 4 proposals, transformers engine in-process; one run per arm and seed, arms interleaved",
+        "- rollout tokens/s: generated tokens / `time/generation` over steps 2..N; `vs none`: against the run of the "
+        "same seed; first/last: means over the first and last fifth of the steps; held-out accuracy: step 0 and the "
+        "mean of the last three evaluations (128 prompts)",
         "",
-        "| arm | rollout tokens/s | vs none | acceptance start -> end | tokens/target forward start -> end "
-        "| engine's estimate vs none | reward, last steps | held-out greedy acc. (end) | mean length |",
-        "|---|---:|---:|---|---|---:|---|---:|---:|",
+        "| arm | seed | rollout tokens/s | vs none | engine's estimate | acceptance first -> last "
+        "| tokens/target forward first -> last | train reward first -> last | held-out greedy acc. first -> last |",
+        "|---|---:|---:|---:|---:|---|---|---|---|",
     ]
-    for arm, s in summary.items():
+    for (arm, seed), s in summary.items():
+        base = summary.get(("none", seed), {}).get("tokens_per_s")
         ratio = f"{s['tokens_per_s'] / base:.2f}x" if base else "-"
         acceptance = f"{s['acceptance_first']:.3f} -> {s['acceptance_last']:.3f}" if "acceptance_first" in s else "-"
         per_forward = (f"{s['tokens_per_forward_first']:.2f} -> {s['tokens_per_forward_last']:.2f}"
                        if "tokens_per_forward_first" in s else "-")
         estimate = f"{s['estimated_speedup']:.2f}x" if "estimated_speedup" in s else "-"
         lines.append(
-            f"| {arm} | {s['tokens_per_s']:.0f} | {ratio} | {acceptance} | {per_forward} | {estimate} | "
-            f"{s['reward_last']:.3f} +- {s['reward_last_se']:.3f} (last {s['tail']}) | {s['eval_final']:.3f} | "
-            f"{s['length']:.1f} |"
+            f"| {arm} | {seed} | {s['tokens_per_s']:.0f} | {ratio} | {estimate} | {acceptance} | {per_forward} | "
+            f"{s['reward_first']:.3f} -> {s['reward_last']:.3f} | {s['eval_first']:.3f} -> {s['eval_last']:.3f} |"
         )
+    if {"online", "none"} <= set(arms):  # the same rollouts generated at the start and at the end of a run
+        seed = seeds[0]
+        print("generation alone, by CPU time", flush=True)
+        start = measure_generation(models / "policy", {"none": None, "draft": models / "draft", "ngram": "ngram"})
+        online = args.work / f"online-seed{seed}"
+        end = measure_generation(online / "hf_model", {"none": None, "frozen": models / "draft",
+                                                       "online": online / "hf_draft", "ngram": "ngram"})
+        lines += [
+            "",
+            f"Generation alone (`measure_generation`: the same 64 held-out prompts x {SAMPLES} samples in calls of "
+            f"{PROMPTS} prompts, fixed seeds, CPU time, median of 3 interleaved repeats), with the starting policy and "
+            f"with the policy at the end of the online run of seed {seed} (its draft: `hf_draft` of that run):",
+            "",
+            "| policy | draft | CPU s | speed-up vs none | acceptance | tokens/target forward |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for label, table in (("start", start), (f"end of online, seed {seed}", end)):
+            for name, m in table.items():
+                acc = "-" if m["acceptance"] is None else f"{m['acceptance']:.3f}"
+                tpf = "-" if m["tokens_per_forward"] is None else f"{m['tokens_per_forward']:.2f}"
+                lines.append(f"| {label} | {name} | {m['cpu_s']:.2f} | {m['vs_none']:.2f}x | {acc} | {tpf} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    (args.work / "summary.json").write_text(json.dumps(summary, indent=1))
+    (args.work / "summary.json").write_text(json.dumps({f"{a}-seed{s}": v for (a, s), v in summary.items()}, indent=1))
     if args.plot:
         plot(series, args.plot)
     if args.append:

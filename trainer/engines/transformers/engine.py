@@ -463,8 +463,7 @@ class TransformersEngine:
         shared = 0
         for name, tensor in named_tensors or []:
             if name not in params:
-                # tied weights appear under one name only in named_parameters()
-                if name.endswith("lm_head.weight") and name.removesuffix("lm_head.weight") in ("", DRAFT_PREFIX):
+                if is_tied_output_layer(name):  # tied weights appear under one name only in named_parameters()
                     continue
                 raise EngineError(f"weight sync: engine model has no parameter named {name!r}")
             target = params[name]
@@ -507,6 +506,12 @@ class TransformersEngine:
 
     def shutdown(self) -> None:
         self.model = self.draft_model = self.speculator = None
+
+
+def is_tied_output_layer(name: str) -> bool:
+    """The output layer of the policy or of a trained draft, which ``named_parameters()`` does not list
+    when it is tied to the input embedding (a sync may still send it)."""
+    return name in ("lm_head.weight", DRAFT_PREFIX + "lm_head.weight")
 
 
 def load_draft_model(draft: DraftSpec | None, attn_implementation: str = "sdpa") -> torch.nn.Module | None:

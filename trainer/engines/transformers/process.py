@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from rlite.engines.base import (
-    DRAFT_PREFIX,
     Completion,
     DraftSpec,
     EngineCapabilities,
@@ -46,6 +45,7 @@ from rlite.engines.base import (
     SamplingParams,
     SpeculationStats,
 )
+from rlite.engines.transformers.engine import is_tied_output_layer
 from rlite.sync.transport import SharedBucketReceiver, SharedBucketSender, SyncStats
 
 _DIRECT_SEND_BYTES = 16 << 10
@@ -333,8 +333,7 @@ class _ViewLoader:
         for name, view in views:
             param = self.params.get(name)
             if param is None:
-                # tied to the embedding: named_parameters() lists it once
-                if name.endswith("lm_head.weight") and name.removesuffix("lm_head.weight") in ("", DRAFT_PREFIX):
+                if is_tied_output_layer(name):  # tied to the embedding: named_parameters() lists it once
                     continue
                 raise EngineError(f"engine model has no parameter named {name!r}")
             if param.shape != view.shape:

@@ -369,7 +369,6 @@ class Verifier:
             self.buffer = torch.cat([ids, ids.new_full((len(ids), total), pad_token_id)], 1)
             self.mask = torch.cat([mask, mask.new_ones(len(ids), total)], 1)
             self.positions = position_ids_from_mask(self.mask)
-            self.pad_token_id = pad_token_id
         else:
             self.cache = prefill(model, prompts, n, pad_token_id, reserve)
             self.pending = torch.tensor([p[-1] for p in prompts for _ in range(n)], device=self.cache.pads.device)
