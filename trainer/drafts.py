@@ -197,19 +197,19 @@ class ModelDraft:
         self.model.train()
         group = self.context.layout.group
         rows = len(batch)
-        # the global number of response tokens normalises every rank's sum: the mean over the global batch
-        totals = torch.zeros(4, dtype=torch.float64)
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, argmax agreements, tokens
         norms = []
         splits = [list(range(rows))[i :: self.updates_per_step] for i in range(self.updates_per_step)]
         for part in splits:
             if not part:
                 continue
+            # the global number of response tokens normalises every rank's sum: the mean over the global batch
             tokens = all_reduce_sum(torch.tensor([float(batch.response_mask[part].sum())]), group)[0].clamp(min=1)
             for start in range(0, len(part), self.micro_batch_size):
                 micro = batch.select(part[start : start + self.micro_batch_size])
                 loss_sum, agree, count = self._loss_sum(micro)
                 (loss_sum / tokens).backward()
-                totals += torch.tensor([float(loss_sum.detach()), float(agree), float(count), 0.0], dtype=torch.float64)
+                totals += torch.tensor([float(loss_sum.detach()), float(agree), float(count)], dtype=torch.float64)
             norms.append(self._step(group))
         self.model.eval()
         totals = all_reduce_sum(totals, group)
