@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from rlite.api import hookimpl
+from rlite.api import ConfigError, hookimpl
 
 
 @dataclass
@@ -40,8 +40,11 @@ def _eos_ids(tokenizer) -> list[int]:
 
 
 def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: TransformersEngineConfig, context):
+    draft = context.draft
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = dict(pad_token_id=pad, eos_token_ids=_eos_ids(tokenizer), true_on_policy=rollout_config.true_on_policy)
+    common = dict(
+        pad_token_id=pad, eos_token_ids=_eos_ids(tokenizer), true_on_policy=rollout_config.true_on_policy, draft=draft
+    )
     if cfg.process:
         from rlite.api import ProcessEngine
 
@@ -53,10 +56,15 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
             bucket_mb=rollout_config.sync_bucket_mb,
             **common,
         )
-    from rlite.api import TransformersEngine, load_causal_lm
+    from rlite.api import TransformersEngine, load_causal_lm, load_draft_model
 
     engine_model_cfg = type(model_config)(**{**model_config.__dict__, "attn_implementation": cfg.attn_implementation})
-    return TransformersEngine(load_causal_lm(engine_model_cfg), share_weights=cfg.share_weights, **common)
+    return TransformersEngine(
+        load_causal_lm(engine_model_cfg),
+        share_weights=cfg.share_weights,
+        draft_model=load_draft_model(draft, cfg.attn_implementation),
+        **common,
+    )
 
 
 @dataclass
@@ -99,6 +107,12 @@ class SGLangEngineConfig:
 
 
 def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngineConfig, context):
+    draft = context.draft
+    if draft is not None and rollout_config.true_on_policy:
+        raise ConfigError(
+            "rollout.draft: SGLang's true on-policy mode (rollout.true_on_policy) is not verified with speculative "
+            "decoding; set rollout.draft=none, or use rollout.engine=transformers, which keeps it bitwise with a draft"
+        )
     try:
         import sglang  # noqa: F401
     except ImportError:
@@ -141,7 +155,7 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
                                           weight_dtype=weight_dtype, reacquires_device_memory=True,
                                           quantized_layout=quantization_config is not None)  # fmt: skip
         return SGLangGroupMember(group, capabilities, bucket_bytes=rollout_config.sync_bucket_mb << 20, device=device,
-                                 metadata_cls=sglang_metadata_cls())  # fmt: skip
+                                 metadata_cls=sglang_metadata_cls(), draft=draft)  # fmt: skip
     engine_kwargs = dict(cfg.engine_kwargs)
     load_format = "dummy"  # weights arrive with the first sync
     if rollout_config.lora_sync == "adapter":  # the engine keeps the real base and serves adapters
@@ -170,6 +184,7 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         quantization_config=quantization_config,
         verify_weights=cfg.verify_weights,
         group=group,
+        draft=draft,
     )
 
 
@@ -186,5 +201,5 @@ def moe_routing_layout(model_path) -> tuple[int, int] | None:
 
 @hookimpl
 def register_rollout_engines(register):
-    register("transformers", make_transformers_engine, TransformersEngineConfig)
-    register("sglang", make_sglang_engine, SGLangEngineConfig)
+    register("transformers", make_transformers_engine, TransformersEngineConfig, draft_methods=("model", "ngram"))
+    register("sglang", make_sglang_engine, SGLangEngineConfig, draft_methods=("model", "ngram", "eagle"))

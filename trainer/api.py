@@ -6,8 +6,10 @@ rlite's inside. Implementations with heavy dependencies (the FSDP2 backend, the 
 loading) are attributes loaded on first use, so ``import rlite.api`` stays light.
 
 Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendCapabilities`,
-:class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`) and :class:`RolloutEngine` (with
-:class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`). Hook specs:
+:class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`), :class:`RolloutEngine` (with
+:class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`, and for speculative decoding
+:class:`DraftSpec` and :class:`SpeculationStats`) and :class:`SpeculativeDraft` (with
+:class:`DraftContext`; built on :class:`ModelDraft` or :class:`FixedDraft`). Hook specs:
 :mod:`rlite.hookspecs`; writing plugins: ``docs/plugins.md``.
 """
 
@@ -19,7 +21,17 @@ from typing import Any
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
 from rlite.config import ConfigError, RunConfig
 from rlite.distributed import DataLayout
-from rlite.engines.base import Completion, EngineCapabilities, EngineError, RolloutEngine, SamplingParams
+from rlite.drafts import DraftContext, FixedDraft, ModelDraft, SpeculativeDraft, check_draft_vocabulary
+from rlite.engines.base import (
+    DRAFT_PREFIX,
+    Completion,
+    DraftSpec,
+    EngineCapabilities,
+    EngineError,
+    RolloutEngine,
+    SamplingParams,
+    SpeculationStats,
+)
 from rlite.engines.placement import EngineContext, RankDevice
 from rlite.hookspecs import Register, hookimpl
 from rlite.mismatch import (
@@ -48,6 +60,7 @@ _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
     "TransformersEngine": "rlite.engines.transformers.engine",
     "ProcessEngine": "rlite.engines.transformers.process",
+    "load_draft_model": "rlite.engines.transformers.engine",
     "SGLangEngine": "rlite.engines.sglang.engine",
     "read_model_config": "rlite.engines.sglang.engine",
     "SGLangGroupMember": "rlite.engines.sglang.group",
@@ -75,12 +88,17 @@ __all__ = [
     "ConfigError",
     "CorrectionOutput",
     "CriticModel",
+    "DRAFT_PREFIX",
     "DataLayout",
+    "DraftContext",
+    "DraftSpec",
     "EngineCapabilities",
     "EngineContext",
     "EngineError",
+    "FixedDraft",
     "ForwardSpec",
     "LoraAdapter",
+    "ModelDraft",
     "Register",
     "RankDevice",
     "RolloutBatch",
@@ -91,9 +109,12 @@ __all__ = [
     "RunConfig",
     "SamplingParams",
     "ScoringModel",
+    "SpeculationStats",
+    "SpeculativeDraft",
     "TrainTargets",
     "TrainingBackend",
     "build_lr_scheduler",
+    "check_draft_vocabulary",
     "fraction",
     "hookimpl",
     "log_or_neg_inf",

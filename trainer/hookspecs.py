@@ -118,8 +118,16 @@ def register_rollout_quantizers(register: Register) -> None:
 def register_speculative_drafts(register: Register) -> None:
     """Register speculative-decoding drafts, selected by ``rollout.draft.name``.
 
-    :param register: call ``register(name, factory, config_cls)``. ``factory(engine_kwargs, cfg)``
-        returns the extra keyword arguments the rollout engine needs to run with this draft.
+    :param register: call ``register(name, factory, config_cls, method=...)``, with ``method`` the
+        kind of draft (:attr:`rlite.api.DraftSpec.method`: ``model``, ``ngram`` or ``eagle``; the config
+        loader refuses a draft the chosen engine cannot run). ``factory(context, cfg)`` receives a
+        :class:`rlite.api.DraftContext` (the policy's model config and tokenizer, the rollout config,
+        the device and the data-parallel layout) and the draft's config instance, and returns a
+        :class:`rlite.api.SpeculativeDraft`: its ``spec`` (what the engine runs), ``update(batch)``
+        (called every step with the step's rollouts, after the policy's update; the draft's loss must
+        not reach the policy), ``named_weights()`` (sent to the engine after the policy's in every
+        weight sync when ``spec.trained``), ``state_dict()``/``load_state_dict()`` for checkpoints and
+        ``export(out_dir)``.
     """
 
 
@@ -145,11 +153,15 @@ def register_rollout_engines(register: Register) -> None:
         tokenizer, rollout_config, cfg, context)`` receives the ``model`` and ``rollout`` config
         sections, the tokenizer, the engine's own config instance and an
         :class:`rlite.api.EngineContext` (every rank's host, GPU, free device memory and what its
-        trainer will still allocate, and the rollout quantizer), and returns a
+        trainer will still allocate, the rollout quantizer, and the speculative draft), and returns a
         :class:`rlite.api.RolloutEngine` (its weights are overwritten by the first sync) whose
         ``capabilities`` (:class:`rlite.api.EngineCapabilities`) say whether it shares the trainer's
         weights, serves LoRA adapters, wants its weights in another dtype or pre-quantized. It is
-        called on every rank that builds an engine (``context.engine_ranks``), at the same time.
+        called on every rank that builds an engine (``context.engine_ranks``), at the same time. An
+        engine that runs speculative drafts registers with ``draft_methods=(...)`` (the
+        :attr:`rlite.api.DraftSpec.method` values it runs) and finds the draft's
+        :class:`rlite.api.DraftSpec` in ``context.draft`` (None when ``rollout.draft`` is off; an
+        engine registered without ``draft_methods`` is never given one).
     """
 
 

@@ -73,6 +73,11 @@ def train(run: Run) -> dict[str, Any]:
                 train_metrics.update(update_critic(run, batch))
         hook.after_optimizer_step(step=step, model=run.backend.model, metrics=train_metrics)
 
+        # 4b. the speculative draft learns from the same rollouts (its own model: nothing reaches the policy)
+        if run.draft is not None:
+            with timer.phase("draft"):
+                train_metrics.update(run.draft.update(batch))
+
         # 5. the engine samples the next batch from exactly these weights
         with timer.phase("weight_sync"):
             run.sync_weights(version=step)
@@ -81,7 +86,7 @@ def train(run: Run) -> dict[str, Any]:
         # 6. metrics, evaluation, then checkpoint
         metrics, generated_tokens = step_metrics(
             batch, train_logprobs, reward_stats, measure_mismatch="mismatch/kl" not in target_metrics,
-            dp_group=run.layout.group,
+            dp_group=run.layout.group, speculation=run.rollouts.speculation,
         )
         metrics.update(target_metrics)
         metrics.update(train_metrics)

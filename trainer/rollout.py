@@ -71,6 +71,11 @@ class RolloutBatch:
     """[B, P + T, L, K] experts the engine routed each token to in every decoder layer (int16; -1
     where nothing was recorded: padding, dense layers, each response's last token), on the grid of
     ``cat(prompt_ids, response_ids)``; ``None`` unless the engine was asked (:mod:`rlite.moe_routing`)."""
+    policy_top_ids: torch.Tensor | None = None
+    """[B, T, k] the policy's k most likely tokens at each response position, as the engine reported
+    them while sampling (``SamplingParams.top_logprobs``: a draft distils from them); ``None`` unless asked."""
+    policy_top_logprobs: torch.Tensor | None = None
+    """[B, T, k] their log-probs (``log_softmax(logits / temperature)``; 0 after each response)."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -97,6 +102,8 @@ class RolloutBatch:
             weight_versions=[self.weight_versions[i] for i in index] if self.weight_versions else [],
             targets=None if self.targets is None else self.targets.select(idx),
             routed_experts=None if self.routed_experts is None else self.routed_experts[idx],
+            policy_top_ids=None if self.policy_top_ids is None else self.policy_top_ids[idx],
+            policy_top_logprobs=None if self.policy_top_logprobs is None else self.policy_top_logprobs[idx],
         )
 
 
@@ -135,7 +142,23 @@ def build_rollout_batch(
         samples=[samples[c.prompt_index] for c in completions],
         weight_versions=[c.weight_version for c in completions],
         routed_experts=routing_grid(completions, [len(r) for r in prompt_rows], prompt_ids.shape[1], width),
+        **top_logprobs_grid(completions, width),
     )
+
+
+def top_logprobs_grid(completions: list[Completion], width: int) -> dict[str, torch.Tensor | None]:
+    """The completions' top log-probs (and their tokens) as ``[B, width, k]`` tensors, zero-padded."""
+    if not completions or completions[0].top_ids is None:
+        return {"policy_top_ids": None, "policy_top_logprobs": None}
+    k = completions[0].top_ids.shape[1]
+    ids = torch.zeros((len(completions), width, k), dtype=torch.long)
+    logprobs = torch.zeros((len(completions), width, k), dtype=torch.float32)
+    for row, comp in enumerate(completions):
+        n = len(comp.token_ids)
+        if n:
+            ids[row, :n] = torch.as_tensor(comp.top_ids, dtype=torch.long)
+            logprobs[row, :n] = torch.as_tensor(comp.top_logprobs, dtype=torch.float32)
+    return {"policy_top_ids": ids, "policy_top_logprobs": logprobs}
 
 
 def routing_grid(
@@ -223,6 +246,9 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
     def right(x, fill):
         return torch.nn.functional.pad(x, (0, response_width - x.shape[1]), value=fill)
 
+    def right3(x):  # [b, t, k] along t
+        return torch.nn.functional.pad(x, (0, 0, 0, response_width - x.shape[1]))
+
     cat = torch.cat
     return RolloutBatch(
         prompt_ids=cat([left(b.prompt_ids, pad_token_id) for b in batches]),
@@ -237,6 +263,9 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         scores=None if any(b.scores is None for b in batches) else cat([b.scores for b in batches]),
         weight_versions=[v for b in batches for v in b.weight_versions],
         routed_experts=concat_routing(batches, prompt_width, response_width),
+        policy_top_ids=None if batches[0].policy_top_ids is None else cat([right3(b.policy_top_ids) for b in batches]),
+        policy_top_logprobs=None if batches[0].policy_top_logprobs is None
+        else cat([right3(b.policy_top_logprobs) for b in batches]),
     )
 
 

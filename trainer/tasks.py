@@ -109,11 +109,30 @@ def word_problems(
     }
 
 
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def spell_digits(rng: random.Random, min_digits: int = 6, max_digits: int = 8) -> dict[str, Any]:
+    """``"Spell out the digits: 40712"`` -> ``"four zero seven one two"``: a long, structured answer
+    (about 5 characters, so 5 byte tokens, per digit: 30-40 tokens with the defaults), whose first
+    letter of each word is the only hard choice. Made for measuring speculative decoding."""
+    _check_int("min_digits", min_digits, 1, 64)
+    _check_int("max_digits", max_digits, min_digits, 64)
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_digits, max_digits)))
+    return {
+        "prompt": f"Spell out the digits: {digits}",
+        "answer": " ".join(DIGIT_NAMES[int(d)] for d in digits),
+        "task": "spell_digits",
+        "digits": digits,
+    }
+
+
 TASKS: dict[str, TaskFn] = {
     "addition": addition,
     "reversal": reversal,
     "sorting": sorting,
     "word_problems": word_problems,
+    "spell_digits": spell_digits,
 }
 """Built-in synthetic tasks by name (``data.task``)."""
 

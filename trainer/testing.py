@@ -296,3 +296,22 @@ def sharded_load(rank: int, world_size: int, init_file: str, model_dir: str, out
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of a chi-square goodness-of-fit test of ``counts`` (draws per outcome) against ``probs``;
+    outcomes expecting fewer than 5 draws are merged into one cell. Asserts that no outcome of
+    probability 0 was drawn."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    expected = probs / probs.sum() * counts.sum()
+    assert counts[expected == 0].sum() == 0, "an outcome of probability 0 was drawn"
+    small, big = (expected < 5) & (expected > 0), expected >= 5
+    observed, wanted = counts[big], expected[big]
+    if small.any():
+        observed = torch.cat([observed, counts[small].sum()[None]])
+        wanted = torch.cat([wanted, expected[small].sum()[None]])
+    dof = len(observed) - 1
+    if dof == 0:  # one possible outcome, and only it was drawn
+        return 1.0
+    chi2 = ((observed - wanted) ** 2 / wanted).sum()
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), chi2 / 2))

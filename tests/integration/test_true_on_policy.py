@@ -37,6 +37,23 @@ def test_true_on_policy_logprobs_are_bitwise_equal(tmp_path, model_dir, temperat
         assert row["mismatch/ess"] == 1.0
 
 
+@pytest.mark.parametrize("draft", ["ngram", "draft_model"])
+def test_true_on_policy_stays_bitwise_with_a_speculative_draft(tmp_path, model_dir, draft):
+    """Verification runs the trainer's fixed-shape forward with the proposals in the buffer: causal
+    attention keeps each position's logits those of the final sequence, bit for bit."""
+    overrides = ["rollout.true_on_policy=true", "rollout.temperature=0.7", f"rollout.draft={draft}"]
+    if draft == "draft_model":
+        draft_dir = build_tiny_model_dir(tmp_path / "draft", hidden=16, layers=1, seed=1)
+        overrides += [f"rollout.draft.args.path={draft_dir}"]
+    rows = _train_rows(tmp_path, model_dir, *overrides, "rollout.max_new_tokens=10")
+    for row in rows:
+        assert row["spec/proposed_per_target_forward"] > 0  # proposals sat in the verified buffer
+        if draft == "draft_model":  # and (a draft LM on this random policy) were accepted
+            assert row["spec/mean_accepted_length"] > 0
+        assert row["mismatch/bitwise_equal_fraction"] == 1.0
+        assert row["mismatch/max_abs_diff"] == 0.0
+
+
 def test_kv_cache_engine_mismatch_is_small_nonzero_and_reported(tmp_path, model_dir):
     rows = _train_rows(tmp_path, model_dir)
     assert all("mismatch/max_abs_diff" in row for row in rows)

@@ -81,3 +81,14 @@ def test_documented_engine_runs_on_the_fsdp2_backend(tmp_path, model_dir, monkey
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["response/length"] == 4 for r in rows)  # every answer is max_new_tokens long
+
+
+def test_documented_drafts_run_in_a_real_loop(tmp_path, model_dir, monkeypatch):
+    docs = example_defining("class LongLookupConfig:", monkeypatch)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(docs, name="docs-drafts")
+    run_training(tiny_config(model_dir, tmp_path / "run", "rollout.draft=long_lookup", pm=pm), pm)
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all("spec/acceptance_rate" in r for r in rows)
+    with pytest.raises(Exception, match="rollout.draft.args.path: missing value"):
+        tiny_config(model_dir, tmp_path / "other", "rollout.draft=distilled_draft", pm=pm)

@@ -30,6 +30,7 @@ from rlite.engines.sglang.payloads import (
     build_update_payloads,
     completion_from_output,
     sampling_params_for,
+    sync_weights,
 )
 from rlite.sync.buckets import ALIGNMENT
 
@@ -809,3 +810,134 @@ def test_sglangs_patched_receiver_opens_rlites_cuda_handle_on_the_gpu_with_that_
     assert data_out["flattened_tensor"] == "tensor" and [m.name for m in data_out["metadata"]] == ["w"]
     (args,) = opened
     assert args[CUDA_DEVICE_ARG] == 1  # SGLang found the GPU by its UUID
+
+
+# -- speculative decoding: arguments, selectors, acceptance (rlite.engines.sglang.speculative) -------
+
+
+def test_drafts_become_sglangs_speculative_arguments():
+    from rlite.engines.base import DraftSpec
+    from rlite.engines.sglang.speculative import speculative_server_args
+
+    trained = speculative_server_args(DraftSpec("model", 3, model_path="/draft", trained=True))
+    assert trained == {
+        "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/draft",
+        "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,
+    }  # fmt: skip
+    frozen = speculative_server_args(DraftSpec("eagle", 2, model_path="/head"))
+    assert frozen["speculative_algorithm"] == "EAGLE" and frozen["speculative_num_draft_tokens"] == 3
+    # loaded from its folder whatever the target's dummy format, and kept across a release
+    assert frozen["speculative_draft_load_format"] == "auto" and frozen["enable_draft_weights_cpu_backup"] is True
+    ngram = speculative_server_args(DraftSpec("ngram", 4, engine_args=(("speculative_ngram_max_trie_depth", 8),)))
+    assert ngram == {
+        "speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5, "speculative_num_steps": 4,
+        "speculative_ngram_min_bfs_breadth": 1, "speculative_ngram_max_bfs_breadth": 1,
+        "speculative_ngram_max_trie_depth": 8,
+    }  # fmt: skip
+
+
+def test_acceptance_is_read_from_meta_info_under_either_name():
+    from rlite.engines.base import DraftSpec
+    from rlite.engines.sglang.speculative import speculation_from_outputs, top_logprobs_from_output
+
+    draft = DraftSpec("model", 3, model_path="/d")
+    outputs = [
+        {"meta_info": {"completion_tokens": 9, "spec_verify_ct": 3, "spec_num_correct_drafts": 6,
+                       "spec_num_proposed_drafts": 9}},
+        {"meta_info": {"completion_tokens": 4, "spec_verify_ct": 2, "spec_accept_token_num": 2,
+                       "spec_draft_token_num": 6}},  # the names of older releases
+        {"meta_info": {"completion_tokens": 2}},  # nothing speculated: one forward per token
+    ]  # fmt: skip
+    stats = speculation_from_outputs(outputs, draft, time_s=2.0)
+    assert (stats.proposed, stats.accepted, stats.verifications, stats.emitted) == (9 + 6 + 6, 6 + 2 + 0, 7, 15)
+    assert stats.no_draft_estimate_s == pytest.approx(2.0 * 15 / 7)  # a verification costs a decode step
+    output = {"meta_info": {"output_top_logprobs": [[(-0.1, 5, "a"), (-2.0, 9, "b")], [(-0.3, 2, None), (-1.5, 3, None)]]}}
+    ids, logprobs = top_logprobs_from_output(output, 2)
+    assert ids.tolist() == [[5, 9], [2, 3]]
+    assert logprobs.flatten().tolist() == pytest.approx([-0.1, -2.0, -0.3, -1.5])
+
+
+def test_a_standalone_draft_needs_selectors_and_a_backed_up_or_synced_draft():
+    from rlite.engines.base import DraftSpec
+
+    policy = named_tensors(1)
+    draft = [("model.embed_tokens.weight", torch.randn(8, 4)), ("lm_head.weight", torch.randn(8, 4))]
+    fake = FakeSGLang(speculative_algorithm="STANDALONE", num_draft_tokens=4)
+    with pytest.raises(RuleBroken, match="selector 'all' with a draft worker"):  # the default would load the
+        sync_weights(fake, iter(policy), 1, bucket_bytes=2048, tp_size=1,  # policy into the draft too
+                     metadata_cls=FlattenedTensorMetadataFields, output_str=False)
+    fake = FakeSGLang(speculative_algorithm="STANDALONE", num_draft_tokens=4)
+    engine = SGLangEngine("unused", eos_token_ids=[1], backend=fake, draft=DraftSpec("model", 3, model_path="/d", trained=True))
+    engine.bucket_bytes = 2048
+    engine.release_memory()
+    engine.update_weights(iter(policy + [("draft." + n, t) for n, t in draft]), 1)
+    engine.resume_memory()
+    out = engine.generate([[3, 4]], SamplingParams(n=2, max_new_tokens=5, top_logprobs=2))
+    sessions = [c for c in fake.calls if c[0] in ("begin_weight_update", "end_weight_update", "update_weight_version")]
+    assert sessions == [("begin_weight_update", "target"), ("end_weight_update",), ("begin_weight_update", "draft"),
+                        ("end_weight_update",), ("update_weight_version", "1")]
+    assert set(fake.weights) == {n for n, _ in policy} and set(fake.draft_weights) == {n for n, _ in draft}
+    assert all(torch.equal(fake.draft_weights[n], t) for n, t in draft)
+    assert out[0].top_ids.shape == (5, 2) and out[0].top_logprobs.shape == (5, 2)
+    stats = engine.speculation_stats()  # the fake: every other verification accepts one draft token
+    assert (stats.verifications, stats.emitted, stats.accepted, stats.proposed) == (6, 10, 4, 18)
+    # a draft loaded from its folder is lost on a release unless SGLang backs it up
+    for backup in (False, True):
+        fake = FakeSGLang(speculative_algorithm="STANDALONE", draft_cpu_backup=backup)
+        engine = SGLangEngine("unused", eos_token_ids=[1], backend=fake, draft=DraftSpec("model", 3, model_path="/d"))
+        engine.bucket_bytes = 2048
+        engine.release_memory()
+        engine.update_weights(iter(policy), 1)
+        engine.resume_memory()
+        if backup:
+            engine.generate([[3, 4]], SamplingParams(n=1, max_new_tokens=2))
+        else:
+            with pytest.raises(RuleBroken, match="lost draft weights"):
+                engine.generate([[3, 4]], SamplingParams(n=1, max_new_tokens=2))
+
+
+def test_server_mode_sends_selectors_and_asks_for_top_logprobs(recording_server):
+    from rlite.engines.base import DraftSpec
+    from rlite.engines.sglang.launch import ServerBackend
+
+    backend = ServerBackend.connect(recording_server.url, timeout_s=30.0)
+    backend.metadata_cls = FlattenedTensorMetadataFields
+    engine = SGLangEngine("unused", eos_token_ids=[1], backend=backend,
+                          draft=DraftSpec("model", 2, model_path="/d", trained=True))
+    engine.update_weights(iter(named_tensors(1)[:2] + [("draft.lm_head.weight", torch.ones(4, 2))]), 1)
+    calls = recording_server.calls
+    begins = [body for path, body in calls if path == "/begin_weight_update"]
+    updates = [body["selector"] for path, body in calls if path == "/update_weights_from_tensor"]
+    assert begins == [{"selector": "target"}, {"selector": "draft"}] and updates == ["target", "draft"]
+    assert recording_server.paths()[-1] == "/update_weight_version"  # once, after both sessions
+    backend.generate(input_ids=[[3]], sampling_params=[{}], return_logprob=True, top_logprobs_num=3)
+    assert calls[-1][0] == "/generate" and calls[-1][1]["top_logprobs_num"] == 3
+
+
+@needs_sglang
+def test_sglang_reads_rlites_speculative_flags_and_selector_requests():
+    import argparse
+
+    from sglang.srt.arg_groups.arg_utils import add_cli_args_from_dataclass
+    from sglang.srt.arg_groups.fields.exec_ import ExecFeatures
+    from sglang.srt.arg_groups.fields.spec import Spec
+
+    from rlite.engines.base import DraftSpec
+    from rlite.engines.sglang.launch import server_command
+    from rlite.engines.sglang.speculative import speculative_server_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args_from_dataclass(parser, Spec)
+    add_cli_args_from_dataclass(parser, ExecFeatures)
+    for draft in (DraftSpec("model", 3, model_path="/d"), DraftSpec("ngram", 4), DraftSpec("eagle", 2, model_path="/h")):
+        server_args = speculative_server_args(draft)
+        args, unknown = parser.parse_known_args(server_command(server_args, port=1)[3:])
+        for key, value in server_args.items():
+            assert getattr(args, key) == value, key
+    io_struct = _sglang_source("srt/managers/io_struct.py")
+    assert "selector" in _struct_fields(io_struct, "UpdateWeightsFromTensorReqInput")
+    assert "selector" in _struct_fields(io_struct, "BeginWeightUpdateReqInput")
+    assert "top_logprobs_num" in _struct_fields(io_struct, "GenerateReqInput")
+    manager = _sglang_source("srt/managers/tokenizer_manager.py")
+    for key in ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts", "output_top_logprobs"):
+        assert f'"{key}"' in manager, key  # the meta_info keys rlite reads

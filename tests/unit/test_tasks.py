@@ -17,6 +17,9 @@ def _expected_answer(row: dict) -> str:
         return row["word"][::-1]
     if task == "sorting":
         return " ".join(map(str, sorted(row["numbers"])))
+    if task == "spell_digits":
+        names = "zero one two three four five six seven eight nine".split()
+        return " ".join(names[int(d)] for d in row["digits"])
     a, b = row["operands"]
     return str({"add": a + b, "sub": a - b, "mul": a * b}[row["operation"]])
 
@@ -73,6 +76,13 @@ def test_reversal_sorting_word_problem_examples():
     rows = make_task("word_problems", 50, 0, seed=0, operations=["sub"])[0]
     assert all(r["operation"] == "sub" and "left?" in r["prompt"] for r in rows)
     assert all(int(r["answer"]) >= 1 for r in rows)
+
+
+def test_spell_digits_answers_are_long():
+    rows = make_task("spell_digits", 200, 0, seed=0)[0]
+    assert all(r["prompt"] == f"Spell out the digits: {r['digits']}" and 6 <= len(r["digits"]) <= 8 for r in rows)
+    lengths = [len(r["answer"]) for r in rows]  # bytes, so tokens of the byte-level tokenizer
+    assert min(lengths) >= 6 * 4 - 1 and sum(lengths) / len(lengths) > 30
 
 
 def test_unknown_task_lists_choices():

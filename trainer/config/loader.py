@@ -156,9 +156,33 @@ def validate_choices(cfg: RunConfig, pm) -> None:
         raise ConfigError(
             f"algorithm.advantage={estimator.name} needs a critic: set algorithm.critic.enabled=true"
         )
+    check_draft_runs_on_engine(cfg, pm)
     kl_names = pm.registry("kl_estimator").names()
     if cfg.algorithm.kl.estimator not in kl_names:
         _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
+
+
+def check_draft_runs_on_engine(cfg: RunConfig, pm) -> None:
+    """The draft's kind (its registration's ``method``) must be one the engine runs (its registration's
+    ``draft_methods``)."""
+    if cfg.rollout.draft.name == "none":
+        return
+    draft = pm.registry("speculative_draft").get(cfg.rollout.draft.name)
+    method = draft.metadata.get("method")
+    if method is None:
+        raise ConfigError(
+            f"rollout.draft={draft.name}: plugin {draft.plugin!r} registered it without method=... "
+            "(model, ngram or eagle), so no engine can be checked to run it"
+        )
+    engines = pm.registry("rollout_engine")
+    engine = engines.get(cfg.rollout.engine.name)
+    if method not in engine.metadata.get("draft_methods", ()):
+        able = [e.name for e in engines.entries.values() if method in e.metadata.get("draft_methods", ())]
+        raise ConfigError(
+            f"rollout.draft={draft.name}: the {engine.name!r} engine cannot run a {method!r} draft "
+            f"(it runs: {', '.join(engine.metadata.get('draft_methods', ())) or 'no drafts'}); set rollout.draft=none"
+            + (f" or rollout.engine to one that runs it ({', '.join(able)})" if able else "")
+        )
 
 
 def _get_path(obj: Any, dotted: str) -> Any:

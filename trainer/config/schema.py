@@ -126,7 +126,7 @@ class DataConfig:
     """Prompts: a built-in synthetic task, or files."""
 
     task: Optional[str] = None
-    """Built-in synthetic task (addition, reversal, sorting, word_problems); ignored when ``train_files`` is set."""
+    """Built-in synthetic task (addition, reversal, sorting, word_problems, spell_digits); ignored when ``train_files`` is set."""
     task_args: dict[str, Any] = field(default_factory=dict)
     """Options of the synthetic task (for example ``digits: 2``)."""
     train_files: Optional[str] = None
@@ -186,7 +186,8 @@ class RolloutConfig:
     quantization: Choice = field(default_factory=lambda: Choice("none"))
     """Quantization applied to the weights the engine samples with."""
     draft: Choice = field(default_factory=lambda: Choice("none"))
-    """Speculative-decoding draft for the engine."""
+    """Speculative-decoding draft for the engine (``draft_model``: a small LM trained online; ``ngram``: prompt
+    lookup); the samples keep the policy's distribution exactly (``docs/speculative.md``)."""
     sync_bucket_mb: int = 512
     """Size of the flattened weight buckets sent to the engine, in MB."""
     timeout_s: float = 600.0

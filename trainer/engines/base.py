@@ -11,11 +11,16 @@ A colocated step calls, in this order::
     release_memory()              # the trainer computes log-probs and updates the policy
     update_weights(...)           # or update_lora_adapter: re-acquire the weights' memory, load
     resume_memory()               # the KV cache back, for the evaluation or rollout that follows
+
+An engine that runs speculative-decoding drafts (``capabilities.draft_methods``) is built with a
+:class:`DraftSpec`; a trained draft's weights arrive in the same ``update_weights`` stream as the
+policy's, after them, under :data:`DRAFT_PREFIX` names, and :meth:`SpeculativeEngine.speculation_stats`
+reports how the last ``generate`` went (:class:`SpeculationStats`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -36,6 +41,10 @@ class SamplingParams:
     return_routed_experts: bool = False
     """Report the experts every MoE layer chose for every token (``Completion.routed_experts``);
     only for engines with ``capabilities.routed_experts``."""
+    top_logprobs: int = 0
+    """Also report, for every generated token, the ``top_logprobs`` most likely tokens of the policy's
+    (temperature-scaled) distribution at that position and their log-probs (``Completion.top_ids`` /
+    ``top_logprobs``): what a draft distils from."""
 
 
 @dataclass
@@ -57,6 +66,11 @@ class Completion:
     num_hidden_layers, top_k]`` numpy array, the experts each MoE layer routed every token the
     engine ran to (prompt, then generated tokens but the last; -1 in dense layers), SGLang's
     ``routed_experts`` layout (:mod:`rlite.moe_routing`)."""
+    top_ids: Any = None
+    """With ``SamplingParams.top_logprobs = k``: int64 ``[len(token_ids), k]`` numpy array, the k most
+    likely tokens of the policy at each generated position (most likely first)."""
+    top_logprobs: Any = None
+    """Their log-probs, float32 ``[len(token_ids), k]``, from ``log_softmax(logits / temperature)``."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,84 @@ class EngineCapabilities:
     """With ``rollout.quantization``: the engine loads the quantizer's pre-quantized layout (for FP8:
     the e4m3 weight and its ``weight_scale_inv``) and runs quantized kernels on it. Otherwise it is sent
     the dequantized weights, which reproduce the quantization's rounding in any engine."""
+    draft_methods: tuple[str, ...] = ()
+    """The kinds of speculative draft (:attr:`DraftSpec.method`) the engine can run; an engine started
+    with a draft has :meth:`SpeculativeEngine.speculation_stats`."""
+
+
+DRAFT_METHODS = ("model", "ngram", "eagle")
+"""What a draft can be (:attr:`DraftSpec.method`)."""
+
+DRAFT_PREFIX = "draft."
+"""Names of a trained draft's tensors in a weight sync: ``draft.`` + the draft model's own name."""
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """The speculative-decoding draft an engine runs, as a draft plugin describes it (picklable: a
+    spawned engine process builds the same draft from it)."""
+
+    method: str
+    """``model``: a small causal LM sharing the policy's tokenizer proposes tokens by sampling from its
+    own distribution (SGLang ``STANDALONE``); ``ngram``: proposals copied from what follows an earlier
+    occurrence of the last tokens (prompt lookup; SGLang ``NGRAM``), no weights; ``eagle``: a head on
+    the policy's hidden states (SGLang ``EAGLE``)."""
+    num_speculative_tokens: int = 4
+    """Tokens proposed per verification (k); the target checks them in one forward."""
+    model_path: str | None = None
+    """Hugging Face folder of the draft (``model``, ``eagle``): its architecture, and its weights unless
+    ``trained``."""
+    trained: bool = False
+    """The draft learns during the run: its weights arrive with every weight sync after the policy's,
+    under :data:`DRAFT_PREFIX` names (same version, same checksums). Otherwise the engine loads them
+    from ``model_path`` once."""
+    dtype: str = "float32"
+    """Dtype of the draft's weights in the engine."""
+    ngram_min: int = 1
+    """``ngram``: the shortest suffix that is looked up."""
+    ngram_max: int = 3
+    """``ngram``: the longest suffix that is looked up (longer matches are tried first)."""
+    engine_args: tuple[tuple[str, Any], ...] = ()
+    """Extra engine-specific settings as ``(name, value)`` pairs (for SGLang, ``speculative_*`` server
+    arguments that override what rlite derives)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in DRAFT_METHODS:
+            raise ValueError(f"draft method must be one of {', '.join(DRAFT_METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.method != "ngram" and not self.model_path:
+            raise ValueError(f"a {self.method!r} draft needs model_path")
+        if self.method == "ngram" and self.trained:
+            raise ValueError("an 'ngram' draft has no weights to train")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass
+class SpeculationStats:
+    """How speculative decoding went in one or more ``generate`` calls. Counts are per sequence: a
+    batched target forward over R rows counts R verifications."""
+
+    proposed: int = 0
+    """Draft tokens proposed."""
+    accepted: int = 0
+    """Proposed tokens the target accepted."""
+    verifications: int = 0
+    """Target forwards (one per sequence per verification, each also yields one token of its own)."""
+    emitted: int = 0
+    """Tokens those verifications produced (accepted drafts plus the target's own; after a stop token
+    or ``max_new_tokens`` nothing counts)."""
+    time_s: float = 0.0
+    """Wall time of the generate calls."""
+    draft_s: float = 0.0
+    """Of which the draft's proposals."""
+    no_draft_estimate_s: float = 0.0
+    """Estimated wall time of the same generation without a draft (how the engine estimates it is
+    its own: ``docs/speculative.md``)."""
+
+    def __add__(self, other: SpeculationStats) -> SpeculationStats:
+        return SpeculationStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 @runtime_checkable
@@ -121,6 +213,14 @@ class AdapterServingEngine(RolloutEngine, Protocol):
     def update_lora_adapter(self, named_tensors, config: dict, version: int) -> None:
         """Load a LoRA adapter (peft names and config) over the fixed base and sample with it as
         ``version``."""
+
+
+@runtime_checkable
+class SpeculativeEngine(RolloutEngine, Protocol):
+    """An engine with ``capabilities.draft_methods``, started with a :class:`DraftSpec`."""
+
+    def speculation_stats(self) -> SpeculationStats:
+        """What speculation did in the last :meth:`generate` call."""
 
 
 class EngineError(RuntimeError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,9 @@ class EngineContext:
     """Every rank of the run, by rank."""
     quantizer: tuple | None = None
     """``(quantize, config)`` of ``rollout.quantization``, or None."""
+    draft: Any = None
+    """The speculative draft's :class:`rlite.api.DraftSpec` (``rollout.draft``), or None; an engine
+    registered with ``draft_methods`` runs it."""
 
     @property
     def this(self) -> RankDevice:
@@ -62,10 +66,10 @@ class EngineContext:
         return tuple(r for r in self.ranks if r.builds_engine)
 
     @classmethod
-    def single_process(cls, **rank_fields) -> EngineContext:
+    def single_process(cls, *, quantizer: tuple | None = None, draft: Any = None, **rank_fields) -> EngineContext:
         """A run of one process on CPU (tests, scripts); ``rank_fields`` override :class:`RankDevice`'s."""
         fields = dict(rank=0, host="localhost", local_rank=0, gpu_index=None, gpu_uuid=None)
-        return cls(rank=0, ranks=(RankDevice(**{**fields, **rank_fields}),))
+        return cls(rank=0, ranks=(RankDevice(**{**fields, **rank_fields}),), quantizer=quantizer, draft=draft)
 
 
 def describe_rank(rank: int, local_rank: int, device: torch.device, *, bytes_to_come: int, builds_engine: bool) -> RankDevice:
@@ -83,9 +87,9 @@ def describe_rank(rank: int, local_rank: int, device: torch.device, *, bytes_to_
     )  # fmt: skip
 
 
-def gather_engine_context(this: RankDevice, quantizer: tuple | None) -> EngineContext:
+def gather_engine_context(this: RankDevice, quantizer: tuple | None, draft: Any = None) -> EngineContext:
     """Every rank's :class:`RankDevice`, on every rank (a collective: all ranks call it)."""
     from rlite.distributed import all_gather_objects
 
     ranks = tuple(all_gather_objects(this))
-    return EngineContext(rank=this.rank, ranks=ranks, quantizer=quantizer)
+    return EngineContext(rank=this.rank, ranks=ranks, quantizer=quantizer, draft=draft)

@@ -16,6 +16,7 @@ import torch
 from rlite.config import ConfigError, RunConfig, config_to_yaml
 from rlite.data import PromptSampler, PromptSet, load_prompt_splits
 from rlite.distributed import DataLayout, DistContext, init_distributed
+from rlite.drafts import DraftContext, SpeculativeDraft
 from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
 from rlite.kl_control import KLController, build_kl_controller
@@ -62,10 +63,13 @@ class Run:
     start_step: int = 0
     routing: RoutingSetup | None = None
     """MoE routing replay and metrics (``None``: a dense model, or both off)."""
+    draft: SpeculativeDraft | None = None
+    """The speculative-decoding draft (``rollout.draft``; ``None``: plain decoding)."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(
-            self.engine, self.backend, lora_sync=self.config.rollout.lora_sync, quantizer=self.quantizer, version=version
+            self.engine, self.backend, lora_sync=self.config.rollout.lora_sync, quantizer=self.quantizer,
+            version=version, draft=self.draft,
         )
 
 
@@ -140,7 +144,10 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         quantizer = resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization)
     kl_controller = build_kl_controller(algo.kl)
     rewards = build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s)
-    start_step = maybe_resume(cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm)
+    draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
+    start_step = maybe_resume(
+        cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
+    )
     loggers = []
     if ctx.is_main:
         trim_metrics_file(run_dir / "metrics.jsonl", start_step if start_step else None)
@@ -151,6 +158,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         describe_rank(ctx.rank, ctx.local_rank, ctx.device, bytes_to_come=backend.device_bytes_to_come(),
                       builds_engine=layout.leader),
         quantizer,
+        draft=None if draft is None else draft.spec,
     )  # fmt: skip
     engine: RolloutEngine = IdleEngine()  # ranks that receive their replica leader's batches
     if layout.leader:
@@ -179,17 +187,28 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         loggers=loggers,
         timer=timer,
         start_step=start_step,
+        draft=draft,
     )
     try:
-        check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer)
+        check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
         run.routing = routing_setup(cfg, backend, engine, layout)
         run.forward.routing = replay_plan(run.routing)
         run.rollouts.record_routing = run.routing is not None
+        run.rollouts.use_draft(draft, engine, cfg.rollout.engine.name)
         run.sync_weights(version=start_step)
     except BaseException:
         engine.shutdown()
         raise
     return run
+
+
+def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,
+                layout: DataLayout) -> SpeculativeDraft | None:
+    """The draft plugin's draft (``rollout.draft``), or ``None`` for plain decoding."""
+    if cfg.rollout.draft.name == "none":
+        return None
+    make_draft, draft_cfg = resolve_choice(pm.registry("speculative_draft"), cfg.rollout.draft)
+    return make_draft(DraftContext(cfg.model, tokenizer, cfg.rollout, device, layout), draft_cfg)
 
 
 def check_liger(cfg: RunConfig) -> bool:

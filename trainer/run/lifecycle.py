@@ -2,7 +2,8 @@
 
 The checkpoint holds the backend's model and optimizer state (and the critic's) in
 ``torch.distributed.checkpoint`` shards, plus per-rank trainer state: the LR scheduler, the prompt
-sampler's position and the KL controller (:mod:`rlite.run.checkpoint` is the folder format).
+sampler's position, the KL controller and a trained speculative draft (weights and optimizer)
+(:mod:`rlite.run.checkpoint` is the folder format).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlite.data import PromptSampler
 from rlite.distributed import DistContext
+from rlite.drafts import SpeculativeDraft
 from rlite.kl_control import KLController
 from rlite.training.backend import CriticModel, TrainingBackend
 
@@ -37,6 +39,8 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
         "sampler": run.sampler.state_dict(),
         "kl_controller": run.kl_controller.state_dict(),
     }
+    if run.draft is not None:
+        trainer_state["draft"] = run.draft.state_dict()
     path = save_checkpoint(
         run.run_dir,
         step,
@@ -59,6 +63,7 @@ def maybe_resume(
     kl_controller: KLController,
     ctx: DistContext,
     pm,
+    draft: SpeculativeDraft | None = None,
 ) -> int:
     """Load the checkpoint that ``checkpoint.resume`` names, if any; return the step it holds (0: none)."""
     from rlite.run.checkpoint import find_resume_checkpoint, load_checkpoint
@@ -74,6 +79,8 @@ def maybe_resume(
     backend.load_lr_scheduler_state(trainer_state["scheduler"])
     sampler.load_state_dict(trainer_state["sampler"])
     kl_controller.load_state_dict(trainer_state["kl_controller"])
+    if draft is not None and trainer_state.get("draft"):  # a run that had no draft before starts it afresh
+        draft.load_state_dict(trainer_state["draft"])
     step = int(trainer_state["step"])
     if ctx.is_main:
         log.info("resumed from %s (step %d)", path, step)
@@ -92,6 +99,8 @@ def finish_run(run: Run, last: dict[str, float]) -> dict[str, Any]:
         from rlite.run.export import export_hf
 
         export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main)
+        if run.draft is not None and run.ctx.is_main:  # every rank holds the same draft
+            run.draft.export(run.run_dir / "hf_draft")
     summary: dict[str, Any] = {"steps": cfg.training.steps, "run_dir": str(run.run_dir)}
     if run.ctx.is_main:
         for logger in run.loggers:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from rlite.config import AlgorithmConfig, RolloutConfig
+from rlite.config import AlgorithmConfig, ConfigError, RolloutConfig
 from rlite.data import PromptSampler
 from rlite.distributed import DataLayout, all_reduce_sum, broadcast_object
-from rlite.engines.base import RolloutEngine, SamplingParams
+from rlite.drafts import SpeculativeDraft
+from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
 from rlite.rewards import RewardRunner
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
@@ -55,6 +56,29 @@ class Rollouts:
             rollout, algorithm, seed, layout, hooks, timer)
         self.record_routing = False
         """Ask the engine for the experts of every MoE token (routing replay and its metrics)."""
+        self.speculating = False
+        """The engine decodes with a speculative draft: :attr:`speculation` counts what it did."""
+        self.top_logprobs = 0
+        """The policy's top log-probs per generated token the draft learns from (0: none)."""
+        self.speculation: SpeculationStats | None = None
+        """What speculative decoding did in this step's rollout (all its rounds; this rank's engine)."""
+
+    def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
+        """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
+        if draft is None:
+            return
+        if self.layout.leader and draft.spec.method not in engine.capabilities.draft_methods:
+            raise ConfigError(
+                f"rollout.draft: the {engine_name!r} engine cannot run a {draft.spec.method!r} draft "
+                f"(it runs: {', '.join(engine.capabilities.draft_methods) or 'no drafts'}); set rollout.draft=none"
+            )
+        if self.record_routing:
+            raise ConfigError(
+                "rollout.draft: MoE routing replay and routing metrics record the engine's routing token by token, "
+                "which speculative verification does not report; set rollout.draft=none, or "
+                "algorithm.routing_replay=none and algorithm.routing_metrics=false"
+            )
+        self.speculating, self.top_logprobs = True, int(draft.rollout_top_logprobs)
 
     @property
     def per_rank(self) -> int:
@@ -85,6 +109,7 @@ class Rollouts:
         """
         algo, per_rank = self.algorithm, self.per_rank
         kept, spare, stats_sum, rounds = [], [], {}, 0
+        self.speculation = SpeculationStats() if self.speculating else None
         while True:
             rounds += 1
             with self.timer.phase("generation"):
@@ -121,8 +146,11 @@ class Rollouts:
         extra_round = (round_index,) if round_index else ()  # round 0 keeps the seed of a run without dynamic sampling
         params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, self.layout.rank, *extra_round))
         params.return_routed_experts = self.record_routing
+        params.top_logprobs = self.top_logprobs
         engine = self.engine
         completions = engine.generate([p.prompt_ids for p in prompts], params)
+        if self.speculating:
+            self.speculation += engine.speculation_stats()
         stale = {c.weight_version for c in completions} - {engine.weight_version}
         if stale or engine.weight_version != step - 1:
             raise RuntimeError(

@@ -3,6 +3,24 @@
 Every logged value is global over the data-parallel ranks: the sums below are gathered once per
 step (one collective over the data-parallel group); the batch statistics made in :mod:`rlite.stages.targets` come from the
 gathered batch, and the update's metrics are reduced in :mod:`rlite.stages.update`.
+
+With a speculative draft (``rollout.draft``), from the engines' :class:`SpeculationStats` of the
+step's rollout summed over ranks (``docs/speculative.md``):
+
+==================================== ===========================================================
+``spec/acceptance_rate``             accepted / proposed draft tokens
+``spec/mean_accepted_length``        accepted draft tokens per target forward (per sequence)
+``spec/tokens_per_target_forward``   tokens emitted per target forward (accepted + the target's own)
+``spec/proposed_per_target_forward`` draft tokens proposed per target forward
+``spec/rollout_s``                   the engines' generation time (mean over ranks)
+``spec/no_draft_estimate_s``         the engines' estimate of that time without a draft (mean)
+``spec/estimated_speedup``           ``no_draft_estimate_s / rollout_s``
+``spec/draft_time_fraction``         the share of generation time spent in the draft
+==================================== ===========================================================
+
+and from the draft's update, ``draft/loss``, ``draft/top1_agreement`` (how often the draft's most
+likely token is the sampled one) and ``draft/grad_norm`` (:mod:`rlite.drafts`), with its time in
+``time/draft``.
 """
 
 from __future__ import annotations
@@ -14,6 +32,7 @@ from typing import Any
 import torch
 
 from rlite.distributed import all_gather_objects
+from rlite.engines.base import SpeculationStats
 from rlite.mismatch import mismatch_metrics
 from rlite.rollout import RolloutBatch, pad_to_width
 
@@ -24,11 +43,12 @@ rank's samples, and every rank has the same number of samples, so their mean ove
 
 def step_metrics(
     batch: RolloutBatch, first_pass_logprobs: torch.Tensor, reward_stats: dict[str, float], *, measure_mismatch: bool,
-    dp_group: Any = None,
+    dp_group: Any = None, speculation: SpeculationStats | None = None,
 ) -> tuple[dict[str, float], float]:
     """Reward and length metrics of the global batch, and with ``measure_mismatch`` (the trainer did
-    not recompute pi_old) the mismatch between the first training forward and the engine; returns
-    them and the global number of generated tokens."""
+    not recompute pi_old) the mismatch between the first training forward and the engine, and with
+    ``speculation`` the speculative-decoding metrics; returns them and the global number of generated
+    tokens."""
     mask = batch.response_mask
     local = torch.tensor([
         batch.scores.sum().item(),
@@ -38,7 +58,7 @@ def step_metrics(
         float(len(batch)),
     ], dtype=torch.float64)
     mismatch_parts = (first_pass_logprobs, batch.rollout_logprobs, mask) if measure_mismatch else None
-    parts = all_gather_objects((local, mismatch_parts, reward_stats), dp_group)
+    parts = all_gather_objects((local, mismatch_parts, reward_stats, speculation), dp_group)
     reward_sum, correct, tokens, truncated, count = torch.stack([p[0] for p in parts]).sum(0).tolist()
     metrics = {
         "reward/mean": reward_sum / count,
@@ -53,7 +73,27 @@ def step_metrics(
     for key in reward_stats:
         values = [float(p[2][key]) for p in parts]
         metrics[key] = sum(values) if key in COUNTS else sum(values) / len(values)
+    if speculation is not None:
+        metrics.update(speculation_metrics([p[3] for p in parts]))
     return metrics, tokens
+
+
+def speculation_metrics(per_rank: list[SpeculationStats]) -> dict[str, float]:
+    """The ``spec/*`` metrics (module docstring) from every rank's stats; counts are summed, times
+    averaged over the ranks that generated."""
+    total = sum(per_rank, SpeculationStats())
+    generating = max(sum(s.time_s > 0 for s in per_rank), 1)
+    forwards = max(total.verifications, 1)
+    return {
+        "spec/acceptance_rate": total.accepted / max(total.proposed, 1),
+        "spec/mean_accepted_length": total.accepted / forwards,
+        "spec/tokens_per_target_forward": total.emitted / forwards,
+        "spec/proposed_per_target_forward": total.proposed / forwards,
+        "spec/rollout_s": total.time_s / generating,
+        "spec/no_draft_estimate_s": total.no_draft_estimate_s / generating,
+        "spec/estimated_speedup": total.no_draft_estimate_s / max(total.time_s, 1e-12),
+        "spec/draft_time_fraction": total.draft_s / max(total.time_s, 1e-12),
+    }
 
 
 def summarize_metrics(metrics_file: Path, last: dict[str, float]) -> dict[str, float]:

@@ -2,16 +2,21 @@
 
 How LoRA weights travel is a table (:data:`LORA_SYNC`): ``merged`` streams ``W + scale * B @ A`` like
 full weights; ``adapter`` sends only the adapter to an engine that serves adapters on a fixed base.
+
+A speculative draft that learns during the run rides in the same stream, after the policy's tensors,
+under ``draft.`` names: one weight version and one set of checksums for both.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
 
 from rlite.config import ConfigError
-from rlite.engines.base import RolloutEngine
+from rlite.drafts import SpeculativeDraft
+from rlite.engines.base import DRAFT_PREFIX, RolloutEngine
 from rlite.training.backend import NamedTensors, TrainingBackend
 
 Quantizer = tuple[Callable, object]
@@ -28,7 +33,10 @@ def in_dtype(named: NamedTensors, dtype: torch.dtype) -> NamedTensors:
         yield name, tensor.to(dtype) if tensor.dtype in FLOATING and tensor.dtype != dtype else tensor
 
 
-def send_full_weights(engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int) -> None:
+def send_full_weights(
+    engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int,
+    draft: SpeculativeDraft | None = None,
+) -> None:
     capabilities = engine.capabilities
     # an in-process engine that shares the trainer's weights gets the parameters' own storage
     views = capabilities.shares_weights and backend.capabilities.weight_views and quantizer is None
@@ -42,15 +50,23 @@ def send_full_weights(engine: RolloutEngine, backend: TrainingBackend, quantizer
             named = (pair for name, tensor in named for pair in layout(name, tensor, quant_cfg))
         else:  # weights that carry the quantization's rounding, for an engine without its kernels
             named = ((name, quantize(name, tensor, quant_cfg)) for name, tensor in named)
+    if draft is not None and draft.spec.trained:  # the draft travels unquantized, in the engine's dtype
+        drafted = ((DRAFT_PREFIX + name, tensor) for name, tensor in draft.named_weights())
+        if capabilities.weight_dtype is not None:
+            drafted = in_dtype(drafted, capabilities.weight_dtype)
+        named = itertools.chain(named, drafted)
     engine.update_weights(named, version)
 
 
-def send_lora_adapter(engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int) -> None:
+def send_lora_adapter(
+    engine: RolloutEngine, backend: TrainingBackend, quantizer: Quantizer | None, version: int,
+    draft: SpeculativeDraft | None = None,
+) -> None:
     adapter = backend.lora_adapter()
     engine.update_lora_adapter(adapter.tensors, adapter.config, version)
 
 
-LORA_SYNC: dict[str, Callable[[RolloutEngine, TrainingBackend, Quantizer | None, int], None]] = {
+LORA_SYNC: dict[str, Callable[..., None]] = {
     "merged": send_full_weights,
     "adapter": send_lora_adapter,
 }
@@ -58,7 +74,8 @@ LORA_SYNC: dict[str, Callable[[RolloutEngine, TrainingBackend, Quantizer | None,
 
 
 def check_sync_mode(
-    lora_sync: str, engine: RolloutEngine, backend: TrainingBackend, engine_name: str, quantizer: Quantizer | None = None
+    lora_sync: str, engine: RolloutEngine, backend: TrainingBackend, engine_name: str,
+    quantizer: Quantizer | None = None, draft: SpeculativeDraft | None = None,
 ) -> None:
     """Refuse a LoRA sync mode or a quantizer that the engine or the backend cannot serve (before the
     first sync)."""
@@ -75,6 +92,11 @@ def check_sync_mode(
             )
     if lora_sync != "adapter":
         return
+    if draft is not None and draft.spec.trained:
+        raise ConfigError(
+            "rollout.lora_sync=adapter sends only the LoRA adapter, and a trained draft's weights travel with "
+            "the full weights: use rollout.lora_sync=merged, or a draft that does not train (args.train=false)"
+        )
     if not engine.capabilities.lora_adapters:
         raise ConfigError(
             f"rollout.lora_sync=adapter: the {engine_name!r} engine cannot serve adapters; "
@@ -96,10 +118,11 @@ def return_cached_device_memory() -> None:
 
 
 def sync_weights_to_engine(
-    engine: RolloutEngine, backend: TrainingBackend, *, lora_sync: str, quantizer: Quantizer | None, version: int
+    engine: RolloutEngine, backend: TrainingBackend, *, lora_sync: str, quantizer: Quantizer | None, version: int,
+    draft: SpeculativeDraft | None = None,
 ) -> None:
-    """Stream the policy's weights into the engine, then let it take back the rest of its memory; the
-    engine must report ``version``.
+    """Stream the policy's weights (and a trained draft's) into the engine, then let it take back the
+    rest of its memory; the engine must report ``version``.
 
     The engine released its memory after the last rollout (:meth:`Rollouts.collect`). Loading
     re-acquires the weights' memory first (SGLang resumes its weights before the update, the KV cache
@@ -109,7 +132,7 @@ def sync_weights_to_engine(
     elsewhere = engine.capabilities.reacquires_device_memory
     if elsewhere:  # the training step's activations: the engine's weights go there
         return_cached_device_memory()
-    LORA_SYNC[lora_sync](engine, backend, quantizer, version)
+    LORA_SYNC[lora_sync](engine, backend, quantizer, version, draft)
     if elsewhere:  # the sync's buckets and gathered tensors: the KV cache goes there
         return_cached_device_memory()
     engine.resume_memory()

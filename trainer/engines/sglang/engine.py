@@ -50,18 +50,30 @@ engines out).
 Adapter-only LoRA sync (:meth:`SGLangEngine.update_lora_adapter`) works in both modes: the adapter goes
 through ``load_lora_adapter_from_tensors`` under a versioned name, and every request names it
 (``lora_path``); the HTTP contract is written out at :meth:`ServerBackend.load_lora_adapter_from_tensors`.
+
+A speculative draft (``draft=DraftSpec(...)``) becomes SGLang's ``STANDALONE`` / ``EAGLE`` / ``NGRAM``
+arguments; a trained draft's weights follow the policy's in a session of their own (``selector``),
+and acceptance is read from every request's ``meta_info`` (:mod:`rlite.engines.sglang.speculative`).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.engines.base import (
+    Completion,
+    DraftSpec,
+    EngineCapabilities,
+    EngineError,
+    SamplingParams,
+    SpeculationStats,
+)
 from rlite.engines.sglang.group import EngineGroup, generate_for_group
 from rlite.engines.sglang.launch import InProcessBackend, ServerBackend
 from rlite.engines.sglang.payloads import (
@@ -73,7 +85,12 @@ from rlite.engines.sglang.payloads import (
     resolve_engine_dtype,
     sampling_params_for,
     sglang_metadata_cls,
-    sync_weights,
+)
+from rlite.engines.sglang.speculative import (
+    speculation_from_outputs,
+    speculative_server_args,
+    sync_policy_and_draft,
+    top_logprobs_from_output,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -106,6 +123,7 @@ class SGLangEngine:
         quantization_config: dict[str, Any] | None = None,
         verify_weights: bool = True,
         group: EngineGroup | None = None,
+        draft: DraftSpec | None = None,
         backend: Any = None,
     ) -> None:
         """Start SGLang on ``model_path`` (``launch="engine"`` or ``"server"``) with random weights.
@@ -124,9 +142,12 @@ class SGLangEngine:
         quantized kernels. ``verify_weights``: after every sync, compare SGLang's checksums of the tensors
         it holds unchanged with the sent bytes. ``group``: the trainer ranks on the engine's GPUs (this
         rank leads; the others' prompts and payloads come through it). ``backend`` replaces SGLang
-        altogether (tests).
+        altogether (tests). ``draft`` starts SGLang with speculative decoding
+        (:mod:`rlite.engines.sglang.speculative`).
         """
         self.routing_layout = routed_experts
+        self.draft = draft
+        self._speculation = SpeculationStats()
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.pad_token_id = pad_token_id
         self.timeout_s = float(timeout_s)
@@ -144,6 +165,7 @@ class SGLangEngine:
         self.capabilities = EngineCapabilities(
             lora_adapters=True, routed_experts=routed_experts is not None, weight_dtype=self.weight_dtype,
             quantized_layout=quantization_config is not None, reacquires_device_memory=True,
+            draft_methods=("model", "ngram", "eagle"),
         )  # fmt: skip
         """Serves LoRA adapters over its base (``update_lora_adapter``), reports routed experts when
         started with ``routed_experts``, wants its weights in its dtype (or FP8 with scales)."""
@@ -178,6 +200,8 @@ class SGLangEngine:
                 kwargs.update(enable_deterministic_inference=True, rl_on_policy_target="fsdp")
             if routed_experts is not None:
                 kwargs["enable_return_routed_experts"] = True
+            if draft is not None:
+                kwargs.update(speculative_server_args(draft))
             user_kwargs = dict(engine_kwargs or {})
             if "json_model_override_args" in kwargs:  # the user's overrides are merged into it above
                 user_kwargs.pop("json_model_override_args", None)
@@ -221,13 +245,19 @@ class SGLangEngine:
             if self.routing_layout is None:
                 raise EngineError("return_routed_experts: this SGLang engine was started without routed_experts")
             extra["return_routed_experts"] = True
+        if params.top_logprobs:
+            extra["top_logprobs_num"] = params.top_logprobs
+        start = time.perf_counter()
         outputs = self.backend.generate(
             input_ids=expanded, sampling_params=sampling, return_logprob=True, **extra
         )
+        elapsed = time.perf_counter() - start
         if isinstance(outputs, dict):
             outputs = [outputs]
         if len(outputs) != len(expanded):
             raise EngineError(f"SGLang returned {len(outputs)} outputs for {len(expanded)} requests")
+        if self.draft is not None:
+            self._speculation = speculation_from_outputs(outputs, self.draft, elapsed)
         completions = []
         for row, output in enumerate(outputs):
             served = output.get("meta_info", {}).get("weight_version")
@@ -236,12 +266,17 @@ class SGLangEngine:
                     f"SGLang sampled with weight version {served!r}, expected {self.weight_version}"
                 )
             routing = (len(expanded[row]), *self.routing_layout) if params.return_routed_experts else None
-            completions.append(
-                completion_from_output(
-                    output, prompt_index=row // params.n, weight_version=self.weight_version, routing=routing
-                )
+            completion = completion_from_output(
+                output, prompt_index=row // params.n, weight_version=self.weight_version, routing=routing
             )
+            if params.top_logprobs:
+                completion.top_ids, completion.top_logprobs = top_logprobs_from_output(output, params.top_logprobs)
+            completions.append(completion)
         return completions
+
+    def speculation_stats(self) -> SpeculationStats:
+        """What the draft did in the last ``generate``, from SGLang's per-request meta data."""
+        return self._speculation
 
     # -- weights ------------------------------------------------------------------------------
     def update_lora_adapter(
@@ -274,12 +309,12 @@ class SGLangEngine:
         self.weight_version = int(version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None, version: int) -> None:
-        """Flattened CUDA-IPC buckets through ``update_weights_from_tensor``, then switch to ``version``."""
+        """Flattened CUDA-IPC buckets through ``update_weights_from_tensor``, then switch to ``version``.
+
+        With a draft worker the policy loads with ``selector="target"`` and a trained draft's tensors
+        (``draft.`` names, after the policy's) with ``selector="draft"``, each in its own session."""
         self._resume(WEIGHT_TAGS)
-        sync_weights(
-            self.backend,
-            named_tensors or (),
-            version,
+        common = dict(
             bucket_bytes=self.bucket_bytes,
             tp_size=self.tp_size,
             metadata_cls=getattr(self.backend, "metadata_cls", None) or sglang_metadata_cls(),
@@ -289,6 +324,7 @@ class SGLangEngine:
             tensor_hash=self.backend.tensor_hash if self.verify_weights else None,
             weight_dtype=self.weight_dtype,
         )
+        sync_policy_and_draft(self.backend, named_tensors or (), version, self.draft, **common)
         self._weights_lost = False
         self.weight_version = int(version)
 

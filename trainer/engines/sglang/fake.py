@@ -12,6 +12,12 @@ source; each ``_rule`` names what SGLang does). Two ways in:
 
 Weights arrive as rlite's flattened buckets; the fake unpickles them with plain ``pickle`` and the
 stand-in metadata class unless given SGLang's own reader.
+
+Started with a speculative algorithm, the fake has a draft worker (``STANDALONE``, ``EAGLE``) whose
+weights load with ``selector="draft"`` and are lost on a memory release without a CPU backup, refuses
+what would load the policy into the draft (``selector="all"``) and lossy accept thresholds, and
+reports acceptance in ``meta_info`` as SGLang 0.5.23 does (``spec_verify_ct``,
+``spec_num_correct_drafts``, ``spec_num_proposed_drafts``, ``spec_accept_rate``, ``spec_accept_length``).
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ class FakeSGLang:
         lora: bool = False,
         dtype: torch.dtype | None = None,
         quantization_config: dict | None = None,
+        speculative_algorithm: str | None = None,
+        num_draft_tokens: int = 5,
+        draft_cpu_backup: bool = False,
     ) -> None:
         self.deserialize, self.reconstruct, self.metadata_cls = reader
         self.tp_size = tp_size
@@ -96,6 +105,14 @@ class FakeSGLang:
         self.buckets = 0
         self.version = "default"
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.speculative_algorithm = speculative_algorithm
+        self.num_draft_tokens = num_draft_tokens
+        self.draft_worker = speculative_algorithm in ("STANDALONE", "EAGLE", "EAGLE3")
+        """A draft model with weights of its own (NGRAM has none)."""
+        self.draft_cpu_backup = draft_cpu_backup or cpu_backup
+        self.draft_weights: dict[str, torch.Tensor] = {}
+        self.draft_weights_valid = True
+        self.session_selector = "all"
 
     def _rule(self, ok: bool, message: str) -> None:
         if not ok:
@@ -117,19 +134,32 @@ class FakeSGLang:
         self.released -= set(tags)
         if "weights" in tags and not self.cpu_backup:
             self.weights_valid = False  # the memory is back, its contents are not
+        if "weights" in tags and self.draft_worker and not self.draft_cpu_backup:
+            self.draft_weights_valid = False  # the draft's too (slime PR #971)
 
     # -- weight updates ---------------------------------------------------------------------------
     def begin_weight_update(self, selector="all"):
-        self.calls.append(("begin_weight_update",))
+        self.calls.append(("begin_weight_update",) if selector == "all" else ("begin_weight_update", selector))
+        self._rule(selector in ("target", "draft", "all"), f"selector {selector!r} (SGLang: ValueError)")
         self._rule(not self.session, "a weight-update session is already open")
         self._rule("weights" not in self.released, "loading weights into released memory")
         self.session = True
+        self.session_selector = selector
         self.buckets = 0
         return (True, "Success")
 
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update_weights_from_tensor", load_format, flush_cache))
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True, selector="all"):
+        call = ("update_weights_from_tensor", load_format, flush_cache)
+        self.calls.append(call if selector == "all" else (*call, selector))
         self._rule(self.session, "update_weights_from_tensor outside begin/end_weight_update")
+        self._rule(
+            selector == self.session_selector or self.session_selector == "all",
+            f"selector {selector!r} in a session begun for {self.session_selector!r} (its runners were not prepared)",
+        )
+        self._rule(
+            not (self.draft_worker and selector == "all"),
+            "selector 'all' with a draft worker loads the policy's tensors into the draft model too",
+        )
         self._rule(load_format == FLATTENED_BUCKET, f"load_format {load_format!r}")
         self._rule(
             len(named_tensors) == self.tp_size, f"{len(named_tensors)} payloads for tp_size {self.tp_size}"
@@ -142,13 +172,18 @@ class FakeSGLang:
         self.buckets += 1
         if self.fail_on_bucket == self.buckets - 1:
             return (False, "injected failure")
+        self._rule(selector != "draft" or self.draft_worker, "selector 'draft' without a draft worker loads nothing")
         for rank, tensors in enumerate(per_rank):
             for name, tensor in tensors:
+                kept = tensor.clone()
+                floating = kept.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                if selector == "draft":  # the draft model's own parameters (TP rank 0's shown)
+                    if rank == 0:
+                        self.draft_weights[name] = kept.to(self.dtype) if self.dtype is not None and floating else kept
+                    continue
                 self._check_quantized(name, tensor)
                 if rank == 0:
                     self.received[name] = tensor.dtype
-                kept = tensor.clone()
-                floating = kept.dtype in (torch.float32, torch.float16, torch.bfloat16)
                 if self.dtype is not None and floating and not name.endswith("_scale_inv"):
                     kept = kept.to(self.dtype)  # SGLang's param.data.copy_ casts to the parameter's dtype
                 if name in self.corrupt:
@@ -180,7 +215,10 @@ class FakeSGLang:
             for name in [n for n in self.weights if self._quantized(n)]:
                 self._rule(f"{name}_scale_inv" in self.weights, f"{name} has no weight_scale_inv")
         self.session = False
-        self.weights_valid = True
+        if self.session_selector in ("target", "all"):
+            self.weights_valid = True
+        if self.session_selector in ("draft", "all"):
+            self.draft_weights_valid = True
         return (True, "Success")
 
     def served_weights(self) -> dict[str, torch.Tensor]:
@@ -242,11 +280,16 @@ class FakeSGLang:
         return {"success": True, "error_message": None}
 
     # -- generation -------------------------------------------------------------------------------
-    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None, return_routed_experts=False):
+    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None, return_routed_experts=False,
+                 top_logprobs_num=None):
         self.calls.append(("generate", len(input_ids)))
         self._rule(not self.released, f"generate with {sorted(self.released)} released")
         self._rule(not self.session, "generate inside a weight-update session")
         self._rule(self.weights_valid, "generate with lost weights (released without a CPU backup, not reloaded)")
+        self._rule(
+            self.draft_weights_valid,
+            "generate with lost draft weights (released without enable_draft_weights_cpu_backup, not reloaded)",
+        )
         self._rule(return_logprob, "rlite needs log-probs")
         self._rule(len(sampling_params) == len(input_ids), "one sampling-params dict per request")
         if lora_path is not None:
@@ -260,7 +303,22 @@ class FakeSGLang:
                 "output_token_logprobs": entries,
                 "finish_reason": {"type": "length", "length": len(tokens)},
                 "weight_version": self.version,
+                "completion_tokens": len(tokens),
             }
+            if top_logprobs_num:  # per token, the k most likely (logprob, id, text), most likely first
+                meta["output_top_logprobs"] = [
+                    [(-0.25 * (k + 1) - j, (t + j) % 50 + 2, None) for j in range(top_logprobs_num)]
+                    for k, t in enumerate(tokens)
+                ]
+            if self.speculative_algorithm is not None and tokens:
+                # a made-up but consistent account: every other verification accepted one draft token
+                verify = (len(tokens) + 1) // 2
+                correct = len(tokens) - verify
+                proposed = verify * (self.num_draft_tokens - 1)
+                meta.update(
+                    spec_verify_ct=verify, spec_num_correct_drafts=correct, spec_num_proposed_drafts=proposed,
+                    spec_accept_rate=correct / proposed, spec_accept_length=len(tokens) / verify,
+                )
             if return_routed_experts:  # [prompt + output - 1, layers, top_k] int32, base64 (SGLang's layout)
                 self._rule(self.routed_experts is not None, "return_routed_experts without enable_return_routed_experts")
                 layers, top_k, experts = self.routed_experts
@@ -343,6 +401,7 @@ class FakeSGLangEngine(FakeSGLang):
 
     def __init__(self, **server_args: Any) -> None:
         overrides = json.loads(server_args.get("json_model_override_args") or "{}")
+        algorithm = server_args.get("speculative_algorithm")
         super().__init__(
             tp_size=int(server_args.get("tp_size", 1)),
             cpu_backup=bool(server_args.get("enable_weights_cpu_backup", False)),
@@ -350,21 +409,55 @@ class FakeSGLangEngine(FakeSGLang):
             lora=bool(server_args.get("enable_lora", False)),
             dtype=getattr(torch, server_args.get("dtype", "bfloat16")),
             quantization_config=overrides.get("quantization_config"),
+            speculative_algorithm=algorithm,
+            num_draft_tokens=int(server_args.get("speculative_num_draft_tokens") or 5),
+            draft_cpu_backup=bool(server_args.get("enable_draft_weights_cpu_backup", False)),
         )
         self.server_args = server_args
+        if algorithm is not None:
+            self._check_speculative_args(server_args)
         if server_args.get("enable_return_routed_experts"):  # (layers, top_k, experts) of the fake's MoE
             self.routed_experts = (2, 2, 4)
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager = types.SimpleNamespace(
-            update_weight_version=self._update_weight_version_async, check_weights=self._check_weights_async
+            update_weight_version=self._update_weight_version_async,
+            check_weights=self._check_weights_async,
+            update_weights_from_tensor=self._update_weights_from_tensor_async,
         )
         FakeSGLangEngine.instances.append(self)
+
+    def _check_speculative_args(self, args: dict[str, Any]) -> None:
+        """SGLang 0.5.23's rules for the speculative arguments rlite sets (``srt/arg_groups``)."""
+        algorithm = args["speculative_algorithm"]
+        self._rule(algorithm in ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM"), f"speculative_algorithm {algorithm!r}")
+        self._rule(
+            args.get("speculative_accept_threshold_single", 1.0) == 1.0
+            and args.get("speculative_accept_threshold_acc", 1.0) == 1.0,
+            "accept thresholds below 1.0 are lossy (samples no longer follow the policy)",
+        )
+        if algorithm == "NGRAM":
+            self._rule(not args.get("speculative_draft_model_path"), "NGRAM takes no draft model")
+            return
+        self._rule(bool(args.get("speculative_draft_model_path")), f"{algorithm} needs speculative_draft_model_path")
+        if args.get("speculative_eagle_topk") == 1:
+            self._rule(
+                args.get("speculative_num_draft_tokens") == args.get("speculative_num_steps", 0) + 1,
+                "with topk 1 SGLang resets speculative_num_draft_tokens to speculative_num_steps + 1",
+            )
+        draft_format = args.get("speculative_draft_load_format") or args.get("load_format")
+        self.draft_weights_valid = draft_format != "dummy"  # random until a draft session loads them
 
     async def _update_weight_version_async(self, request) -> None:
         self.update_weight_version(request.new_version)
 
     async def _check_weights_async(self, request, http_request=None):
         return self.check_weights(request.action)
+
+    async def _update_weights_from_tensor_async(self, request, http_request=None) -> tuple[bool, str]:
+        return self.update_weights_from_tensor(
+            request.serialized_named_tensors, load_format=request.load_format, flush_cache=request.flush_cache,
+            selector=request.selector,
+        )
 
     def get_all_child_pids(self) -> list[int]:
         return []
@@ -388,6 +481,17 @@ class _CheckWeightsReqInput:
     selector: str = "all"
 
 
+@dataclass(kw_only=True)
+class _UpdateWeightsFromTensorReqInput:
+    serialized_named_tensors: list
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: str = "all"
+    torch_empty_cache: bool = False
+
+
 def fake_sglang_modules() -> dict[str, types.ModuleType]:
     """``{module name: module}`` for ``sys.modules``: ``sglang`` (``Engine``), the request classes, the
     metadata class and ``tensor_hash`` rlite imports from it. Clears :attr:`FakeSGLangEngine.instances`."""
@@ -406,5 +510,6 @@ def fake_sglang_modules() -> dict[str, types.ModuleType]:
     modules["sglang.srt.managers.io_struct"].UpdateWeightVersionReqInput = _UpdateWeightVersionReqInput
     modules["sglang.srt.managers.io_struct"].CheckWeightsReqInput = _CheckWeightsReqInput
     modules["sglang.srt.managers.mm_utils"].tensor_hash = FakeSGLang.tensor_hash
+    modules["sglang.srt.managers.io_struct"].UpdateWeightsFromTensorReqInput = _UpdateWeightsFromTensorReqInput
     modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata = FlattenedTensorMetadataFields
     return modules

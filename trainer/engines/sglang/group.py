@@ -93,8 +93,11 @@ class SGLangGroupMember:
     drives: its prompts and its weight payloads go to that rank (:class:`EngineGroup`)."""
 
     def __init__(self, group: EngineGroup, capabilities: EngineCapabilities, *, bucket_bytes: int,
-                 device: torch.device | None, metadata_cls: type) -> None:  # fmt: skip
+                 device: torch.device | None, metadata_cls: type, draft: Any = None) -> None:  # fmt: skip
         self.group = group
+        self.draft = draft
+        """The engine's :class:`~rlite.engines.base.DraftSpec`: a trained draft's weights go in a session of
+        their own, in step with the leader's."""
         self.capabilities = capabilities
         self.bucket_bytes = bucket_bytes
         self.device = device
@@ -106,10 +109,11 @@ class SGLangGroupMember:
         return generate_for_group(None, self.group, prompts, params)
 
     def update_weights(self, named_tensors, version: int) -> None:
-        from rlite.engines.sglang.payloads import sync_weights
+        from rlite.engines.sglang.speculative import sync_policy_and_draft
 
-        sync_weights(None, named_tensors or (), version, bucket_bytes=self.bucket_bytes, tp_size=self.group.size,
-                     metadata_cls=self.metadata_cls, output_str=False, device=self.device, group=self.group)  # fmt: skip
+        sync_policy_and_draft(None, named_tensors or (), version, self.draft, bucket_bytes=self.bucket_bytes,
+                              tp_size=self.group.size, metadata_cls=self.metadata_cls, output_str=False,
+                              device=self.device, group=self.group)  # fmt: skip
         self.weight_version = int(version)
 
     def update_lora_adapter(self, named_tensors, config: dict, version: int) -> None:

@@ -66,6 +66,25 @@ class InProcessBackend:
         method = getattr(self.engine, name)
         return lambda *args, **kwargs: self._run(method, *args, what=name, **kwargs)
 
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True, selector=None):
+        """``Engine.update_weights_from_tensor``; with a ``selector`` (which ``Engine`` does not expose) the
+        request goes to the tokenizer manager as ``UpdateWeightsFromTensorReqInput``, as the Engine would
+        send it. ``named_tensors`` are the per-rank serialized payloads (``load_format="flattened_bucket"``)."""
+        engine = self.engine
+        if selector is None:
+            return self._run(engine.update_weights_from_tensor, named_tensors, load_format=load_format,
+                             flush_cache=flush_cache, what="update_weights_from_tensor")
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=list(named_tensors), load_format=load_format, flush_cache=flush_cache,
+            selector=selector,
+        )
+        return self._run(
+            lambda: engine.loop.run_until_complete(engine.tokenizer_manager.update_weights_from_tensor(request, None)),
+            what="update_weights_from_tensor",
+        )
+
     def update_weight_version(self, version: str):
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
@@ -237,10 +256,14 @@ class ServerBackend:
             raise EngineError(f"SGLang {path} failed ({state}): {e}") from None
         return json.loads(text) if text.strip().startswith(("{", "[")) else text
 
-    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None):
+    def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None, top_logprobs_num=None,
+                 **extra):
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if lora_path is not None:  # adapter names, one per request (GenerateReqInput.lora_path)
             body["lora_path"] = lora_path
+        if top_logprobs_num:  # GenerateReqInput.top_logprobs_num: meta_info["output_top_logprobs"]
+            body["top_logprobs_num"] = top_logprobs_num
+        body.update(extra)  # other GenerateReqInput fields (return_routed_experts)
         return self._post("/generate", body)
 
     def release_memory_occupation(self, tags=None):
@@ -249,18 +272,20 @@ class ServerBackend:
     def resume_memory_occupation(self, tags=None):
         return self._post("/resume_memory_occupation", {"tags": tags})
 
-    def begin_weight_update(self):
-        return self._post("/begin_weight_update", {})
+    def begin_weight_update(self, selector=None):
+        return self._post("/begin_weight_update", {} if selector is None else {"selector": selector})
 
     def end_weight_update(self):
         return self._post("/end_weight_update", {})
 
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True, selector=None):
         body = {
             "serialized_named_tensors": named_tensors,
             "load_format": load_format,
             "flush_cache": flush_cache,
         }
+        if selector is not None:  # UpdateWeightsFromTensorReqInput.selector: which runners load them
+            body["selector"] = selector
         return self._post("/update_weights_from_tensor", body)
 
     def update_weight_version(self, version: str):

@@ -256,6 +256,8 @@ def sync_weights(
     group: Any = None,
     tensor_hash: Any = None,
     weight_dtype: torch.dtype | None = None,
+    selector: str | None = None,
+    set_version: bool = True,
 ) -> int:
     """The SGLang weight-update call sequence; returns the number of buckets sent.
 
@@ -265,13 +267,16 @@ def sync_weights(
     group, every rank packs the same stream on its own GPU and TP rank i of the engine loads rank i's
     payload. ``tensor_hash`` (SGLang's ``tensor_hash``): after the update the engine's checksums of the
     sent tensors it holds unchanged are compared with the sent values' in the engine's ``weight_dtype``
-    (:func:`check_engine_weights`).
+    (:func:`check_engine_weights`). ``selector`` (``"target"`` or ``"draft"``; None: SGLang's default
+    ``"all"``) picks the runners that load them, for the session and for every bucket;
+    ``set_version=False`` leaves the version to a later session.
     """
     leader = group is None or group.is_leader
+    chosen = {} if selector is None else {"selector": selector}
     sent_hashes: dict[str, str] = {}
     failure = None
     if leader:
-        failure = reply_error(engine.begin_weight_update(), "begin_weight_update")
+        failure = reply_error(engine.begin_weight_update(**chosen), "begin_weight_update")
     if group is not None:
         failure = group.share(failure)
     if failure is not None:
@@ -295,7 +300,7 @@ def sync_weights(
                 try:
                     reply = engine.update_weights_from_tensor(
                         payloads_for_engine(payloads, tp_size=tp_size, output_str=output_str),
-                        load_format=FLATTENED_BUCKET, flush_cache=False,
+                        load_format=FLATTENED_BUCKET, flush_cache=False, **chosen,
                     )  # fmt: skip
                     failure = reply_error(reply, f"update_weights_from_tensor (bucket {buckets})")
                 except Exception as exc:  # the members must hear of it before the leader raises
@@ -310,13 +315,13 @@ def sync_weights(
         if leader:
             ended = reply_error(engine.end_weight_update(), "end_weight_update")
             failure = failure or ended
-    if leader and failure is None:
+    if leader and failure is None and set_version:
         failure = reply_error(engine.update_weight_version(str(int(version))), "update_weight_version")
-        if failure is None and tensor_hash is not None:
-            try:
-                check_engine_weights(engine.check_weights(action="checksum"), sent_hashes, version)
-            except EngineError as exc:
-                failure = str(exc)
+    if leader and failure is None and tensor_hash is not None:
+        try:
+            check_engine_weights(engine.check_weights(action="checksum"), sent_hashes, version)
+        except EngineError as exc:
+            failure = str(exc)
     if group is not None:
         failure = group.share(failure)
     if failure is not None:
@@ -354,6 +359,18 @@ def sampled_hashes(
                 tensor = tensor.to(dtype)
             out[name] = f"{tensor_hash(tensor.contiguous()):016x}"
     return out
+
+
+def set_weight_version(engine: Any, version: int, group: Any = None) -> None:
+    """``update_weight_version`` on the leader after sessions that left it unset
+    (:func:`sync_weights` with ``set_version=False``); the group's members hear of a failure too."""
+    failure = None
+    if group is None or group.is_leader:
+        failure = reply_error(engine.update_weight_version(str(int(version))), "update_weight_version")
+    if group is not None:
+        failure = group.share(failure)
+    if failure is not None:
+        raise EngineError(failure)
 
 
 def check_engine_weights(reply: Any, sent: dict[str, str], version: int) -> int:

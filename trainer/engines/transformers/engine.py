@@ -7,6 +7,10 @@ per call, so a resumed run samples exactly what an uninterrupted one would.
 ``true_on_policy=True`` replaces ``generate`` by a sampler that calls the model's plain forward on a
 fixed ``[B, P + T]`` buffer each step (no KV cache). The trainer scores the same buffer layout, so the
 rollout log-probs equal the trainer's bit for bit (``../docs/mismatch.md``). It costs T full forwards.
+
+With a speculative draft (``draft=DraftSpec(...)``) every sample goes through
+:mod:`rlite.engines.transformers.speculative` instead: the same distribution and log-probs, fewer
+forwards of the policy (``../docs/speculative.md``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ from pathlib import Path
 
 import torch
 
-from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.engines.base import (
+    DRAFT_PREFIX,
+    Completion,
+    DraftSpec,
+    EngineCapabilities,
+    EngineError,
+    SamplingParams,
+    SpeculationStats,
+)
 from rlite.moe_routing import RouterHooks
 
 
@@ -170,12 +182,18 @@ class TransformersEngine:
         share_prefill: bool = True,
         decode: str = "loop",
         share_weights: bool = False,
+        draft: DraftSpec | None = None,
+        draft_model: torch.nn.Module | None = None,
     ) -> None:
         """``share_weights=True``: a sync binds the engine's parameters to the tensors it is given
         instead of copying them, when shape, dtype and device match. Given the trainer's own
         parameter storage (world size 1, in the same process), the engine keeps no second copy of the
         model and a sync moves no bytes; the trainer must not change its weights between a sync and
-        the generation that follows (rlite's loop never does)."""
+        the generation that follows (rlite's loop never does).
+
+        ``draft``: decode speculatively with this draft (``model`` drafts run ``draft_model``, a causal
+        LM with the policy's vocabulary; a trained one's weights come with every sync under
+        ``draft.`` names)."""
         if decode not in ("loop", "generate"):
             raise ValueError(f"decode must be 'loop' or 'generate', got {decode!r}")
         self.model = model.eval()
@@ -188,11 +206,17 @@ class TransformersEngine:
         self.share_weights = share_weights
         self.routers = RouterHooks.attach(self.model)
         """Hooks on the routers of an MoE model (``None`` for a dense one): record the routing."""
-        self.capabilities = EngineCapabilities(shares_weights=share_weights, routed_experts=True)
+        self.capabilities = EngineCapabilities(
+            shares_weights=share_weights, routed_experts=True, draft_methods=SPECULATIVE_METHODS
+        )
+        self.draft, self.draft_model, self.speculator = draft, draft_model, None
+        if draft is not None:
+            self.speculator = build_speculator(self.model, draft, draft_model, self.pad_token_id)
+        self._speculation = SpeculationStats()
         self._grid: torch.Tensor | None = None
         self.shared_bytes = 0
         """Bytes of the engine's weights that are the sync's tensors themselves (``share_weights``)."""
-        for p in self.model.parameters():
+        for p in self.synced_parameters().values():
             p.requires_grad_(False)
 
     @classmethod
@@ -217,6 +241,12 @@ class TransformersEngine:
         record = params.return_routed_experts and self.routers is not None
         if record and self.decode == "generate" and not self.true_on_policy:
             raise EngineError("return_routed_experts: the transformers engine records routing with decode='loop' only")
+        if self.speculator is not None:
+            if record:
+                raise EngineError("return_routed_experts: not recorded under speculative decoding (rollout.draft)")
+            return self._generate_speculatively(prompts, params, stop_ids, seed)
+        if params.top_logprobs:
+            raise EngineError("top_logprobs: the transformers engine reports them with a speculative draft only")
         self._grid = None
         if record:  # [B, P + T, L, K] on the batch's grid, -1 where nothing ran
             shape = self.routers.shape
@@ -241,6 +271,23 @@ class TransformersEngine:
                 completion.routed_experts = self._grid[row, start:max(end, start)].numpy().copy()
             self._grid = None
         return completions
+
+    def _generate_speculatively(self, prompts, params: SamplingParams, stop_ids, seed: int) -> list[Completion]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.speculator.sample(prompts, params, stop_ids, fixed_shape=self.true_on_policy)
+        self._speculation = out.stats
+        completions = self._to_completions(out.tokens.cpu(), out.logprobs.cpu(), params, stop_ids)
+        if out.top_ids is not None:
+            for row, completion in enumerate(completions):
+                length = len(completion.token_ids)
+                completion.top_ids = out.top_ids[row, :length].cpu().numpy()
+                completion.top_logprobs = out.top_logprobs[row, :length].cpu().numpy()
+        return completions
+
+    def speculation_stats(self) -> SpeculationStats:
+        """What the draft did in the last ``generate`` (all zeros without a draft)."""
+        return self._speculation
 
     def _record_routing(self, rows: torch.Tensor | slice, columns: slice, num_rows: int) -> None:
         """After a forward of ``num_rows`` rows over ``columns`` of the grid: store its routing."""
@@ -411,13 +458,12 @@ class TransformersEngine:
         that silently leaves some weights stale (a LoRA run syncing only the base, a renamed module)
         is an error, not a warning.
         """
-        params = dict(self.model.named_parameters())
+        params = self.synced_parameters()
         seen = set()
         shared = 0
         for name, tensor in named_tensors or []:
             if name not in params:
-                # tied weights appear under one name only in named_parameters()
-                if name == "lm_head.weight" and "lm_head.weight" not in params:
+                if is_tied_output_layer(name):  # tied weights appear under one name only in named_parameters()
                     continue
                 raise EngineError(f"weight sync: engine model has no parameter named {name!r}")
             target = params[name]
@@ -444,6 +490,14 @@ class TransformersEngine:
     def named_weights(self):
         return list(self.model.named_parameters())
 
+    def synced_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """What a weight sync writes, by name: the policy's parameters, then a trained draft's under
+        ``draft.`` names (a draft loaded from its folder is not synced)."""
+        params = dict(self.model.named_parameters())
+        if self.draft_model is not None and self.draft is not None and self.draft.trained:
+            params.update((DRAFT_PREFIX + name, p) for name, p in self.draft_model.named_parameters())
+        return params
+
     def release_memory(self) -> None:
         """Nothing to free on CPU; the KV cache lives only inside ``generate``."""
 
@@ -451,4 +505,46 @@ class TransformersEngine:
         """See :meth:`release_memory`."""
 
     def shutdown(self) -> None:
-        self.model = None
+        self.model = self.draft_model = self.speculator = None
+
+
+def is_tied_output_layer(name: str) -> bool:
+    """The output layer of the policy or of a trained draft, which ``named_parameters()`` does not list
+    when it is tied to the input embedding (a sync may still send it)."""
+    return name in ("lm_head.weight", DRAFT_PREFIX + "lm_head.weight")
+
+
+def load_draft_model(draft: DraftSpec | None, attn_implementation: str = "sdpa") -> torch.nn.Module | None:
+    """The causal LM of a ``model`` draft, from its folder (a trained draft's weights are then
+    overwritten by the first sync); ``None`` for drafts without weights."""
+    if draft is None or draft.method != "model":
+        return None
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[draft.dtype]
+    return AutoModelForCausalLM.from_pretrained(draft.model_path, dtype=dtype, attn_implementation=attn_implementation)
+
+
+SPECULATIVE_METHODS = ("model", "ngram")
+"""The drafts the transformers engine runs (``DraftSpec.method``)."""
+
+
+def build_speculator(model: torch.nn.Module, draft: DraftSpec, draft_model: torch.nn.Module | None, pad_token_id: int):
+    """The speculative decoder of an engine: its draft's proposer and the policy that verifies."""
+    from rlite.engines.transformers.speculative import SpeculativeDecoder, build_proposer
+
+    if draft.method not in SPECULATIVE_METHODS:
+        raise EngineError(
+            f"the transformers engine cannot run a {draft.method!r} draft; it runs {', '.join(SPECULATIVE_METHODS)}"
+        )
+    attn = getattr(model.config, "_attn_implementation", "sdpa")
+    if attn not in ("sdpa", "eager"):
+        raise EngineError(f"speculative decoding needs attn_implementation sdpa or eager (its masks are 4-D), not {attn}")
+    if draft.method == "model":
+        if draft_model is None:
+            raise EngineError("a 'model' draft needs its draft_model")
+        policy_vocab, draft_vocab = model.get_output_embeddings().weight.shape[0], draft_model.get_output_embeddings().weight.shape[0]
+        if policy_vocab != draft_vocab:
+            raise EngineError(f"the draft's vocabulary has {draft_vocab} tokens, the policy's {policy_vocab}")
+        draft_model.eval().requires_grad_(False)
+    return SpeculativeDecoder(model, draft, build_proposer(draft, draft_model, pad_token_id), pad_token_id)

@@ -37,7 +37,15 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.engines.base import (
+    Completion,
+    DraftSpec,
+    EngineCapabilities,
+    EngineError,
+    SamplingParams,
+    SpeculationStats,
+)
+from rlite.engines.transformers.engine import is_tied_output_layer
 from rlite.sync.transport import SharedBucketReceiver, SharedBucketSender, SyncStats
 
 _DIRECT_SEND_BYTES = 16 << 10
@@ -159,6 +167,7 @@ class ProcessEngine:
         verify_threads: int | None = None,
         engine_factory: Callable[..., Any] | None = None,
         factory_kwargs: dict[str, Any] | None = None,
+        draft: DraftSpec | None = None,
     ) -> None:
         """Start the engine process and wait (``start_timeout_s``, default ``timeout_s``) until it is ready.
 
@@ -172,6 +181,8 @@ class ProcessEngine:
         ``verify_threads`` (default: ``num_threads``) is how many threads the engine uses for the
         checksum of each bucket; it sums a bucket while the trainer sums the same bytes on its own
         core, so the verification adds nothing to a sync on a machine with a core free for it.
+        ``draft``: decode speculatively; a trained draft's weights travel in the same buckets as the
+        policy's (after them, under ``draft.`` names), version and checksums included.
         """
         if engine_factory is None:
             engine_factory = build_transformers_engine
@@ -183,10 +194,12 @@ class ProcessEngine:
                 dtype=dtype,
                 attn_implementation=attn_implementation,
                 gguf_file=gguf_file,
+                draft=draft,
             )
         self.timeout_s = float(timeout_s)
         self.weight_version = 0
-        self.capabilities = EngineCapabilities(routed_experts=True)  # weights arrive in shared buckets, copied by no one
+        # weights arrive in shared buckets, copied by no one
+        self.capabilities = EngineCapabilities(routed_experts=True, draft_methods=("model", "ngram"))
         self.last_sync: SyncStats | None = None
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -243,6 +256,10 @@ class ProcessEngine:
         """Copies of the engine's parameters (for checks; costs a copy of the model)."""
         return self._call("named_weights")
 
+    def speculation_stats(self) -> SpeculationStats:
+        """What the draft did in the last ``generate``."""
+        return self._call("speculation_stats")
+
     def release_memory(self) -> None:
         self._call("release_memory")
 
@@ -283,12 +300,13 @@ def build_transformers_engine(
     dtype: torch.dtype,
     attn_implementation: str,
     gguf_file: str | None,
+    draft: DraftSpec | None = None,
 ):
     """The engine the child runs by default: a TransformersEngine on the model folder."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.engines.transformers.engine import TransformersEngine, load_draft_model
 
     hf_logging.disable_progress_bar()
 
@@ -297,15 +315,17 @@ def build_transformers_engine(
         kwargs["gguf_file"] = gguf_file
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     return TransformersEngine(
-        model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, true_on_policy=true_on_policy
+        model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, true_on_policy=true_on_policy,
+        draft=draft, draft_model=load_draft_model(draft, attn_implementation),
     )
 
 
 class _ViewLoader:
     """Points the model's parameters at the bucket views (or copies where dtype/device differ)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.params = dict(model.named_parameters())
+    def __init__(self, engine: Any) -> None:
+        synced = getattr(engine, "synced_parameters", None)  # a trained draft's too, under draft. names
+        self.params = synced() if synced is not None else dict(engine.model.named_parameters())
         self.seen: set[str] = set()
 
     @torch.no_grad()
@@ -313,7 +333,7 @@ class _ViewLoader:
         for name, view in views:
             param = self.params.get(name)
             if param is None:
-                if name == "lm_head.weight":  # tied to the embedding: named_parameters() lists it once
+                if is_tied_output_layer(name):  # tied to the embedding: named_parameters() lists it once
                     continue
                 raise EngineError(f"engine model has no parameter named {name!r}")
             if param.shape != view.shape:
@@ -342,7 +362,7 @@ class _EngineServer:
     def __init__(self, engine: Any, verify_checksums: bool, verify_threads: int | None = None) -> None:
         self.engine = engine
         self.receiver = SharedBucketReceiver(verify_checksums=verify_checksums, verify_threads=verify_threads)
-        self.loader = _ViewLoader(engine.model)
+        self.loader = _ViewLoader(engine)
         self.weights_valid = True
         self.invalid_reason = ""
         self.bucket_errors: dict[int, str] = {}
@@ -364,6 +384,7 @@ class _EngineServer:
         calls = {
             "generate": self._generate,
             "named_weights": self._named_weights,
+            "speculation_stats": lambda: self.engine.speculation_stats(),
             "shared_weights": self._shared_weights,
             "release_memory": self.engine.release_memory,
             "resume_memory": self.engine.resume_memory,
@@ -432,7 +453,7 @@ class _EngineServer:
         return self.engine.generate(prompts, SamplingParams(**params))
 
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, p.detach().clone()) for name, p in self.engine.model.named_parameters()]
+        return [(name, p.detach().clone()) for name, p in self.loader.params.items()]
 
     def _shared_weights(self) -> list[str]:  # which parameters live in shared memory (zero-copy check)
         return [n for n, p in self.engine.model.named_parameters() if p.untyped_storage().is_shared()]
