@@ -153,7 +153,8 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
     if group is not None and not group.is_leader:  # another rank runs the engine on this rank's GPU too
         capabilities = EngineCapabilities(lora_adapters=True, routed_experts=routed_experts is not None,
                                           weight_dtype=weight_dtype, reacquires_device_memory=True,
-                                          quantized_layout=quantization_config is not None)  # fmt: skip
+                                          quantized_layout=quantization_config is not None,
+                                          draft_methods=("model", "ngram", "eagle"))  # fmt: skip
         return SGLangGroupMember(group, capabilities, bucket_bytes=rollout_config.sync_bucket_mb << 20, device=device,
                                  metadata_cls=sglang_metadata_cls(), draft=draft)  # fmt: skip
     engine_kwargs = dict(cfg.engine_kwargs)

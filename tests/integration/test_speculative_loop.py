@@ -123,9 +123,11 @@ def test_sglang_gets_the_draft_in_a_session_of_its_own(tmp_path, dirs, monkeypat
 
     exported = load_file(tmp_path / "run" / "hf_draft" / "model.safetensors")
     assert set(engine.draft_weights) == set(exported)  # the draft's own names, "draft." removed
-    assert all(torch.equal(engine.draft_weights[name], tensor) for name, tensor in exported.items())
+    engine_dtype = getattr(torch, engine.server_args["dtype"])  # the draft travels in the engine's dtype
+    assert {tensor.dtype for tensor in engine.draft_weights.values()} == {engine_dtype}
+    assert all(torch.equal(engine.draft_weights[name], tensor.to(engine_dtype)) for name, tensor in exported.items())
     policy = load_file(tmp_path / "run" / "hf_model" / "model.safetensors")  # and the policy went to the target
-    assert all(torch.equal(engine.weights[name], tensor) for name, tensor in policy.items())
+    assert all(torch.equal(engine.weights[name], tensor.to(engine_dtype)) for name, tensor in policy.items())
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     for row in rows:  # the fake's account: every other verification accepts one of 3 proposals
         assert row["spec/tokens_per_target_forward"] == pytest.approx(4 / 2)
