@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,37 @@ def fixed_batch_update(
         dist.destroy_process_group()
 
 
+def spawn_ranks(fn: Any, args: tuple[Any, ...], nprocs: int, timeout_s: float = 600.0) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes and wait for all of them (at most
+    ``timeout_s``; then the ranks are killed and this raises).
+
+    Each rank leaves through ``os._exit`` once ``fn`` has returned and its output is written and
+    flushed: the interpreter's own teardown then never runs, where gloo's worker threads, still owned by
+    objects that outlive ``destroy_process_group`` (device meshes, FSDP2 states), were destroyed while
+    joinable about once in ten two-rank runs here ("terminate called without an active exception",
+    SIGABRT after the test's work had finished). An exception in ``fn`` still fails the run with its
+    traceback."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_exit_after, args=(fn, args), nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} ranks did not finish in {timeout_s:.0f} s")
+
+
+def _exit_after(rank: int, fn: Any, args: tuple[Any, ...]) -> None:
+    import sys
+
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_in_subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a child ``rlite`` process: offline, one thread."""
     env = dict(os.environ)
@@ -225,6 +257,7 @@ def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         run_training(tiny_config(model_dir, run_dir, "rollout.engine=sglang", *overrides))
+        dist.barrier()  # rank 0 may still be exporting; gloo aborts a rank whose peer tore the group down
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -294,6 +327,7 @@ def sharded_load(rank: int, world_size: int, init_file: str, model_dir: str, out
         if rank == 0:
             result["weights"] = weights
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -5,9 +5,8 @@ both ranks' prompts, and TP rank i of the engine loads the weight payload of tra
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 
-from rlite.testing import sglang_fake_run
+from rlite.testing import sglang_fake_run, spawn_ranks
 from rlite.tokenizer import build_tiny_model_dir
 
 
@@ -16,7 +15,7 @@ def test_an_engine_spanning_two_ranks_samples_for_both_and_loads_each_ranks_payl
     overrides = ["rollout.engine={name: sglang, args: {tp_size: 2, dtype: bfloat16}}", "training.steps=1",
                  "data.num_eval=3", "checkpoint.export_hf=true"]  # fmt: skip
     args = (2, str(tmp_path / "init"), model_dir, str(tmp_path / "run"), str(tmp_path), overrides)
-    mp.start_processes(sglang_fake_run, args=args, nprocs=2, start_method="spawn", join=True)
+    spawn_ranks(sglang_fake_run, args, nprocs=2)
     leader, member = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert member["engines"] == []  # rank 1 started no engine of its own
     (engine,) = leader["engines"]

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from rlite.testing import sharded_load
+from rlite.testing import sharded_load, spawn_ranks
 from rlite.tokenizer import build_tiny_model_dir
 
 
@@ -30,8 +29,7 @@ def test_two_ranks_read_the_checkpoint_once_and_hold_the_plain_loads_weights(tmp
     from rlite.config import LoraConfig, ModelConfig
     from rlite.hf_models import apply_lora, load_causal_lm
 
-    mp.start_processes(sharded_load, args=(2, str(tmp_path / "init"), model_dir, str(tmp_path), True), nprocs=2,
-                       start_method="spawn", join=True)  # fmt: skip
+    spawn_ranks(sharded_load, (2, str(tmp_path / "init"), model_dir, str(tmp_path), True), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["from_pretrained"] == [model_dir] * 3  # policy, reference and critic, on rank 0 only
     assert ranks[1]["from_pretrained"] == []

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rlite.config import LOSS_AGG_MODES
-from rlite.testing import fixed_batch_update
+from rlite.testing import fixed_batch_update, spawn_ranks
 from rlite.tokenizer import build_tiny_model_dir
 
 
@@ -26,7 +25,7 @@ def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1, shar
     if world_size == 1:
         fixed_batch_update(0, *args)
     else:
-        mp.start_processes(fixed_batch_update, args=args, nprocs=world_size, start_method="spawn", join=True)
+        spawn_ranks(fixed_batch_update, args, nprocs=world_size)
     return torch.load(out, weights_only=False)
 
 

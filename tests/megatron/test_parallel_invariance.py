@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
 
-from rlite.testing import fixed_batch_update  # noqa: E402
+from rlite.testing import fixed_batch_update, spawn_ranks  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 
 
@@ -21,7 +20,7 @@ def _run(tmp_path, model_dir, world_size, choice, name):
     if world_size == 1:
         fixed_batch_update(0, *args)
     else:
-        mp.start_processes(fixed_batch_update, args=args, nprocs=world_size, start_method="spawn", join=True)
+        spawn_ranks(fixed_batch_update, args, nprocs=world_size)
     return torch.load(out, weights_only=False)
 
 
