@@ -98,7 +98,8 @@ def finish_run(run: Run, last: dict[str, float]) -> dict[str, Any]:
     if cfg.checkpoint.export_hf:
         from rlite.run.export import export_hf
 
-        export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main)
+        export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main,
+                  source_model=cfg.model.path)
         if run.draft is not None and run.ctx.is_main:  # every rank holds the same draft
             run.draft.export(run.run_dir / "hf_draft")
     summary: dict[str, Any] = {"steps": cfg.training.steps, "run_dir": str(run.run_dir)}
