@@ -15,7 +15,7 @@ import contextvars
 import difflib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -129,14 +129,17 @@ class DataConfig:
     """Built-in synthetic task (addition, reversal, sorting, word_problems, spell_digits); ignored when ``train_files`` is set."""
     task_args: dict[str, Any] = field(default_factory=dict)
     """Options of the synthetic task (for example ``digits: 2``)."""
-    train_files: Optional[str] = None
-    """Training prompts: a .jsonl or .parquet file, or a folder saved by ``datasets.save_to_disk``."""
-    eval_files: Optional[str] = None
-    """Held-out prompts in the same formats; a synthetic task makes its own held-out split."""
+    train_files: Union[str, list[str], None] = None
+    """Training prompts: a .jsonl/.json/.parquet file, a glob (``data/train-*.parquet``), a folder of such files
+    (read recursively), a folder saved by ``datasets.save_to_disk``, or a list of any of these (read in order)."""
+    eval_files: Union[str, list[str], None] = None
+    """Held-out prompts in the same forms; a synthetic task makes its own held-out split."""
     prompt_key: str = "prompt"
-    """Column holding the prompt: a string, or a list of chat messages."""
+    """Column holding the prompt (a string, or a list of chat messages); a dotted path reads a nested column.
+    Rows with an empty prompt are dropped and counted."""
     answer_key: str = "answer"
-    """Column holding the reference answer given to the reward functions."""
+    """Column holding the reference answer given to the reward functions; a dotted path reads a nested column
+    (``reward_model.ground_truth``)."""
     num_train: int = 2000
     """Number of synthetic training prompts."""
     num_eval: int = 64
