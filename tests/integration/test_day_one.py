@@ -47,3 +47,45 @@ def test_export_keeps_the_source_models_generation_config(tmp_path, model_dir):
     for key in ("do_sample", "temperature", "top_k", "max_new_tokens", "eos_token_id"):
         assert exported[key] == generation[key], key
     assert json.loads((tmp_path / "run" / "hf_model" / "config.json").read_text())["use_cache"] is True
+
+
+@pytest.mark.parametrize(
+    ("missing", "expected"),
+    [
+        ("{tmp}/nope", "model.path: folder {missing!r} does not exist"),
+        ("{tmp}/models/qwen-0.5b", "model.path: folder {missing!r} does not exist"),
+        # a hub repo id: the tests run offline (conftest), so it cannot be downloaded
+        ("someone/no-such-model", "model.path: {missing!r} is not a local folder and the Hugging Face hub is offline"),
+    ],
+)
+def test_a_missing_model_folder_is_named(tmp_path, capsys, missing, expected):
+    (tmp_path / "models").mkdir()
+    missing = missing.format(tmp=tmp_path)
+    config = write_config(tmp_path / "run.yaml", missing, logging={"run_dir": str(tmp_path / "run")})
+    assert main(["train", str(config), *TINY_RUN]) == 2
+    err = capsys.readouterr().err
+    assert "rlite train: error: " + expected.format(missing=missing) in err, err
+    assert "Repo id" not in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
+
+
+def test_missing_data_files_are_found_before_anything_loads(tmp_path, model_dir, capsys, monkeypatch):
+    import rlite.run.build as build
+
+    def load_tokenizer(cfg):
+        raise AssertionError("the tokenizer loaded before the data files were checked")
+
+    monkeypatch.setattr(build, "load_tokenizer", load_tokenizer)
+    config = write_config(tmp_path / "run.yaml", model_dir, logging={"run_dir": str(tmp_path / "run")})
+    present = tmp_path / "train.jsonl"
+    present.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    for files, expected in [
+        (str(tmp_path / "train-*.parquet"), f"data.train_files: '{tmp_path}/train-*.parquet' matches no file"),
+        (f"[{present}, {tmp_path}/more.jsonl]", f"data.train_files: '{tmp_path}/more.jsonl' does not exist"),
+    ]:
+        assert main(["train", str(config), *TINY_RUN, f"data.train_files={files}"]) == 2
+        assert expected in capsys.readouterr().err
+    assert main(["train", str(config), *TINY_RUN, f"data.train_files={present}",
+                 f"data.eval_files={tmp_path}/eval.jsonl"]) == 2  # fmt: skip
+    assert f"data.eval_files: '{tmp_path}/eval.jsonl' does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

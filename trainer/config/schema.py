@@ -98,7 +98,8 @@ class ModelConfig:
     """The policy model."""
 
     path: str = "???"
-    """Hugging Face model folder (or hub name when a network is available) holding config, weights and tokenizer."""
+    """Hugging Face model folder (or hub name when a network is available) holding config, weights and tokenizer;
+    checked before anything loads (a missing folder is named)."""
     tokenizer: Optional[str] = None
     """Tokenizer folder; defaults to ``path``."""
     dtype: str = "float32"

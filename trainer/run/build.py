@@ -7,6 +7,8 @@ engine (last, so a failure before it leaves no engine process behind), and resum
 from __future__ import annotations
 
 import logging
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,7 @@ class Run:
 
 
 def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
+    check_input_paths(cfg)  # before anything loads or the run folder is touched
     ctx = init_distributed()
     if cfg.training.num_threads is not None:
         torch.set_num_threads(cfg.training.num_threads)
@@ -200,6 +203,57 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         engine.shutdown()
         raise
     return run
+
+
+HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+"""What a Hugging Face hub repo id looks like (``name`` or ``owner/name``)."""
+
+
+def check_model_source(key: str, source: str) -> None:
+    """A model (or tokenizer) source must be an existing folder, or look like a hub repo id while the
+    hub is reachable; anything else is reported as a missing folder (not transformers' repo-id error)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ConfigError(f"{key}: {source!r} is a file; point it at the model's folder (config.json, weights, tokenizer)")
+    looks_local = (
+        not HUB_REPO_ID.match(source) or source.startswith((".", "~", "/")) or (
+            len(path.parts) > 1 and path.parent.is_dir())
+    )  # fmt: skip
+    if looks_local:
+        existing = next((p for p in path.absolute().parents if p.is_dir()), None)
+        raise ConfigError(
+            f"{key}: folder {str(path)!r} does not exist"
+            + (f" (the nearest existing folder is {str(existing)!r})" if existing is not None else "")
+        )
+    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if offline:
+        raise ConfigError(
+            f"{key}: {source!r} is not a local folder and the Hugging Face hub is offline (HF_HUB_OFFLINE), "
+            "so it cannot be downloaded; point it at a model folder"
+        )
+
+
+def check_input_paths(cfg: RunConfig) -> None:
+    """Every model folder and data file the run reads exists (globs match, folders hold data files)."""
+    from rlite.data import resolve_data_files
+
+    check_model_source("model.path", cfg.model.path)
+    if cfg.model.tokenizer:
+        check_model_source("model.tokenizer", cfg.model.tokenizer)
+    if cfg.model.gguf_file and Path(cfg.model.path).is_dir() and not (Path(cfg.model.path) / cfg.model.gguf_file).is_file():
+        raise ConfigError(f"model.gguf_file: {cfg.model.gguf_file!r} is not a file in {cfg.model.path!r}")
+    if cfg.algorithm.critic.enabled and cfg.algorithm.critic.path:
+        check_model_source("algorithm.critic.path", cfg.algorithm.critic.path)
+    if cfg.data.train_files is not None:
+        for key in ("train_files", "eval_files"):
+            spec = getattr(cfg.data, key)
+            if spec is not None:
+                try:
+                    resolve_data_files(spec, f"data.{key}")
+                except (FileNotFoundError, ValueError) as exc:
+                    raise ConfigError(str(exc).strip("'\"")) from None
 
 
 def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,
