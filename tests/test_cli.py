@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlite import __version__
+from rlite import __version__, hookimpl
 from rlite.cli import main
-from rlite.config import RunConfig, load_config
+from rlite.config import ConfigError, RunConfig, load_config
 from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
 
 FAKE_PLUGIN = """
@@ -302,3 +302,40 @@ def test_list_overrides_through_the_console_script(in_repo, run_rlite) -> None:
     resolved = yaml.safe_load(result.stdout)
     assert resolved["rewards"] == [{"name": "exact_match", "args": {**resolved["rewards"][0]["args"], "weight": 2.0}}]
     assert [lg["name"] for lg in resolved["logging"]["loggers"]] == ["jsonl"]
+
+
+# --------------------------------------------------------------------------------------------------
+# one sample per prompt with a group-relative estimator
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_one_sample_per_prompt_with_a_group_estimator_is_refused(in_repo, capsys, estimator: str) -> None:
+    assert main(["config", "configs/quickstart.yaml", "rollout.samples_per_prompt=1",
+                 f"algorithm.advantage={estimator}"]) == 2  # fmt: skip
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"rlite config: error: rollout.samples_per_prompt=1: algorithm.advantage={estimator} ")
+    assert "every advantage is 0" in line and "works with one sample: gae, reinforce_pp" in line
+
+
+def test_one_sample_per_prompt_works_where_no_group_is_needed(in_repo, capsys) -> None:
+    resolved = resolved_config(capsys, "rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp")
+    assert resolved["rollout"]["samples_per_prompt"] == 1
+    resolved = resolved_config(capsys, "rollout.samples_per_prompt=1", "algorithm.advantage.args.singleton=raw")
+    assert resolved["algorithm"]["advantage"] == {"name": "grpo", "args": {**resolved["algorithm"]["advantage"]["args"],
+                                                                           "singleton": "raw"}}
+
+
+def test_a_third_party_estimator_declares_that_it_needs_a_group(tmp_path, temp_plugin, pm) -> None:
+    class GroupEstimator:
+        @hookimpl
+        def register_advantage_estimators(self, register):
+            register("leave_one_out_2", lambda batch, cfg: None, needs_group=True)
+            register("plain_2", lambda batch, cfg: None)
+
+    temp_plugin(GroupEstimator(), name="group-estimator")
+    base = ["model.path=m", "data.task=addition", "rollout.samples_per_prompt=1"]
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage=leave_one_out_2 compares .* one sample: .*plain_2"):
+        load_config(None, [*base, "algorithm.advantage=leave_one_out_2"], pm=pm)
+    assert load_config(None, [*base, "algorithm.advantage=plain_2"], pm=pm).rollout.samples_per_prompt == 1
+    assert load_config(None, [*base[:2], "algorithm.advantage=leave_one_out_2"], pm=pm).rollout.samples_per_prompt == 8

@@ -207,10 +207,43 @@ def validate_choices(cfg: RunConfig, pm) -> None:
         raise ConfigError(
             f"algorithm.advantage={estimator.name} needs a critic: set algorithm.critic.enabled=true"
         )
+    check_group_size(cfg, pm.registry("advantage_estimator"))
     check_draft_runs_on_engine(cfg, pm)
     kl_names = pm.registry("kl_estimator").names()
     if cfg.algorithm.kl.estimator not in kl_names:
         _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
+
+
+def _needs_group(entry, args: dict[str, Any] | None) -> bool:
+    """An estimator's ``needs_group`` declaration for these options (None: its defaults)."""
+    declared = entry.metadata.get("needs_group", False)
+    if not callable(declared):
+        return bool(declared)
+    options = None
+    if entry.config_cls is not None:
+        options = entry.config_cls(**(args or {}))
+    return bool(declared(options))
+
+
+def check_group_size(cfg: RunConfig, estimators) -> None:
+    """A group-relative estimator (registered with ``needs_group``) needs ``samples_per_prompt >= 2``:
+    with one sample per prompt its baseline is the sample itself and every advantage is 0."""
+    if cfg.rollout.samples_per_prompt > 1:
+        return
+    choice = cfg.algorithm.advantage
+    entry = estimators.get(choice.name)
+    if not _needs_group(entry, choice.args):
+        return
+    able = [e.name for e in estimators.entries.values() if not _needs_group(e, None)]
+    options = f" (or algorithm.advantage.args under which {choice.name} needs no group: for the built-ins singleton=raw, " \
+        "which gives a lone sample its raw reward)" if callable(
+        entry.metadata.get("needs_group")) else ""  # fmt: skip
+    raise ConfigError(
+        f"rollout.samples_per_prompt=1: algorithm.advantage={choice.name} compares each sample with the other "
+        f"samples of its prompt, so with one sample per prompt every advantage is 0 and nothing is learned. "
+        f"Sample several per prompt (rollout.samples_per_prompt=2 or more) or use an estimator that works with "
+        f"one sample: {', '.join(sorted(able)) or '(none installed)'}{options}"
+    )
 
 
 def check_draft_runs_on_engine(cfg: RunConfig, pm) -> None:
