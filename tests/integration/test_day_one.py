@@ -89,3 +89,43 @@ def test_missing_data_files_are_found_before_anything_loads(tmp_path, model_dir,
                  f"data.eval_files={tmp_path}/eval.jsonl"]) == 2  # fmt: skip
     assert f"data.eval_files: '{tmp_path}/eval.jsonl' does not exist" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_each_config_file_gets_its_own_run_folder(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("grpo_small", "rloo_big"):
+        write_config(tmp_path / f"{name}.yaml", "some/model", data={"task": "addition"})
+        assert main(["config", f"{name}.yaml"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out)["logging"]["run_dir"] == f"runs/{name}"
+    assert main(["config", "grpo_small.yaml", "logging.run_dir=elsewhere"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["logging"]["run_dir"] == "elsewhere"
+
+
+def test_resuming_a_run_with_another_algorithm_is_refused_unless_allowed(tmp_path, model_dir, capsys):
+    from rlite.run.checkpoint import list_checkpoints
+    from rlite.testing import read_jsonl
+
+    run_dir = tmp_path / "shared"
+    first = write_config(tmp_path / "first.yaml", model_dir, logging={"run_dir": str(run_dir)})
+    assert main(["train", str(first), *TINY_RUN, "checkpoint.save_final=true"]) == 0
+    saved_config = (run_dir / "config.yaml").read_text()
+    assert "name: grpo" in saved_config and len(list_checkpoints(run_dir / "checkpoints")) == 1
+
+    # another config pointed at the same folder: another estimator and another model dtype
+    second = write_config(tmp_path / "second.yaml", model_dir, logging={"run_dir": str(run_dir)},
+                          algorithm={"advantage": "rloo"})  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", str(second), *TINY_RUN, "training.steps=2", "model.dtype=bfloat16"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("rlite train: error: checkpoint.resume: ") and "another model or algorithm" in line
+    assert "model.dtype: 'float32' then, 'bfloat16' now" in line
+    assert "algorithm.advantage.name: 'grpo' then, 'rloo' now" in line
+    assert "checkpoint.resume_mismatch=allow" in line
+    assert (run_dir / "config.yaml").read_text() == saved_config  # the other run's record is untouched
+
+    # asked for explicitly, it resumes from the checkpoint (step 1) and trains step 2
+    assert main(["train", str(second), *TINY_RUN, "training.steps=2", "checkpoint.resume_mismatch=allow"]) == 0
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+    assert "name: rloo" in (run_dir / "config.yaml").read_text()

@@ -313,6 +313,8 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), p
         raise _explain_omegaconf_error(exc) from None
     except ConfigError as exc:
         raise ConfigError(str(exc).split("\n")[0]) from None
+    if not cfg.logging.run_dir:  # each config file its own run folder, so runs never resume each other
+        cfg.logging.run_dir = str(Path("runs") / (path.stem if path is not None else "rlite"))
     if pm is None:
         raise TypeError("load_config: pass the plugin manager whose registries check the config (or pm=False)")
     if pm is not False:

@@ -424,6 +424,9 @@ class CheckpointConfig:
     """Keep this many most recent checkpoints (older ones are deleted after a newer one is complete)."""
     resume: str = "auto"
     """``auto`` resumes from the latest complete checkpoint in the run folder, ``never`` starts fresh, or a checkpoint path."""
+    resume_mismatch: str = "refuse"
+    """A checkpoint whose run (its folder's ``config.yaml``) had another ``model.*`` or ``algorithm.*``: ``refuse`` to
+    resume it, naming the keys that differ, or ``allow`` resuming anyway (the differences are logged)."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
     export_hf: bool = True
@@ -432,14 +435,16 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check(self.every >= 0, "checkpoint.every must be >= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+        _check_choice("checkpoint.resume_mismatch", self.resume_mismatch, ("refuse", "allow"))
 
 
 @dataclass
 class LoggingConfig:
     """Metrics and output."""
 
-    run_dir: str = "runs/rlite"
-    """Output folder: metrics.jsonl, checkpoints, the exported model and the final plot."""
+    run_dir: str = ""
+    """Output folder: config.yaml, metrics.jsonl, checkpoints, the exported model and the final plot; empty means
+    ``runs/<the config file's name without .yaml>`` (``runs/rlite`` without a config file), so each config has its own."""
     loggers: list[Choice] = field(default_factory=lambda: [Choice("jsonl"), Choice("tensorboard")])
     """Metric loggers (jsonl, tensorboard when installed, wandb)."""
     progress_bar: bool = True

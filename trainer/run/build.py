@@ -26,7 +26,7 @@ from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import build_reward_runner
-from rlite.run.lifecycle import maybe_resume
+from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.stages.collect import Rollouts
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
@@ -86,6 +86,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         keep_freed_memory()
     torch.manual_seed(cfg.training.seed)
     run_dir = Path(cfg.logging.run_dir)
+    check_resume_config(cfg)  # before this run's config.yaml replaces the one the check reads
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
