@@ -129,3 +129,25 @@ def test_resuming_a_run_with_another_algorithm_is_refused_unless_allowed(tmp_pat
     assert main(["train", str(second), *TINY_RUN, "training.steps=2", "checkpoint.resume_mismatch=allow"]) == 0
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
     assert "name: rloo" in (run_dir / "config.yaml").read_text()
+
+
+def test_accuracy_counts_right_answers_not_positive_rewards(tmp_path, model_dir, monkeypatch):
+    """A shaped reward gives every completion 0.5 on top of exact match: every reward is > 0, but only
+    right answers count, so accuracy = mean reward - 0.5 exactly (and not 1)."""
+    from rlite.testing import read_jsonl
+
+    (tmp_path / "shaping_for_test.py").write_text("def half(completion, sample):\n    return 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = write_config(tmp_path / "shaped.yaml", model_dir, logging={"run_dir": str(tmp_path / "run")},
+                          rewards=["exact_match", {"name": "python", "args": {"function": "shaping_for_test:half"}}])
+    assert main(["train", str(config), *TINY_RUN, "data.num_eval=8", "training.eval_max_prompts=8"]) == 0
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    evals = [r for r in rows if "eval/greedy_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1]
+    for row in evals:
+        for mode in ("greedy", "sampled"):
+            assert row[f"eval/{mode}_reward"] >= 0.5
+            assert row[f"eval/{mode}_accuracy"] == pytest.approx(row[f"eval/{mode}_reward"] - 0.5, abs=1e-6)
+            assert row[f"eval/{mode}_accuracy"] < 1.0  # "reward > 0" would say 1.0
+    (step,) = [r for r in rows if "reward/accuracy" in r]
+    assert step["reward/accuracy"] == pytest.approx(step["reward/mean"] - 0.5, abs=1e-6)

@@ -353,6 +353,9 @@ class TrainingConfig:
     """Evaluate on the held-out split every this many steps (0 = only at the end)."""
     eval_max_prompts: int = 64
     """Cap on held-out prompts per evaluation."""
+    accuracy_threshold: float = 1.0
+    """``eval/*_accuracy`` and ``reward/accuracy`` count a sample correct by its built-in task's answer check
+    (``rlite.tasks.TASK_CHECKS``); rows of data files, which have none, when their total reward is >= this."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "training.steps must be >= 0")

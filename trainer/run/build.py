@@ -198,6 +198,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         run.routing = routing_setup(cfg, backend, engine, layout)
         run.forward.routing = replay_plan(run.routing)
         run.rollouts.record_routing = run.routing is not None
+        run.rollouts.accuracy_threshold = cfg.training.accuracy_threshold
         run.rollouts.use_draft(draft, engine, cfg.rollout.engine.name)
         run.sync_weights(version=start_step)
     except BaseException:
