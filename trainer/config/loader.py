@@ -306,6 +306,8 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), p
             merged = OmegaConf.merge(merged, layer)
         for item in overrides:
             apply_override(merged, item)
+        if not merged.logging.run_dir:  # each config file its own run folder, so runs never resume each other
+            merged.logging.run_dir = str(Path("runs") / (path.stem if path is not None else "rlite"))
         cfg: RunConfig = OmegaConf.to_object(merged)  # runs every __post_init__
     except OmegaConfBaseException as exc:
         if isinstance(exc.__cause__, ConfigError):
@@ -313,8 +315,6 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), p
         raise _explain_omegaconf_error(exc) from None
     except ConfigError as exc:
         raise ConfigError(str(exc).split("\n")[0]) from None
-    if not cfg.logging.run_dir:  # each config file its own run folder, so runs never resume each other
-        cfg.logging.run_dir = str(Path("runs") / (path.stem if path is not None else "rlite"))
     if pm is None:
         raise TypeError("load_config: pass the plugin manager whose registries check the config (or pm=False)")
     if pm is not False:

@@ -457,6 +457,10 @@ class LoggingConfig:
     profile: bool = False
     """Record a torch profiler trace of the run's 2nd and 3rd steps into ``<run_dir>/profile/`` (Chrome trace + top-ops table)."""
 
+    def __post_init__(self) -> None:
+        if not self.run_dir and not _SKIP_CHECKS.get():  # built in code, without a config file to name it
+            self.run_dir = "runs/rlite"
+
 
 @dataclass
 class PluginsConfig:
