@@ -483,11 +483,19 @@ def gae_advantages(batch: AdvantageInput, cfg: GAEConfig) -> tuple[torch.Tensor,
     return advantages, returns
 
 
+def needs_group(cfg) -> bool:
+    """The group-relative estimators give a sample alone in its group (``rollout.samples_per_prompt=1``)
+    advantage 0 with ``singleton: zero``: they need a group to learn anything."""
+    return cfg.singleton == "zero"
+
+
 @hookimpl
 def register_advantage_estimators(register: Register) -> None:
-    register("grpo", grpo_advantages, GRPOConfig)
-    register("dr_grpo", dr_grpo_advantages, DrGRPOConfig)
-    register("rloo", rloo_advantages, RLOOConfig)
+    # a lone sample's baseline is itself unless its options say ``singleton: raw`` (baseline 0)
+    register("grpo", grpo_advantages, GRPOConfig, needs_group=needs_group)
+    register("dr_grpo", dr_grpo_advantages, DrGRPOConfig, needs_group=needs_group)
+    register("rloo", rloo_advantages, RLOOConfig, needs_group=needs_group)
     register("reinforce_pp", reinforce_pp_advantages, ReinforcePPConfig)
-    register("reinforce_pp_baseline", reinforce_pp_baseline_advantages, ReinforcePPBaselineConfig)
+    register("reinforce_pp_baseline", reinforce_pp_baseline_advantages, ReinforcePPBaselineConfig,
+             needs_group=needs_group)  # fmt: skip
     register("gae", gae_advantages, GAEConfig, needs_critic=True)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlite import __version__
+from rlite import __version__, hookimpl
 from rlite.cli import main
-from rlite.config import RunConfig, load_config
+from rlite.config import ConfigError, RunConfig, load_config
 from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
 
 FAKE_PLUGIN = """
@@ -242,3 +242,100 @@ def test_train_warns_about_plugins_that_failed_to_load(tmp_path, monkeypatch, ca
     assert ran
     err = capsys.readouterr().err
     assert "plugin 'broken' (rlite-broken) is skipped" in err and "ImportError: nope" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# list-valued overrides (omegaconf's dotlist grammar)
+# --------------------------------------------------------------------------------------------------
+
+
+def resolved_config(capsys, *overrides: str) -> dict:
+    assert main(["config", "configs/quickstart.yaml", *overrides]) == 0, capsys.readouterr().err
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.fixture
+def in_repo(monkeypatch) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+
+
+def test_list_valued_overrides_set_lists_and_their_entries(in_repo, capsys) -> None:
+    # a bare name for a list of choices is a one-entry list
+    resolved = resolved_config(capsys, "rewards=numeric", "logging.loggers=jsonl")
+    assert [r["name"] for r in resolved["rewards"]] == ["numeric"]
+    assert [lg["name"] for lg in resolved["logging"]["loggers"]] == ["jsonl"]
+    # an entry's option by index, and the entry stays the implementation it was
+    resolved = resolved_config(capsys, "rewards.0.args.weight=2")
+    assert resolved["rewards"][0]["name"] == "exact_match" and resolved["rewards"][0]["args"]["weight"] == 2.0
+    # YAML lists, names mixed with mappings
+    resolved = resolved_config(capsys, "rewards=[exact_match, {name: numeric, args: {weight: 0.5}}]")
+    assert [(r["name"], r["args"]["weight"]) for r in resolved["rewards"]] == [("exact_match", 1.0), ("numeric", 0.5)]
+    # replacing an entry by name forgets the old implementation's options
+    resolved = resolved_config(capsys, "rewards.0.args.case_sensitive=false", "rewards.0=numeric")
+    assert resolved["rewards"][0]["name"] == "numeric" and "case_sensitive" not in resolved["rewards"][0]["args"]
+    resolved = resolved_config(capsys, "training.betas.1=0.95")
+    assert resolved["training"]["betas"] == [0.9, 0.95]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("rewards.3.args.weight=2", "rewards is a list of 1 entry, so rewards.3 does not exist"),
+        ("rewards.first.args.weight=2", "rewards is a list of 1 entry, so rewards.first does not exist"),
+        ("training.steps.x=1", "training.steps is a value, not a section"),
+        ("rewards=7", "rewards takes an implementation's name"),
+        ("algorithm.advantage=[grpo]", "algorithm.advantage takes an implementation's name"),
+        ("rewards.0.args.wieght=2", "rewards[0].args.wieght: unknown key 'wieght'"),
+        ("training.steps", "must look like key.path=value"),
+    ],
+)
+def test_an_override_that_cannot_apply_names_its_key(in_repo, capsys, override: str, expected: str) -> None:
+    assert main(["config", "configs/quickstart.yaml", override]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert expected in line
+
+
+def test_list_overrides_through_the_console_script(in_repo, run_rlite) -> None:
+    result = run_rlite("config", "configs/quickstart.yaml", "rewards=exact_match", "logging.loggers=jsonl",
+                       "rewards.0.args.weight=2")
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["rewards"] == [{"name": "exact_match", "args": {**resolved["rewards"][0]["args"], "weight": 2.0}}]
+    assert [lg["name"] for lg in resolved["logging"]["loggers"]] == ["jsonl"]
+
+
+# --------------------------------------------------------------------------------------------------
+# one sample per prompt with a group-relative estimator
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_one_sample_per_prompt_with_a_group_estimator_is_refused(in_repo, capsys, estimator: str) -> None:
+    assert main(["config", "configs/quickstart.yaml", "rollout.samples_per_prompt=1",
+                 f"algorithm.advantage={estimator}"]) == 2  # fmt: skip
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"rlite config: error: rollout.samples_per_prompt=1: algorithm.advantage={estimator} ")
+    assert "every advantage is 0" in line and "works with one sample: gae, reinforce_pp" in line
+
+
+def test_one_sample_per_prompt_works_where_no_group_is_needed(in_repo, capsys) -> None:
+    resolved = resolved_config(capsys, "rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp")
+    assert resolved["rollout"]["samples_per_prompt"] == 1
+    resolved = resolved_config(capsys, "rollout.samples_per_prompt=1", "algorithm.advantage.args.singleton=raw")
+    assert resolved["algorithm"]["advantage"] == {"name": "grpo", "args": {**resolved["algorithm"]["advantage"]["args"],
+                                                                           "singleton": "raw"}}
+
+
+def test_a_third_party_estimator_declares_that_it_needs_a_group(tmp_path, temp_plugin, pm) -> None:
+    class GroupEstimator:
+        @hookimpl
+        def register_advantage_estimators(self, register):
+            register("leave_one_out_2", lambda batch, cfg: None, needs_group=True)
+            register("plain_2", lambda batch, cfg: None)
+
+    temp_plugin(GroupEstimator(), name="group-estimator")
+    base = ["model.path=m", "data.task=addition", "rollout.samples_per_prompt=1"]
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage=leave_one_out_2 compares .* one sample: .*plain_2"):
+        load_config(None, [*base, "algorithm.advantage=leave_one_out_2"], pm=pm)
+    assert load_config(None, [*base, "algorithm.advantage=plain_2"], pm=pm).rollout.samples_per_prompt == 1
+    assert load_config(None, [*base[:2], "algorithm.advantage=leave_one_out_2"], pm=pm).rollout.samples_per_prompt == 8

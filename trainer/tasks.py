@@ -138,6 +138,42 @@ TASKS: dict[str, TaskFn] = {
 
 
 # --------------------------------------------------------------------------------------------------
+# answer checks: what "correct" means for accuracy metrics
+# --------------------------------------------------------------------------------------------------
+
+END_OF_TURN_TEXTS = ("<|im_end|>", "<|endoftext|>", "</s>")
+"""End-of-turn texts a decoded completion may still hold; the answer check ignores everything from the first."""
+
+
+def exact_answer(completion: str, answer: Any) -> bool:
+    """The completion, cut at the first end-of-turn text and stripped, equals the answer string."""
+    for end in END_OF_TURN_TEXTS:
+        completion = completion.split(end, 1)[0]
+    return completion.strip() == str(answer).strip()
+
+
+TASK_CHECKS: dict[str, Callable[[str, Any], bool]] = {name: exact_answer for name in TASKS}
+"""Answer check of each built-in task: ``check(completion, answer) -> bool``. Every built-in task's
+answer is one canonical string (a number, a word, a list of digits or words), so each checks equality."""
+
+DEFAULT_ACCURACY_THRESHOLD = 1.0
+
+
+def is_correct(completion: str, sample: dict[str, Any], reward: float, threshold: float = DEFAULT_ACCURACY_THRESHOLD) -> bool:
+    """Whether a completion answers its prompt correctly, for the ``*accuracy`` metrics.
+
+    A row of a built-in task (its ``task`` column names one) is judged by the task's answer check,
+    whatever the rewards are (shaped or partial-credit rewards do not make a wrong answer right);
+    any other row by its total reward: correct when ``reward >= threshold``
+    (``training.accuracy_threshold``).
+    """
+    check = TASK_CHECKS.get(sample.get("task")) if isinstance(sample.get("task"), str) else None
+    if check is not None and "answer" in sample:
+        return bool(check(completion, sample["answer"]))
+    return reward >= threshold
+
+
+# --------------------------------------------------------------------------------------------------
 # splits
 # --------------------------------------------------------------------------------------------------
 

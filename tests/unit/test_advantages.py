@@ -280,6 +280,8 @@ def test_registration() -> None:
 
     A.register_advantage_estimators(register=register)
     assert {name for name, meta in metadata.items() if meta.get("needs_critic")} == {"gae"}
+    assert {name for name, meta in metadata.items() if meta.get("needs_group")} == {
+        "grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}  # fmt: skip
     assert registered == {
         "grpo": A.GRPOConfig,
         "dr_grpo": A.DrGRPOConfig,
@@ -413,3 +415,24 @@ def test_scan_without_mask_and_gradient() -> None:
     (grad_loop,) = torch.autograd.grad((A.discounted_cumsum_loop(x, mask, 0.9) * weights).sum(), x)
     torch.testing.assert_close(grad_fast, grad_loop)
     assert (grad_fast[~mask] == 0).all()  # a masked token's x is ignored
+
+
+@pytest.mark.parametrize("singleton", ["zero", "raw"])
+def test_needs_group_says_which_estimators_learn_nothing_from_one_sample_per_prompt(singleton) -> None:
+    """The ``needs_group`` declaration matches the maths: with every group a singleton (one sample per
+    prompt) exactly the estimators that declare it, under these options, give all-zero advantages."""
+    registered = {}
+    A.register_advantage_estimators(register=lambda name, fn, config_cls=None, **meta: registered.update(
+        {name: (fn, config_cls, meta)}))  # fmt: skip
+    batch = AdvantageInput(
+        scores=torch.tensor([1.0, 0.0, 0.5, 2.0], dtype=torch.float64), group_ids=torch.arange(4),
+        response_mask=torch.ones(4, 3, dtype=torch.long),
+        values=torch.tensor([[0.1, 0.2, 0.3]] * 4, dtype=torch.float64),
+    )  # fmt: skip
+    for name, (fn, config_cls, meta) in registered.items():
+        fields = {f for f in config_cls.__dataclass_fields__}
+        cfg = config_cls(**({"singleton": singleton} if "singleton" in fields else {}))
+        declared = meta.get("needs_group", False)
+        needs_group = declared(cfg) if callable(declared) else bool(declared)
+        advantages, _ = fn(batch, cfg)
+        assert bool((advantages == 0).all()) == needs_group, name

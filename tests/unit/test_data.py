@@ -265,3 +265,113 @@ def test_resume_with_other_data_is_refused(items):
     state = PromptSampler(items, 2).state_dict()
     with pytest.raises(ValueError, match="10 prompts"):
         PromptSampler(items[:5], 2).load_state_dict(state)
+
+
+# --------------------------------------------------------------------------------------------------
+# many files, nested columns, bad rows
+# --------------------------------------------------------------------------------------------------
+
+MORE = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "id": 10 + i} for i in range(4)]
+
+
+def test_lists_globs_and_folders_read_every_file_in_order(tmp_path, tokenizer):
+    import datasets
+
+    shards = tmp_path / "shards"
+    (shards / "part=b").mkdir(parents=True)
+    (shards / "part=a").mkdir()
+    datasets.Dataset.from_list(MORE[2:]).to_parquet(str(shards / "part=b" / "0.parquet"))
+    datasets.Dataset.from_list(MORE[:2]).to_parquet(str(shards / "part=a" / "0.parquet"))
+    first = write_jsonl(tmp_path / "first.jsonl", ROWS[:1])
+    second = write_jsonl(tmp_path / "second.jsonl", ROWS[1:])
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(ROWS[::-1]).save_to_disk(str(saved))
+
+    def ids(files) -> list[int]:
+        train, _ = load_prompt_splits(DataConfig(train_files=files), tokenizer)
+        return [item.row["id"] for item in train]
+
+    assert ids(str(tmp_path / "*.jsonl")) == [0, 1, 2]  # a glob, sorted
+    assert ids([str(second), str(first)]) == [1, 2, 0]  # a list, in its order
+    assert ids(str(shards)) == [10, 11, 12, 13]  # a parquet folder, partitions sorted and searched recursively
+    assert ids(str(shards / "**" / "*.parquet")) == [10, 11, 12, 13]
+    assert ids([str(first), str(saved), str(shards)]) == [0, 2, 1, 0, 10, 11, 12, 13]  # formats mixed
+    assert ids(str(saved)) == [2, 1, 0]  # a save_to_disk folder by its local path
+    with pytest.raises(FileNotFoundError, match=r"data\.train_files: '.*nothing-\*\.jsonl' matches no file"):
+        ids(str(tmp_path / "nothing-*.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"data\.train_files: '.*missing\.jsonl' does not exist"):
+        ids([str(first), str(tmp_path / "missing.jsonl")])
+    (tmp_path / "empty-folder").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .jsonl, .json, .parquet file"):
+        ids(str(tmp_path / "empty-folder"))
+
+
+def test_a_list_of_files_from_the_command_line(tmp_path, pm):
+    from rlite.config import load_config
+
+    cfg = load_config(None, ["model.path=m", f"data.train_files=[{tmp_path}/a.jsonl, {tmp_path}/b.jsonl]"], pm=pm)
+    assert cfg.data.train_files == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl"]
+    assert load_config(None, ["model.path=m", "data.train_files=a.jsonl"], pm=pm).data.train_files == "a.jsonl"
+
+
+def test_nested_columns_like_verl_parquet(tmp_path, tokenizer):
+    import datasets
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}], "data_source": "toy",
+         "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
+        for i in range(3)
+    ]  # fmt: skip
+    path = tmp_path / "verl.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    train, _ = load_prompt_splits(
+        DataConfig(train_files=str(path), answer_key="reward_model.ground_truth"), tokenizer
+    )
+    assert [item.row["answer"] for item in train] == ["0", "2", "4"]
+    assert train[1].row["reward_model"] == {"style": "rule", "ground_truth": "2"}  # the row is kept whole
+    assert train[1].prompt_text.endswith("What is 1+1?<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match=r"no column 'reward_model\.truth'.*reward_model has no 'truth' \(it holds: style, ground_truth\)"):
+        load_prompt_splits(DataConfig(train_files=str(path), answer_key="reward_model.truth"), tokenizer)
+
+
+def test_empty_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
+    rows = [ROWS[0], {"prompt": "", "answer": "1", "id": 5}, ROWS[1], {"prompt": "   ", "answer": "1", "id": 6}]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="rlite.data"):
+        train, _ = load_prompt_splits(DataConfig(train_files=str(path)), tokenizer)
+    assert [item.row["id"] for item in train] == [0, 1] and train.num_dropped == 2
+    assert "dropped 2 of 4 rows whose prompt (prompt) is empty, the first at" in caplog.text
+    assert "rows.jsonl' row 2" in caplog.text  # 1-based
+    only_empty = write_jsonl(tmp_path / "empty.jsonl", rows[1:2])
+    with pytest.raises(ValueError, match="every prompt of .* is empty"):
+        load_prompt_splits(DataConfig(train_files=str(only_empty)), tokenizer)
+
+
+def test_row_numbers_in_errors_are_one_based_within_their_file(tmp_path, tokenizer):
+    first = write_jsonl(tmp_path / "a.jsonl", ROWS)
+    second = write_jsonl(tmp_path / "b.jsonl", [ROWS[0], {"prompt": "x", "answer": None}])
+    with pytest.raises(ValueError, match=r"b\.jsonl' row 2 has no value in column 'answer'"):
+        load_prompt_splits(DataConfig(train_files=[str(first), str(second)]), tokenizer)
+    numbers = write_jsonl(tmp_path / "c.jsonl", [{"prompt": 7, "answer": "1"}])
+    with pytest.raises(ValueError, match=r"c\.jsonl' row 1, column 'prompt': a prompt must be a string"):
+        load_prompt_splits(DataConfig(train_files=str(numbers)), tokenizer)
+
+
+def test_a_file_that_is_not_utf8_names_the_file_and_line(tmp_path, tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n')
+    with pytest.raises(ValueError) as info:
+        load_prompt_splits(DataConfig(train_files=str(path)), tokenizer)
+    message = str(info.value)
+    assert message.startswith("data.train_files: ") and f"{str(path)!r} line 2, column 16" in message
+    assert "byte 0xe9 is not UTF-8" in message
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_malformed_json_line_names_the_file_and_line(tmp_path, tokenizer, suffix):
+    path = tmp_path / f"rows{suffix}"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3=", "answer: "6"}\n')
+    with pytest.raises(ValueError) as info:
+        load_prompt_splits(DataConfig(train_files=str(path)), tokenizer)
+    message = str(info.value)
+    assert f"data.train_files: {str(path)!r} line 4, column" in message and "not valid JSON" in message

@@ -116,3 +116,16 @@ def test_bad_arg_values(name, args):
 def test_too_few_distinct_prompts_is_an_error_not_a_hang():
     with pytest.raises(ValueError, match="too few distinct prompts"):
         make_task("addition", num_train=95, num_eval=10, seed=0, digits=1)  # only 100 exist
+
+
+def test_is_correct_uses_the_tasks_answer_check_else_the_reward_threshold():
+    from rlite.tasks import is_correct
+
+    row = {"prompt": "12+35=", "answer": "47", "task": "addition"}
+    assert is_correct(" 47<|im_end|>", row, reward=0.0)  # the task's check, whatever the reward
+    assert not is_correct("46", row, reward=0.9)  # partial credit is not a right answer
+    file_row = {"prompt": "q", "answer": "x"}  # no built-in task: the total reward decides
+    assert not is_correct("anything", file_row, reward=0.5)
+    assert is_correct("anything", file_row, reward=1.0)
+    assert is_correct("anything", file_row, reward=0.5, threshold=0.5)
+    assert not is_correct("anything", {**file_row, "task": "my_own_task"}, reward=0.2)

@@ -46,46 +46,97 @@ def _normalise_choices(node: Any, prefix: str = "") -> Any:
     return node
 
 
-def _parse_overrides(overrides: typing.Sequence[str]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key.path=value")
-        key, _, raw = item.partition("=")
-        key = key.strip()
-        if key in CHOICE_KEYS and not raw.strip().startswith(("[", "{")):
-            key = key if REGISTRY_KINDS[CHOICE_KEYS[key]].many else f"{key}.name"
-        value = OmegaConf.create({"v": OmegaConf.from_dotlist([f"v={raw}"]).v} if raw else {"v": ""}).v
-        value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
-        node = tree
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = value
-    return tree
+def _parse_value(raw: str) -> Any:
+    """An override's value in omegaconf's dotlist grammar (YAML: ``[a, b]``, ``{k: v}``, numbers,
+    ``null``; ``key=`` is null and ``key=''`` the empty string); interpolations stay unresolved."""
+    return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]), resolve=False)["v"]
 
 
-def _drop_renamed_choice_args(earlier: dict[str, Any], later: dict[str, Any]) -> None:
-    """When ``later`` picks a different implementation for a choice, forget ``earlier``'s args for it.
+def _choice_key(parts: list[str]) -> tuple[str | None, bool]:
+    """The Choice-valued key that ``parts`` addresses (a list-valued choice key's element counts as
+    one choice), and whether it addresses the whole list of a list-valued key."""
+    if len(parts) >= 2 and parts[-1].isdigit():
+        key = ".".join(parts[:-1])
+        if key in CHOICE_KEYS and REGISTRY_KINDS[CHOICE_KEYS[key]].many:
+            return key, False
+    key = ".".join(parts)
+    if key in CHOICE_KEYS:
+        return key, REGISTRY_KINDS[CHOICE_KEYS[key]].many
+    return None, False
 
-    Layers merge key by key, so without this ``algorithm.advantage=rloo`` on top of a YAML with
-    ``advantage: {name: grpo, args: {...}}`` would validate grpo's options against rloo.
+
+def _walk(cfg: DictConfig, parts: list[str], item: str) -> Any:
+    """The node ``parts`` names, or None where it does not exist yet; list indices are checked here so
+    that a bad one names the list and its length."""
+    node: Any = cfg
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, ListConfig):
+            if not part.isdigit() or int(part) >= len(node):
+                parent = ".".join(parts[:depth])
+                raise ConfigError(
+                    f"override {item!r}: {parent} is a list of {len(node)} entr{'y' if len(node) == 1 else 'ies'}, "
+                    f"so {where} does not exist; address an entry by its index 0..{len(node) - 1}, or set the "
+                    f"whole list with {parent}=[...]"
+                )
+            node = node[int(part)]
+        elif isinstance(node, DictConfig):
+            if part not in node:
+                return None  # omegaconf says whether this key may be added
+            node = node[part]
+        else:
+            parent = ".".join(parts[:depth])
+            raise ConfigError(f"override {item!r}: {parent} is a value, not a section, so it has no key {part!r}")
+    return node
+
+
+def _normalise_choice(value: Any, key: str, item: str) -> dict[str, Any]:
+    """A choice's shorthand name as ``{name: ...}``; anything but a name or a mapping with one is refused."""
+    if isinstance(value, str):
+        return {"name": value}
+    if isinstance(value, dict) and set(value) <= {"name", "args"} and isinstance(value.get("args", {}), dict):
+        return value
+    raise ConfigError(
+        f"override {item!r}: {key} takes an implementation's name ({key}=NAME) or a mapping "
+        f"({key}={{name: NAME, args: {{...}}}}), got {value!r}"
+    )
+
+
+def apply_override(cfg: DictConfig, item: str) -> None:
+    """Apply one ``key.path=value`` override to the merged config, in omegaconf's dotlist grammar.
+
+    List entries are addressed by index (``rewards.0.args.weight=2``). A named choice takes the
+    shorthand name (``algorithm.advantage=rloo``, ``rewards=exact_match``, ``logging.loggers=[jsonl]``);
+    a choice given a different implementation than before forgets the old one's ``args``.
     """
-    for key in CHOICE_KEYS:
-        old, new = _dict_at(earlier, key), _dict_at(later, key)
-        if old is not None and new is not None and "name" in new and new["name"] != old.get("name"):
-            old.pop("args", None)
-
-
-def _dict_at(tree: dict[str, Any], dotted: str) -> dict[str, Any] | None:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node if isinstance(node, dict) else None
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or not all(parts):
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    value = _parse_value(raw)
+    choice, whole_list = _choice_key(parts)
+    if choice is None and parts[-1] == "name":
+        element, whole = _choice_key(parts[:-1])
+        if element is not None and not whole:  # ``<choice>.name=...``: the same as ``<choice>=...``
+            choice, parts, value = element, parts[:-1], {"name": value}
+    if choice is not None:
+        if whole_list:
+            value = [_normalise_choice(v, choice, item) for v in (value if isinstance(value, list) else [value])]
+        else:
+            value = _normalise_choice(value, choice, item)
+            current = _walk(cfg, parts, item)
+            renamed = isinstance(value, dict) and "name" in value and isinstance(current, DictConfig)
+            if renamed and value["name"] != current.get("name"):
+                current["args"] = {}  # another implementation: the old one's options do not apply
+    else:
+        _walk(cfg, parts, item)
+    try:
+        OmegaConf.update(cfg, ".".join(parts), value, merge=True)
+    except OmegaConfBaseException as exc:
+        raise _explain_omegaconf_error(exc) from None
+    except (TypeError, ValueError) as exc:  # omegaconf's own, for values that do not fit the node
+        raise ConfigError(f"override {item!r}: cannot set {key}: {exc}") from None
 
 
 def _schema_keys(cls: type) -> list[str]:
@@ -156,10 +207,43 @@ def validate_choices(cfg: RunConfig, pm) -> None:
         raise ConfigError(
             f"algorithm.advantage={estimator.name} needs a critic: set algorithm.critic.enabled=true"
         )
+    check_group_size(cfg, pm.registry("advantage_estimator"))
     check_draft_runs_on_engine(cfg, pm)
     kl_names = pm.registry("kl_estimator").names()
     if cfg.algorithm.kl.estimator not in kl_names:
         _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
+
+
+def _needs_group(entry, args: dict[str, Any] | None) -> bool:
+    """An estimator's ``needs_group`` declaration for these options (None: its defaults)."""
+    declared = entry.metadata.get("needs_group", False)
+    if not callable(declared):
+        return bool(declared)
+    options = None
+    if entry.config_cls is not None:
+        options = entry.config_cls(**(args or {}))
+    return bool(declared(options))
+
+
+def check_group_size(cfg: RunConfig, estimators) -> None:
+    """A group-relative estimator (registered with ``needs_group``) needs ``samples_per_prompt >= 2``:
+    with one sample per prompt its baseline is the sample itself and every advantage is 0."""
+    if cfg.rollout.samples_per_prompt > 1:
+        return
+    choice = cfg.algorithm.advantage
+    entry = estimators.get(choice.name)
+    if not _needs_group(entry, choice.args):
+        return
+    able = [e.name for e in estimators.entries.values() if not _needs_group(e, None)]
+    options = f" (or algorithm.advantage.args under which {choice.name} needs no group: for the built-ins singleton=raw, " \
+        "which gives a lone sample its raw reward)" if callable(
+        entry.metadata.get("needs_group")) else ""  # fmt: skip
+    raise ConfigError(
+        f"rollout.samples_per_prompt=1: algorithm.advantage={choice.name} compares each sample with the other "
+        f"samples of its prompt, so with one sample per prompt every advantage is 0 and nothing is learned. "
+        f"Sample several per prompt (rollout.samples_per_prompt=2 or more) or use an estimator that works with "
+        f"one sample: {', '.join(sorted(able)) or '(none installed)'}{options}"
+    )
 
 
 def check_draft_runs_on_engine(cfg: RunConfig, pm) -> None:
@@ -194,7 +278,7 @@ def _get_path(obj: Any, dotted: str) -> Any:
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), pm=None) -> RunConfig:
     """Load YAML (optional) plus ``key=value`` overrides into a validated :class:`RunConfig`.
 
-    Overrides beat the YAML. Named choices are checked against the registries of ``pm`` (the plugin
+    Overrides beat the YAML and apply in order (:func:`apply_override`: omegaconf's dotlist grammar). Named choices are checked against the registries of ``pm`` (the plugin
     manager, or anything with ``registry(kind)``); ``pm=False`` skips that check.
     """
     token = _SKIP_CHECKS.set(True)
@@ -216,14 +300,14 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), p
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         layers.append(_normalise_choices(raw))
-    layers.append(_normalise_choices(_parse_overrides(overrides)))
-    for index, later in enumerate(layers[1:], start=1):
-        for earlier in layers[:index]:
-            _drop_renamed_choice_args(earlier, later)
     try:
         merged = schema
         for layer in layers:
             merged = OmegaConf.merge(merged, layer)
+        for item in overrides:
+            apply_override(merged, item)
+        if not merged.logging.run_dir:  # each config file its own run folder, so runs never resume each other
+            merged.logging.run_dir = str(Path("runs") / (path.stem if path is not None else "rlite"))
         cfg: RunConfig = OmegaConf.to_object(merged)  # runs every __post_init__
     except OmegaConfBaseException as exc:
         if isinstance(exc.__cause__, ConfigError):

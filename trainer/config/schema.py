@@ -15,7 +15,7 @@ import contextvars
 import difflib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -98,7 +98,8 @@ class ModelConfig:
     """The policy model."""
 
     path: str = "???"
-    """Hugging Face model folder (or hub name when a network is available) holding config, weights and tokenizer."""
+    """Hugging Face model folder (or hub name when a network is available) holding config, weights and tokenizer;
+    checked before anything loads (a missing folder is named)."""
     tokenizer: Optional[str] = None
     """Tokenizer folder; defaults to ``path``."""
     dtype: str = "float32"
@@ -129,14 +130,17 @@ class DataConfig:
     """Built-in synthetic task (addition, reversal, sorting, word_problems, spell_digits); ignored when ``train_files`` is set."""
     task_args: dict[str, Any] = field(default_factory=dict)
     """Options of the synthetic task (for example ``digits: 2``)."""
-    train_files: Optional[str] = None
-    """Training prompts: a .jsonl or .parquet file, or a folder saved by ``datasets.save_to_disk``."""
-    eval_files: Optional[str] = None
-    """Held-out prompts in the same formats; a synthetic task makes its own held-out split."""
+    train_files: Union[str, list[str], None] = None
+    """Training prompts: a .jsonl/.json/.parquet file, a glob (``data/train-*.parquet``), a folder of such files
+    (read recursively), a folder saved by ``datasets.save_to_disk``, or a list of any of these (read in order)."""
+    eval_files: Union[str, list[str], None] = None
+    """Held-out prompts in the same forms; a synthetic task makes its own held-out split."""
     prompt_key: str = "prompt"
-    """Column holding the prompt: a string, or a list of chat messages."""
+    """Column holding the prompt (a string, or a list of chat messages); a dotted path reads a nested column.
+    Rows with an empty prompt are dropped and counted."""
     answer_key: str = "answer"
-    """Column holding the reference answer given to the reward functions."""
+    """Column holding the reference answer given to the reward functions; a dotted path reads a nested column
+    (``reward_model.ground_truth``)."""
     num_train: int = 2000
     """Number of synthetic training prompts."""
     num_eval: int = 64
@@ -349,6 +353,9 @@ class TrainingConfig:
     """Evaluate on the held-out split every this many steps (0 = only at the end)."""
     eval_max_prompts: int = 64
     """Cap on held-out prompts per evaluation."""
+    accuracy_threshold: float = 1.0
+    """``eval/*_accuracy`` and ``reward/accuracy`` count a sample correct by its built-in task's answer check
+    (``rlite.tasks.TASK_CHECKS``); rows of data files, which have none, when their total reward is >= this."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "training.steps must be >= 0")
@@ -420,6 +427,9 @@ class CheckpointConfig:
     """Keep this many most recent checkpoints (older ones are deleted after a newer one is complete)."""
     resume: str = "auto"
     """``auto`` resumes from the latest complete checkpoint in the run folder, ``never`` starts fresh, or a checkpoint path."""
+    resume_mismatch: str = "refuse"
+    """A checkpoint whose run (its folder's ``config.yaml``) had another ``model.*`` or ``algorithm.*``: ``refuse`` to
+    resume it, naming the keys that differ, or ``allow`` resuming anyway (the differences are logged)."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
     export_hf: bool = True
@@ -428,14 +438,16 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check(self.every >= 0, "checkpoint.every must be >= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+        _check_choice("checkpoint.resume_mismatch", self.resume_mismatch, ("refuse", "allow"))
 
 
 @dataclass
 class LoggingConfig:
     """Metrics and output."""
 
-    run_dir: str = "runs/rlite"
-    """Output folder: metrics.jsonl, checkpoints, the exported model and the final plot."""
+    run_dir: str = ""
+    """Output folder: config.yaml, metrics.jsonl, checkpoints, the exported model and the final plot; empty means
+    ``runs/<the config file's name without .yaml>`` (``runs/rlite`` without a config file), so each config has its own."""
     loggers: list[Choice] = field(default_factory=lambda: [Choice("jsonl"), Choice("tensorboard")])
     """Metric loggers (jsonl, tensorboard when installed, wandb)."""
     progress_bar: bool = True
@@ -444,6 +456,10 @@ class LoggingConfig:
     """Write reward and eval accuracy against step as plot.png at the end."""
     profile: bool = False
     """Record a torch profiler trace of the run's 2nd and 3rd steps into ``<run_dir>/profile/`` (Chrome trace + top-ops table)."""
+
+    def __post_init__(self) -> None:
+        if not self.run_dir and not _SKIP_CHECKS.get():  # built in code, without a config file to name it
+            self.run_dir = "runs/rlite"
 
 
 @dataclass

@@ -7,6 +7,8 @@ engine (last, so a failure before it leaves no engine process behind), and resum
 from __future__ import annotations
 
 import logging
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import build_reward_runner
-from rlite.run.lifecycle import maybe_resume
+from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.stages.collect import Rollouts
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
@@ -74,6 +76,7 @@ class Run:
 
 
 def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
+    check_input_paths(cfg)  # before anything loads or the run folder is touched
     ctx = init_distributed()
     if cfg.training.num_threads is not None:
         torch.set_num_threads(cfg.training.num_threads)
@@ -83,6 +86,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         keep_freed_memory()
     torch.manual_seed(cfg.training.seed)
     run_dir = Path(cfg.logging.run_dir)
+    check_resume_config(cfg)  # before this run's config.yaml replaces the one the check reads
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
@@ -194,12 +198,64 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         run.routing = routing_setup(cfg, backend, engine, layout)
         run.forward.routing = replay_plan(run.routing)
         run.rollouts.record_routing = run.routing is not None
+        run.rollouts.accuracy_threshold = cfg.training.accuracy_threshold
         run.rollouts.use_draft(draft, engine, cfg.rollout.engine.name)
         run.sync_weights(version=start_step)
     except BaseException:
         engine.shutdown()
         raise
     return run
+
+
+HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+"""What a Hugging Face hub repo id looks like (``name`` or ``owner/name``)."""
+
+
+def check_model_source(key: str, source: str) -> None:
+    """A model (or tokenizer) source must be an existing folder, or look like a hub repo id while the
+    hub is reachable; anything else is reported as a missing folder (not transformers' repo-id error)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ConfigError(f"{key}: {source!r} is a file; point it at the model's folder (config.json, weights, tokenizer)")
+    looks_local = (
+        not HUB_REPO_ID.match(source) or source.startswith((".", "~", "/")) or (
+            len(path.parts) > 1 and path.parent.is_dir())
+    )  # fmt: skip
+    if looks_local:
+        existing = next((p for p in path.absolute().parents if p.is_dir()), None)
+        raise ConfigError(
+            f"{key}: folder {str(path)!r} does not exist"
+            + (f" (the nearest existing folder is {str(existing)!r})" if existing is not None else "")
+        )
+    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if offline:
+        raise ConfigError(
+            f"{key}: {source!r} is not a local folder and the Hugging Face hub is offline (HF_HUB_OFFLINE), "
+            "so it cannot be downloaded; point it at a model folder"
+        )
+
+
+def check_input_paths(cfg: RunConfig) -> None:
+    """Every model folder and data file the run reads exists (globs match, folders hold data files)."""
+    from rlite.data import resolve_data_files
+
+    check_model_source("model.path", cfg.model.path)
+    if cfg.model.tokenizer:
+        check_model_source("model.tokenizer", cfg.model.tokenizer)
+    if cfg.model.gguf_file and Path(cfg.model.path).is_dir() and not (Path(cfg.model.path) / cfg.model.gguf_file).is_file():
+        raise ConfigError(f"model.gguf_file: {cfg.model.gguf_file!r} is not a file in {cfg.model.path!r}")
+    if cfg.algorithm.critic.enabled and cfg.algorithm.critic.path:
+        check_model_source("algorithm.critic.path", cfg.algorithm.critic.path)
+    if cfg.data.train_files is not None:
+        for key in ("train_files", "eval_files"):
+            spec = getattr(cfg.data, key)
+            if spec is not None:
+                try:
+                    resolve_data_files(spec, f"data.{key}")
+                except (FileNotFoundError, ValueError) as exc:
+                    raise ConfigError(str(exc).strip("'\"")) from None
 
 
 def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,

@@ -9,8 +9,30 @@ import torch
 from rlite.training.backend import TrainingBackend
 
 
-def export_hf(backend: TrainingBackend, tokenizer, out_dir: str | Path, *, is_main: bool) -> Path:
-    """Gather the full weights (collective: every rank calls this) and ``save_pretrained`` on rank 0."""
+def source_generation_config(model_path: str | None, hf_config):
+    """The generation config of the model training started from (its ``generation_config.json``:
+    sampling defaults, stop tokens), else the one transformers derives from the model config. Either
+    way the KV cache stays on: training turns ``use_cache`` off in the model config, and an export
+    that inherited that would decode without a cache, several times slower."""
+    from transformers import GenerationConfig
+
+    generation = None
+    if model_path:
+        try:
+            generation = GenerationConfig.from_pretrained(model_path)
+        except OSError:  # the source has no generation config (or is not a folder)
+            generation = None
+    if generation is None:
+        generation = GenerationConfig.from_model_config(hf_config)
+        generation.use_cache = True
+    return generation
+
+
+def export_hf(
+    backend: TrainingBackend, tokenizer, out_dir: str | Path, *, is_main: bool, source_model: str | None = None
+) -> Path:
+    """Gather the full weights (collective: every rank calls this) and ``save_pretrained`` on rank 0,
+    with the generation config of ``source_model`` (the ``model.path`` training started from)."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
@@ -28,6 +50,7 @@ def export_hf(backend: TrainingBackend, tokenizer, out_dir: str | Path, *, is_ma
         if missing:
             raise RuntimeError(f"export: no weights for {missing[:5]}")
         model.config.use_cache = True
+        model.generation_config = source_generation_config(source_model, model.config)
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlite.config import ConfigError, RunConfig
 from rlite.data import PromptSampler
 from rlite.distributed import DistContext
 from rlite.drafts import SpeculativeDraft
@@ -52,6 +53,55 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
     run.backend.after_checkpoint()
     run.pm.hook.on_checkpoint_save(step=step, path=path)
     return path
+
+
+RESUME_CHECKED_SECTIONS = ("model", "algorithm")
+"""Config sections that must match the checkpoint's run for a resume (``checkpoint.resume_mismatch``)."""
+
+
+def _differences(saved: Any, current: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, saved value, current value)`` for every leaf that differs."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for key in sorted(set(saved) | set(current), key=str):
+            out += _differences(saved.get(key), current.get(key), f"{prefix}.{key}")
+        return out
+    return [] if saved == current else [(prefix, saved, current)]
+
+
+def check_resume_config(cfg: RunConfig) -> None:
+    """Refuse to resume a checkpoint whose run had another model or algorithm (unless
+    ``checkpoint.resume_mismatch=allow``); run before this run writes its own ``config.yaml``.
+
+    The checkpoint's run is described by the ``config.yaml`` of its run folder
+    (``<run_dir>/checkpoints/step_X`` -> ``<run_dir>/config.yaml``).
+    """
+    from omegaconf import OmegaConf
+
+    from rlite.run.checkpoint import find_resume_checkpoint
+
+    path = find_resume_checkpoint(cfg.logging.run_dir, cfg.checkpoint.resume)
+    if path is None:
+        return
+    saved_file = path.parent.parent / "config.yaml"
+    if not saved_file.is_file():
+        log.warning("resuming %s: its run folder has no config.yaml to check the model and algorithm against", path)
+        return
+    saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=False) or {}
+    current = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False)
+    differ = [d for section in RESUME_CHECKED_SECTIONS for d in _differences(saved.get(section), current[section], section)]
+    if not differ:
+        return
+    listed = "; ".join(f"{key}: {old!r} then, {new!r} now" for key, old, new in differ[:8])
+    listed += f"; and {len(differ) - 8} more" if len(differ) > 8 else ""
+    if cfg.checkpoint.resume_mismatch == "allow":
+        log.warning("resuming %s although its run had another model or algorithm (%s)", path, listed)
+        return
+    raise ConfigError(
+        f"checkpoint.resume: {str(path)!r} was written by a run with another model or algorithm ({listed}). Start "
+        "this run in its own folder (logging.run_dir=...) or afresh (checkpoint.resume=never, which replaces that "
+        "run's files), or resume it anyway with checkpoint.resume_mismatch=allow"
+    )
 
 
 def maybe_resume(
@@ -98,7 +148,8 @@ def finish_run(run: Run, last: dict[str, float]) -> dict[str, Any]:
     if cfg.checkpoint.export_hf:
         from rlite.run.export import export_hf
 
-        export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main)
+        export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main,
+                  source_model=cfg.model.path)
         if run.draft is not None and run.ctx.is_main:  # every rank holds the same draft
             run.draft.export(run.run_dir / "hf_draft")
     summary: dict[str, Any] = {"steps": cfg.training.steps, "run_dir": str(run.run_dir)}

@@ -2,7 +2,9 @@
 
 With DAPO's dynamic sampling, groups whose rewards are all equal are dropped and more prompts are
 drawn until every rank has its quota of groups. The held-out evaluation (greedy and sampled accuracy)
-lives here too: it is a rollout without training.
+lives here too: it is a rollout without training. Accuracy counts answers that are right
+(:func:`rlite.tasks.is_correct`: a built-in task's answer check, else the total reward against
+``training.accuracy_threshold``), not rewards above 0.
 
 Memory: the engine holds its weights and KV cache only from a weight sync to the end of the next
 rollout. :meth:`Rollouts.collect` releases them as soon as the batch is complete, so that the
@@ -22,6 +24,7 @@ from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
 from rlite.rewards import RewardRunner
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
+from rlite.tasks import DEFAULT_ACCURACY_THRESHOLD, is_correct
 
 
 def sampling_params(rollout: RolloutConfig, *, seed: int, n: int | None = None, greedy: bool = False) -> SamplingParams:
@@ -54,6 +57,8 @@ class Rollouts:
         self.engine, self.sampler, self.rewards, self.tokenizer = engine, sampler, rewards, tokenizer
         self.rollout, self.algorithm, self.seed, self.layout, self.hooks, self.timer = (
             rollout, algorithm, seed, layout, hooks, timer)
+        self.accuracy_threshold = DEFAULT_ACCURACY_THRESHOLD
+        """Total reward from which a data-file row counts as correct (``training.accuracy_threshold``)."""
         self.record_routing = False
         """Ask the engine for the experts of every MoE token (routing replay and its metrics)."""
         self.speculating = False
@@ -179,6 +184,10 @@ class Rollouts:
         # the leader scores (a reward that times out on one rank must not split the replica)
         scores, stats = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
         batch.scores = torch.tensor(scores, dtype=torch.float32)
+        batch.correct = torch.tensor([
+            is_correct(text, sample, score, self.accuracy_threshold)
+            for text, sample, score in zip(batch.completion_texts, batch.samples, scores)
+        ], dtype=torch.bool)  # fmt: skip
         return stats
 
     @torch.no_grad()
@@ -192,15 +201,20 @@ class Rollouts:
         for mode, greedy in (("greedy", True), ("sampled", False)):
             params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, layout.rank, 7), n=1, greedy=greedy)
 
-            def score_items(params=params) -> list[float]:
+            def score_items(params=params) -> list[tuple[float, bool]]:
                 # called with no items too: an engine serving several ranks samples them all in one call
                 completions = self.engine.generate([p.prompt_ids for p in items], params)
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-                return self.rewards.score(texts, [p.row for p in items])[0] if items else []
+                if not items:
+                    return []
+                rewards = self.rewards.score(texts, [p.row for p in items])[0]
+                return [(reward, is_correct(text, item.row, reward, self.accuracy_threshold))
+                        for reward, text, item in zip(rewards, texts, items)]  # fmt: skip
 
-            scores = self._from_leader(score_items)
+            scored = self._from_leader(score_items)
             totals = all_reduce_sum(
-                torch.tensor([float(sum(s > 0 for s in scores)), float(sum(scores)), float(len(scores))]), layout.group
+                torch.tensor([float(sum(c for _, c in scored)), float(sum(r for r, _ in scored)), float(len(scored))]),
+                layout.group,
             )
             n = max(float(totals[2]), 1.0)
             out[f"eval/{mode}_accuracy"] = float(totals[0]) / n

@@ -52,7 +52,7 @@ def step_metrics(
     mask = batch.response_mask
     local = torch.tensor([
         batch.scores.sum().item(),
-        (batch.scores > 0).float().sum().item(),
+        (batch.correct if batch.correct is not None else batch.scores > 0).float().sum().item(),
         mask.sum().item(),
         float(sum(r == "length" for r in batch.finish_reasons)),
         float(len(batch)),
