@@ -2,6 +2,8 @@
 
 A logger factory is ``factory(run_dir, config, cfg) -> logger`` with ``log(step, metrics)`` and
 ``close()``; it returns None when its package is missing, which the loop reports once and skips.
+A logger may also show rollouts (``log_samples(step, kind, rows)``, rows as in ``samples.jsonl``;
+``rlite.samples``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ class TensorBoardLogger:
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def log_samples(self, step: int, kind: str, rows: list[dict]) -> None:
+        """A markdown table under ``samples/<kind>`` (TensorBoard's Text tab)."""
+        from rlite.api import samples_markdown
+
+        self.writer.add_text(f"samples/{kind}", samples_markdown(rows), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -88,6 +97,17 @@ class WandbLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
+
+    def log_samples(self, step: int, kind: str, rows: list[dict]) -> None:
+        """A ``wandb.Table`` under ``samples/<kind>``, one row per rollout."""
+        import json
+
+        import wandb
+
+        columns = sorted({key for row in rows for key in row})
+        data = [[v if isinstance(v, (int, float, str, type(None))) else json.dumps(v, default=str)
+                 for v in (row.get(c) for c in columns)] for row in rows]  # fmt: skip
+        self.run.log({f"samples/{kind}": wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -7,6 +7,7 @@ engine (last, so a failure before it leaves no engine process behind), and resum
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import build_reward_runner
 from rlite.run.lifecycle import maybe_resume
+from rlite.samples import SampleWriter
 from rlite.stages.collect import Rollouts
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
@@ -65,6 +67,10 @@ class Run:
     """MoE routing replay and metrics (``None``: a dense model, or both off)."""
     draft: SpeculativeDraft | None = None
     """The speculative-decoding draft (``rollout.draft``; ``None``: plain decoding)."""
+    started: float = field(default_factory=time.perf_counter)
+    """``time.perf_counter()`` when the run started being built (the summary's wall time counts from it)."""
+    samples: SampleWriter | None = None
+    """Where rollouts are written for people to read (rank 0 with ``logging.samples_every``; else ``None``)."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(
@@ -74,6 +80,7 @@ class Run:
 
 
 def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
+    started = time.perf_counter()
     ctx = init_distributed()
     if cfg.training.num_threads is not None:
         torch.set_num_threads(cfg.training.num_threads)
@@ -150,7 +157,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
     )
     loggers = []
     if ctx.is_main:
-        trim_metrics_file(run_dir / "metrics.jsonl", start_step if start_step else None)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            trim_metrics_file(run_dir / name, start_step if start_step else None)
         loggers = build_loggers(cfg, run_dir, pm)
     # the engine last: a failure above leaves no engine process behind; every rank tells the engine
     # factories where it runs and what its trainer will still allocate (a collective)
@@ -188,7 +196,11 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         timer=timer,
         start_step=start_step,
         draft=draft,
+        started=started,
+        samples=SampleWriter(run_dir / "samples.jsonl", loggers) if ctx.is_main and cfg.logging.samples_every else None,
     )
+    if run.samples is not None:
+        run.rollouts.eval_sample_count = cfg.logging.samples_per_step
     try:
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
         run.routing = routing_setup(cfg, backend, engine, layout)
