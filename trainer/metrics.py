@@ -138,8 +138,36 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+SMOOTHING = 0.9
+"""Weight of the smoothed reward curve in ``plot.png`` (:func:`smooth`): about the last 10 steps."""
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """TensorBoard's debiased exponential moving average: ``m_t = weight * m_{t-1} + (1 - weight) * x_t``
+    from ``m_0 = 0``, reported as ``m_t / (1 - weight^t)`` so that the first points are not pulled
+    towards 0."""
+    out, mean = [], 0.0
+    for t, value in enumerate(values, start=1):
+        mean = weight * mean + (1 - weight) * value
+        out.append(mean / (1 - weight**t))
+    return out
+
+
+PLOT_PANELS = {
+    "reward": (("reward/mean", "train reward (sampled)"), ("eval/greedy_accuracy", "eval accuracy (greedy)"),
+               ("eval/sampled_accuracy", "eval accuracy (sampled)")),
+    "response length": (("response/length", "mean response length (tokens)"),),
+    "entropy": (("actor/entropy", "policy entropy (nats/token)"),),
+    "KL": (("actor/kl_loss", "KL to the reference (loss term)"), ("actor/reward_kl_penalty", "KL penalty in the reward"),
+           ("mismatch/kl", "rollout vs trainer (mismatch)")),
+}
+"""The panels of ``plot.png``: title -> (metric, label) curves; a metric the run did not log is left out."""
+
+
 def plot_run(metrics_file: str | Path, out_png: str | Path) -> Path | None:
-    """Reward and held-out accuracy against step, as a PNG."""
+    """``plot.png``: four panels against step. Reward: the train reward, its smoothed curve
+    (:func:`smooth`) and the held-out accuracies; response length; policy entropy; KL (to the reference
+    and in the reward where the run has them, and between the engine's and the trainer's log-probs)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,21 +176,38 @@ def plot_run(metrics_file: str | Path, out_png: str | Path) -> Path | None:
     rows = read_metrics(metrics_file)
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [r["step"] for r in rows if "reward/mean" in r]
-    ax.plot(steps, [r["reward/mean"] for r in rows if "reward/mean" in r], label="train reward (sampled)", alpha=0.7)
-    for key, label in (("eval/greedy_accuracy", "eval accuracy (greedy)"), ("eval/sampled_accuracy", "eval accuracy (sampled)")):
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward / accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    fig = plot_figure(rows)
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return Path(out_png)
+
+
+def plot_figure(rows: list[dict[str, Any]]):
+    """The matplotlib figure of :func:`plot_run` from the metrics rows."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (title, curves) in zip(axes.flat, PLOT_PANELS.items()):
+        for key, label in curves:
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if not points:
+                continue
+            steps, values = zip(*points)
+            evaluation = key.startswith("eval/")
+            ax.plot(steps, values, label=label, marker="o" if evaluation else None,
+                    alpha=0.35 if key == "reward/mean" else 0.9)  # fmt: skip
+            if key == "reward/mean":
+                ax.plot(steps, smooth(list(values)), label=f"train reward, smoothed (EMA {SMOOTHING})")
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.legend(fontsize=8)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    return fig
 
 
 def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:

@@ -445,7 +445,8 @@ class LoggingConfig:
     """Without a terminal: print a one-line summary (step, reward, held-out accuracy, tokens/s, s/step, elapsed, ETA)
     every this many steps and at the last step."""
     plot: bool = True
-    """Write reward and eval accuracy against step as plot.png at the end."""
+    """Write plot.png at the end: reward (and its smoothed curve) with eval accuracy, response length, entropy and KL
+    against step (``rlite.metrics.plot_run``)."""
     profile: bool = False
     """Record a torch profiler trace of the run's 2nd and 3rd steps into ``<run_dir>/profile/`` (Chrome trace + top-ops table)."""
     samples_every: int = 10
