@@ -3,7 +3,8 @@
 A logger factory is ``factory(run_dir, config, cfg) -> logger`` with ``log(step, metrics)`` and
 ``close()``; it returns None when its package is missing, which the loop reports once and skips.
 A logger may also show rollouts (``log_samples(step, kind, rows)``, rows as in ``samples.jsonl``;
-``rlite.samples``).
+``rlite.samples``) and forget what an interrupted run logged after the checkpoint a run resumes from
+(``resume(step)``).
 """
 
 from __future__ import annotations
@@ -48,12 +49,34 @@ def make_jsonl(run_dir, config, cfg: JsonlConfig):
 
 
 class TensorBoardLogger:
+    """Scalars per step under ``<run_dir>/tensorboard``, and rollouts as text tables.
+
+    Each run starts its events with a session start (TensorBoard's ``SessionLog.START``), which
+    TensorBoard reads as "drop every earlier event from this step on": at step 0 for a fresh run (a new
+    history in the same folder) and at ``step + 1`` for a run resumed from a checkpoint of ``step``
+    (what ``SummaryWriter(purge_step=...)`` writes), so the steps an interrupted run logged after its
+    checkpoint show once, not twice."""
+
     def __init__(self, logdir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(logdir))
+        self.session_start: int | None = 0
+
+    def resume(self, step: int) -> None:
+        self.session_start = step + 1
+
+    def _start_session(self) -> None:
+        if self.session_start is None:
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        start = SessionLog(status=SessionLog.START)
+        self.writer.file_writer.add_event(Event(step=self.session_start, session_log=start))
+        self.session_start = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._start_session()
         for key, value in metrics.items():
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, step)
@@ -63,6 +86,7 @@ class TensorBoardLogger:
         """A markdown table under ``samples/<kind>`` (TensorBoard's Text tab)."""
         from rlite.api import samples_markdown
 
+        self._start_session()
         self.writer.add_text(f"samples/{kind}", samples_markdown(rows), step)
         self.writer.flush()
 

@@ -160,6 +160,9 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         for name in ("metrics.jsonl", "samples.jsonl"):
             trim_metrics_file(run_dir / name, start_step if start_step else None)
         loggers = build_loggers(cfg, run_dir, pm)
+        for logger in loggers:  # steps an interrupted run logged after the checkpoint are logged again
+            if start_step and callable(getattr(logger, "resume", None)):
+                logger.resume(start_step)
     # the engine last: a failure above leaves no engine process behind; every rank tells the engine
     # factories where it runs and what its trainer will still allocate (a collective)
     context = gather_engine_context(
