@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.add_argument("config", metavar="CONFIG", help="YAML config file")
     config.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    config.add_argument(
+        "--doc", action="store_true",
+        help="write each field's docstring (and each plugin option's) as a comment above its value",
+    )  # fmt: skip
     config.set_defaults(func=cmd_config)
 
     plugins = commands.add_parser(
@@ -121,8 +125,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    cfg, _ = load_run_config(args.config, args.overrides)
-    sys.stdout.write(config_to_yaml(cfg))
+    cfg, pm = load_run_config(args.config, args.overrides)
+    if args.doc:
+        from rlite.config.docs import documented_yaml
+
+        sys.stdout.write(documented_yaml(cfg, pm))
+    else:
+        sys.stdout.write(config_to_yaml(cfg))
     return 0
 
 
