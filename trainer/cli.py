@@ -1,4 +1,4 @@
-"""The ``rlite`` command: ``train``, ``config`` and ``plugins``.
+"""The ``rlite`` command: ``train``, ``eval``, ``config`` and ``plugins``.
 
 Also runs as ``python -m rlite ...`` and ``torchrun --nproc_per_node N -m rlite train ...``.
 Configuration and plugin problems print one line on stderr and exit with status 2; nothing heavy
@@ -46,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", metavar="CONFIG", help="YAML config file")
     train.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
     train.set_defaults(func=cmd_train)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a checkpoint or a model on the held-out prompts, without training",
+        description="Evaluate the model a run would start from (checkpoint.resume's checkpoint, else model.path) "
+        "on the held-out prompts as the run's evaluations do; append the metrics to <run_dir>/eval.jsonl. "
+        "An exported model: `rlite eval CONFIG model.path=RUN/hf_model checkpoint.resume=never`.",
+    )
+    evaluate.add_argument("config", metavar="CONFIG", help="YAML config file")
+    evaluate.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    evaluate.set_defaults(func=cmd_eval)
 
     config = commands.add_parser(
         "config",
@@ -121,6 +132,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rlite.loop import run_training  # heavy (torch, transformers): only when training
 
     run_training(cfg, pm)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    cfg, pm = load_run_config(args.config, args.overrides)
+    from rlite.run.evaluation import run_evaluation  # heavy (torch, transformers)
+
+    run_evaluation(cfg, pm)
     return 0
 
 

@@ -79,7 +79,9 @@ class Run:
         )
 
 
-def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
+def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool = False) -> Run:
+    """Everything a run needs, resumed from ``checkpoint.resume``'s checkpoint. ``evaluation_only``
+    (``rlite eval``): the run folder's config, metrics and loggers are left as they are."""
     started = time.perf_counter()
     ctx = init_distributed()
     if cfg.training.num_threads is not None:
@@ -92,6 +94,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
     run_dir = Path(cfg.logging.run_dir)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main and not evaluation_only:
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
     try:
@@ -156,7 +159,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
     )
     loggers = []
-    if ctx.is_main:
+    if ctx.is_main and not evaluation_only:
         for name in ("metrics.jsonl", "samples.jsonl"):
             trim_metrics_file(run_dir / name, start_step if start_step else None)
         loggers = build_loggers(cfg, run_dir, pm)
