@@ -41,8 +41,8 @@ class StepTimer:
 
 class ProgressBar:
     """On a terminal, a rich progress bar: step, reward, accuracy, tokens/s, ETA. When stdout is not a
-    terminal (a pipe, ``nohup``, a cluster scheduler's log file), a plain line every ``plain_every``
-    steps and at the last step instead, with no escape codes (:func:`plain_progress_line`). Silent
+    terminal (a pipe, ``nohup``, a cluster scheduler's log file), a plain line at the run's first step,
+    every ``plain_every`` steps and at the last step instead, with no escape codes (:func:`plain_progress_line`). Silent
     when disabled."""
 
     def __init__(self, total: int, start: int, enabled: bool, plain_every: int = 10, stream=None) -> None:
@@ -73,7 +73,7 @@ class ProgressBar:
         if "eval/greedy_accuracy" in metrics:
             self.last_accuracy = metrics["eval/greedy_accuracy"]
         if self.plain:
-            if step % self.plain_every == 0 or step == self.total:
+            if step % self.plain_every == 0 or step in (self.start + 1, self.total):  # the first: it is alive
                 elapsed = time.perf_counter() - self.started
                 line = plain_progress_line(step, self.total, self.start, elapsed, metrics, self.last_accuracy)
                 print(line, file=self.stream, flush=True)

@@ -1,4 +1,5 @@
-"""``plot.png``: reward (with a smoothed curve), response length, entropy and KL panels from a metrics file."""
+"""``plot.png`` (reward with a smoothed curve, response length, entropy and KL panels from a metrics file) and the
+plain progress lines printed without a terminal."""
 
 from __future__ import annotations
 
@@ -44,3 +45,20 @@ def test_plot_has_reward_length_entropy_and_kl_panels(metrics_file, tmp_path):
     assert kl_labels == ["rollout vs trainer (mismatch)"], "metrics the run did not log are left out"
     out = plot_run(metrics_file, tmp_path / "plot.png")
     assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plain_progress_lines_without_a_terminal():
+    import io
+
+    from rlite.metrics import ProgressBar
+
+    out = io.StringIO()  # not a TTY
+    bar = ProgressBar(total=25, start=4, enabled=True, plain_every=10, stream=out)
+    for step in range(5, 26):
+        bar.update(step, {"reward/mean": step / 100, "eval/greedy_accuracy": 0.5} if step == 12 else {"reward/mean": 0.0})
+    bar.close()
+    lines = out.getvalue().splitlines()
+    # the resumed run's first step, every 10th, the last; the latest held-out accuracy is carried
+    assert [line.split(" | ")[0] for line in lines] == ["step 5/25", "step 10/25", "step 20/25", "step 25/25"]
+    assert "eval acc" not in lines[1] and "eval acc 0.500" in lines[2]
+    assert "\x1b" not in out.getvalue()

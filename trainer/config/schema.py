@@ -443,7 +443,7 @@ class LoggingConfig:
     one-line summaries every ``log_every`` steps instead."""
     log_every: int = 10
     """Without a terminal: print a one-line summary (step, reward, held-out accuracy, tokens/s, s/step, elapsed, ETA)
-    every this many steps and at the last step."""
+    every this many steps, and at the run's first and last steps."""
     plot: bool = True
     """Write plot.png at the end: reward (and its smoothed curve) with eval accuracy, response length, entropy and KL
     against step (``rlite.metrics.plot_run``)."""
