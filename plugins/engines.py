@@ -2,7 +2,9 @@
 
 * ``transformers``: transformers ``generate`` with a KV cache, colocated with the trainer; in-process
   by default, or in its own spawned process (``args.process: true``) receiving weights through
-  shared-memory buckets (``rlite.engines.transformers.process``).
+  shared-memory buckets (``rlite.engines.transformers.process``). Its model is built from the
+  config with no weights read (``rlite.hf_models.skeleton_causal_lm``): the trainer's first sync,
+  before any rollout, gives every parameter.
 * ``sglang``: SGLang >= 0.5.23 on GPUs (``pip install rlite[sglang]``), colocated with the memory
   saver, weights through flattened CUDA-IPC buckets (``rlite.engines.sglang``). Each engine runs on
   the GPUs of ``tp_size`` trainer ranks of a machine, started by the first of them with
@@ -54,15 +56,18 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
             attn_implementation=cfg.attn_implementation,
             gguf_file=model_config.gguf_file,
             bucket_mb=rollout_config.sync_bucket_mb,
+            weights_from_sync=True,
             **common,
         )
-    from rlite.api import TransformersEngine, load_causal_lm, load_draft_model
+    from rlite.api import TransformersEngine, load_draft_model, skeleton_causal_lm
 
-    engine_model_cfg = type(model_config)(**{**model_config.__dict__, "attn_implementation": cfg.attn_implementation})
+    # the trainer syncs every weight before the first rollout: the engine reads none from disk
+    model = skeleton_causal_lm(model_config.path, model_config.dtype, cfg.attn_implementation,
+                               model_config.gguf_file, model_config.trust_remote_code)  # fmt: skip
     return TransformersEngine(
-        load_causal_lm(engine_model_cfg),
+        model,
         share_weights=cfg.share_weights,
-        draft_model=load_draft_model(draft, cfg.attn_implementation),
+        draft_model=load_draft_model(draft, cfg.attn_implementation, weights_from_sync=True),
         **common,
     )
 

@@ -2,6 +2,9 @@
 
 A logger factory is ``factory(run_dir, config, cfg) -> logger`` with ``log(step, metrics)`` and
 ``close()``; it returns None when its package is missing, which the loop reports once and skips.
+A logger may also show rollouts (``log_samples(step, kind, rows)``, rows as in ``samples.jsonl``;
+``rlite.samples``) and forget what an interrupted run logged after the checkpoint a run resumes from
+(``resume(step)``).
 """
 
 from __future__ import annotations
@@ -46,15 +49,45 @@ def make_jsonl(run_dir, config, cfg: JsonlConfig):
 
 
 class TensorBoardLogger:
+    """Scalars per step under ``<run_dir>/tensorboard``, and rollouts as text tables.
+
+    Each run starts its events with a session start (TensorBoard's ``SessionLog.START``), which
+    TensorBoard reads as "drop every earlier event from this step on": at step 0 for a fresh run (a new
+    history in the same folder) and at ``step + 1`` for a run resumed from a checkpoint of ``step``
+    (what ``SummaryWriter(purge_step=...)`` writes), so the steps an interrupted run logged after its
+    checkpoint show once, not twice."""
+
     def __init__(self, logdir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(logdir))
+        self.session_start: int | None = 0
+
+    def resume(self, step: int) -> None:
+        self.session_start = step + 1
+
+    def _start_session(self) -> None:
+        if self.session_start is None:
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        start = SessionLog(status=SessionLog.START)
+        self.writer.file_writer.add_event(Event(step=self.session_start, session_log=start))
+        self.session_start = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._start_session()
         for key, value in metrics.items():
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_samples(self, step: int, kind: str, rows: list[dict]) -> None:
+        """A markdown table under ``samples/<kind>`` (TensorBoard's Text tab)."""
+        from rlite.api import samples_markdown
+
+        self._start_session()
+        self.writer.add_text(f"samples/{kind}", samples_markdown(rows), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -88,6 +121,17 @@ class WandbLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
+
+    def log_samples(self, step: int, kind: str, rows: list[dict]) -> None:
+        """A ``wandb.Table`` under ``samples/<kind>``, one row per rollout."""
+        import json
+
+        import wandb
+
+        columns = sorted({key for row in rows for key in row})
+        data = [[v if isinstance(v, (int, float, str, type(None))) else json.dumps(v, default=str)
+                 for v in (row.get(c) for c in columns)] for row in rows]  # fmt: skip
+        self.run.log({f"samples/{kind}": wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -72,6 +72,8 @@ _LAZY = {
     "sglang_metadata_cls": "rlite.engines.sglang.payloads",
     "load_causal_lm": "rlite.hf_models",
     "apply_lora": "rlite.hf_models",
+    "skeleton_causal_lm": "rlite.hf_models",
+    "samples_markdown": "rlite.samples",
 }
 
 

@@ -1,4 +1,4 @@
-"""The ``rlite`` command: ``train``, ``config`` and ``plugins``.
+"""The ``rlite`` command: ``train``, ``eval``, ``config`` and ``plugins``.
 
 Also runs as ``python -m rlite ...`` and ``torchrun --nproc_per_node N -m rlite train ...``.
 Configuration and plugin problems print one line on stderr and exit with status 2; nothing heavy
@@ -47,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
     train.set_defaults(func=cmd_train)
 
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a checkpoint or a model on the held-out prompts, without training",
+        description="Evaluate the model a run would start from (checkpoint.resume's checkpoint, else model.path) "
+        "on the held-out prompts as the run's evaluations do; append the metrics to <run_dir>/eval.jsonl. "
+        "An exported model: `rlite eval CONFIG model.path=RUN/hf_model checkpoint.resume=never`.",
+    )
+    evaluate.add_argument("config", metavar="CONFIG", help="YAML config file")
+    evaluate.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    evaluate.set_defaults(func=cmd_eval)
+
     config = commands.add_parser(
         "config",
         help="print the resolved config (YAML + overrides + defaults) as YAML",
@@ -54,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.add_argument("config", metavar="CONFIG", help="YAML config file")
     config.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    config.add_argument(
+        "--doc", action="store_true",
+        help="write each field's docstring (and each plugin option's) as a comment above its value",
+    )  # fmt: skip
     config.set_defaults(func=cmd_config)
 
     plugins = commands.add_parser(
@@ -120,9 +135,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    cfg, pm = load_run_config(args.config, args.overrides)
+    from rlite.run.evaluation import run_evaluation  # heavy (torch, transformers)
+
+    run_evaluation(cfg, pm)
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
-    cfg, _ = load_run_config(args.config, args.overrides)
-    sys.stdout.write(config_to_yaml(cfg))
+    cfg, pm = load_run_config(args.config, args.overrides)
+    if args.doc:
+        from rlite.config.docs import documented_yaml
+
+        sys.stdout.write(documented_yaml(cfg, pm))
+    else:
+        sys.stdout.write(config_to_yaml(cfg))
     return 0
 
 

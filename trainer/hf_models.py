@@ -3,6 +3,8 @@ transformers engine."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -48,6 +50,41 @@ def empty_causal_lm(cfg: ModelConfig) -> nn.Module:
             config, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
         )  # fmt: skip
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no storage, no initialisation
+    work) and their buffers as usual: a parameter is moved to meta as it is registered. A parameter
+    already on meta is kept as it is, so tied weights stay one object."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def skeleton_causal_lm(path: str, dtype: str = "float32", attn_implementation: str = "sdpa",
+                       gguf_file: str | None = None, trust_remote_code: bool = False) -> nn.Module:
+    """The model ``path`` names, built from its config only: parameters on the meta device, buffers
+    (the rotary embedding's, which no state dict or weight sync carries) computed on the host as
+    ``from_pretrained`` computes them. For an engine whose first weight sync gives every parameter its
+    storage: no second read of the checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    with parameters_on_meta():
+        return AutoModelForCausalLM.from_config(
+            config, dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

@@ -18,7 +18,7 @@ from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.metrics import ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
-from rlite.run.lifecycle import finish_run, log_metrics, save_run_checkpoint
+from rlite.run.lifecycle import finish_run, log_metrics, log_samples, save_run_checkpoint
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
@@ -27,7 +27,8 @@ from rlite.stages.update import update_policy
 
 def train(run: Run) -> dict[str, Any]:
     cfg, ctx, hook, timer = run.config, run.ctx, run.pm.hook, run.timer
-    progress = ProgressBar(cfg.training.steps, run.start_step, cfg.logging.progress_bar and ctx.is_main)
+    progress = ProgressBar(cfg.training.steps, run.start_step, cfg.logging.progress_bar and ctx.is_main,
+                           plain_every=cfg.logging.log_every)
     hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
@@ -96,6 +97,7 @@ def train(run: Run) -> dict[str, Any]:
         metrics.update(timer.step_metrics())
         metrics["perf/tokens_per_s"] = generated_tokens / max(time.perf_counter() - step_start, 1e-9)
         log_metrics(run, step, metrics)
+        log_samples(run, step, batch)
         progress.update(step, metrics)
         profiler.after_step(step)
         last_metrics = metrics
@@ -113,6 +115,8 @@ def train(run: Run) -> dict[str, Any]:
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
     metrics = run.rollouts.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
+    if run.samples is not None:
+        run.samples.write(step, "eval", run.rollouts.eval_samples)
     # an evaluation runs between a sync and the next rollout, which needs the engine whole; after
     # the last step's nothing generates again, and the final checkpoint and export get the memory
     if step == run.config.training.steps:

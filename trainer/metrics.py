@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -39,11 +40,19 @@ class StepTimer:
 
 
 class ProgressBar:
-    """A rich progress bar: step, reward, accuracy, tokens/s, ETA. Silent when disabled."""
+    """On a terminal, a rich progress bar: step, reward, accuracy, tokens/s, ETA. When stdout is not a
+    terminal (a pipe, ``nohup``, a cluster scheduler's log file), a plain line at the run's first step,
+    every ``plain_every`` steps and at the last step instead, with no escape codes (:func:`plain_progress_line`). Silent
+    when disabled."""
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
+    def __init__(self, total: int, start: int, enabled: bool, plain_every: int = 10, stream=None) -> None:
         self.enabled = enabled
-        if not enabled:
+        self.stream = stream if stream is not None else sys.stdout
+        self.plain = enabled and not self.stream.isatty()
+        self.total, self.start, self.plain_every = total, start, max(int(plain_every), 1)
+        self.started = time.perf_counter()
+        self.last_accuracy: float | None = None
+        if not enabled or self.plain:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -61,6 +70,14 @@ class ProgressBar:
     def update(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
+        if "eval/greedy_accuracy" in metrics:
+            self.last_accuracy = metrics["eval/greedy_accuracy"]
+        if self.plain:
+            if step % self.plain_every == 0 or step in (self.start + 1, self.total):  # the first: it is alive
+                elapsed = time.perf_counter() - self.started
+                line = plain_progress_line(step, self.total, self.start, elapsed, metrics, self.last_accuracy)
+                print(line, file=self.stream, flush=True)
+            return
         fields = {}
         if "reward/mean" in metrics:
             fields["reward"] = f"{metrics['reward/mean']:.3f}"
@@ -71,8 +88,32 @@ class ProgressBar:
         self.progress.update(self.task, completed=step, **fields)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and not self.plain:
             self.progress.stop()
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS``."""
+    seconds = max(int(round(seconds)), 0)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def plain_progress_line(step: int, total: int, start: int, elapsed: float, metrics: dict[str, float],
+                        accuracy: float | None) -> str:
+    """``step 10/500 | reward 0.312 | eval acc 0.450 | 1234 tok/s | 0.35 s/step | elapsed 0:00:04 | eta 0:02:53``:
+    the reward of this step, the latest greedy held-out accuracy, and the ETA from this run's mean step time."""
+    done = max(step - start, 1)
+    per_step = elapsed / done
+    parts = [f"step {step}/{total}"]
+    if "reward/mean" in metrics:
+        parts.append(f"reward {metrics['reward/mean']:.3f}")
+    if accuracy is not None:
+        parts.append(f"eval acc {accuracy:.3f}")
+    if "perf/tokens_per_s" in metrics:
+        parts.append(f"{metrics['perf/tokens_per_s']:.0f} tok/s")
+    parts += [f"{per_step:.2f} s/step", f"elapsed {format_duration(elapsed)}",
+              f"eta {format_duration(per_step * (total - step))}"]  # fmt: skip
+    return " | ".join(parts)
 
 
 def trim_metrics_file(path: str | Path, keep_through_step: int | None) -> None:
@@ -97,8 +138,36 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+SMOOTHING = 0.9
+"""Weight of the smoothed reward curve in ``plot.png`` (:func:`smooth`): about the last 10 steps."""
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """TensorBoard's debiased exponential moving average: ``m_t = weight * m_{t-1} + (1 - weight) * x_t``
+    from ``m_0 = 0``, reported as ``m_t / (1 - weight^t)`` so that the first points are not pulled
+    towards 0."""
+    out, mean = [], 0.0
+    for t, value in enumerate(values, start=1):
+        mean = weight * mean + (1 - weight) * value
+        out.append(mean / (1 - weight**t))
+    return out
+
+
+PLOT_PANELS = {
+    "reward": (("reward/mean", "train reward (sampled)"), ("eval/greedy_accuracy", "eval accuracy (greedy)"),
+               ("eval/sampled_accuracy", "eval accuracy (sampled)")),
+    "response length": (("response/length", "mean response length (tokens)"),),
+    "entropy": (("actor/entropy", "policy entropy (nats/token)"),),
+    "KL": (("actor/kl_loss", "KL to the reference (loss term)"), ("actor/reward_kl_penalty", "KL penalty in the reward"),
+           ("mismatch/kl", "rollout vs trainer (mismatch)")),
+}
+"""The panels of ``plot.png``: title -> (metric, label) curves; a metric the run did not log is left out."""
+
+
 def plot_run(metrics_file: str | Path, out_png: str | Path) -> Path | None:
-    """Reward and held-out accuracy against step, as a PNG."""
+    """``plot.png``: four panels against step. Reward: the train reward, its smoothed curve
+    (:func:`smooth`) and the held-out accuracies; response length; policy entropy; KL (to the reference
+    and in the reward where the run has them, and between the engine's and the trainer's log-probs)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,29 +176,49 @@ def plot_run(metrics_file: str | Path, out_png: str | Path) -> Path | None:
     rows = read_metrics(metrics_file)
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [r["step"] for r in rows if "reward/mean" in r]
-    ax.plot(steps, [r["reward/mean"] for r in rows if "reward/mean" in r], label="train reward (sampled)", alpha=0.7)
-    for key, label in (("eval/greedy_accuracy", "eval accuracy (greedy)"), ("eval/sampled_accuracy", "eval accuracy (sampled)")):
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward / accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    fig = plot_figure(rows)
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return Path(out_png)
 
 
+def plot_figure(rows: list[dict[str, Any]]):
+    """The matplotlib figure of :func:`plot_run` from the metrics rows."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (title, curves) in zip(axes.flat, PLOT_PANELS.items()):
+        for key, label in curves:
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if not points:
+                continue
+            steps, values = zip(*points)
+            evaluation = key.startswith("eval/")
+            ax.plot(steps, values, label=label, marker="o" if evaluation else None,
+                    alpha=0.35 if key == "reward/mean" else 0.9)  # fmt: skip
+            if key == "reward/mean":
+                ax.plot(steps, smooth(list(values)), label=f"train reward, smoothed (EMA {SMOOTHING})")
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.legend(fontsize=8)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    return fig
+
+
 def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:
     """The one-screen end-of-run summary, including where the time went."""
+    import os
+
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # piped output (log files) is not cut at rich's default of 80 columns, so paths stay whole
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
     table = Table(title="rlite run summary", show_header=False)
     for key, value in summary.items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
@@ -141,6 +230,10 @@ def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:
     for name, seconds, share in breakdown_rows(breakdown):
         times.add_row(name, f"{seconds:.2f}", f"{100 * share:.1f}%")
     console.print(times)
+    line = f"rlite: {summary.get('steps', '?')} steps done in {summary.get('wall_time', '?')} wall"
+    if "exported_model" in summary:
+        line += f"; model exported to {summary['exported_model']}"
+    print(line, flush=True)
 
 
 def breakdown_rows(breakdown: dict[str, float]) -> list[tuple[str, float, float]]:

@@ -91,6 +91,8 @@ class RewardRunner:
         self.max_workers = max_workers
         self._warnings = _RateLimitedWarnings()
         self._abandoned: list[threading.Thread] = []
+        self.last_components: list[dict[str, float]] = []
+        """Each function's unweighted value per completion of the last :meth:`score` (failed calls: 0)."""
 
     @property
     def names(self) -> list[str]:
@@ -122,6 +124,7 @@ class RewardRunner:
                 continue
             values[i][j] = outcome
         totals = [sum(entry[3] * v for entry, v in zip(self.entries, row)) for row in values]
+        self.last_components = [dict(zip(self.names, row)) for row in values]
         stats = {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
         for j, entry in enumerate(self.entries):
             stats[f"reward/{entry[0]}"] = sum(row[j] for row in values) / len(values) if values else 0.0

@@ -451,13 +451,27 @@ class LoggingConfig:
     loggers: list[Choice] = field(default_factory=lambda: [Choice("jsonl"), Choice("tensorboard")])
     """Metric loggers (jsonl, tensorboard when installed, wandb)."""
     progress_bar: bool = True
-    """Show a live progress bar on rank 0."""
+    """Show a live progress bar on rank 0; when stdout is not a terminal (pipes, nohup, schedulers' log files), plain
+    one-line summaries every ``log_every`` steps instead."""
+    log_every: int = 10
+    """Without a terminal: print a one-line summary (step, reward, held-out accuracy, tokens/s, s/step, elapsed, ETA)
+    every this many steps, and at the run's first and last steps."""
     plot: bool = True
-    """Write reward and eval accuracy against step as plot.png at the end."""
+    """Write plot.png at the end: reward (and its smoothed curve) with eval accuracy, response length, entropy and KL
+    against step (``rlite.metrics.plot_run``)."""
     profile: bool = False
     """Record a torch profiler trace of the run's 2nd and 3rd steps into ``<run_dir>/profile/`` (Chrome trace + top-ops table)."""
+    samples_every: int = 10
+    """Write rollouts (prompt, completion, reward, each reward function's value, advantage) to ``<run_dir>/samples.jsonl``
+    and to the loggers that show samples (TensorBoard text, wandb tables) every this many steps and at the last step,
+    and every evaluation's generations (0 = never; ``rlite.samples``)."""
+    samples_per_step: int = 4
+    """Rollouts written each time: rank 0's first ones (whole groups first); an evaluation writes this many per mode."""
 
     def __post_init__(self) -> None:
+        _check(self.log_every >= 1, "logging.log_every must be >= 1")
+        _check(self.samples_every >= 0, "logging.samples_every must be >= 0 (0 = never)")
+        _check(self.samples_per_step >= 1, "logging.samples_per_step must be >= 1")
         if not self.run_dir and not _SKIP_CHECKS.get():  # built in code, without a config file to name it
             self.run_dir = "runs/rlite"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import build_reward_runner
 from rlite.run.lifecycle import check_resume_config, maybe_resume
+from rlite.samples import SampleWriter
 from rlite.stages.collect import Rollouts
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
@@ -67,6 +69,10 @@ class Run:
     """MoE routing replay and metrics (``None``: a dense model, or both off)."""
     draft: SpeculativeDraft | None = None
     """The speculative-decoding draft (``rollout.draft``; ``None``: plain decoding)."""
+    started: float = field(default_factory=time.perf_counter)
+    """``time.perf_counter()`` when the run started being built (the summary's wall time counts from it)."""
+    samples: SampleWriter | None = None
+    """Where rollouts are written for people to read (rank 0 with ``logging.samples_every``; else ``None``)."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(
@@ -75,7 +81,10 @@ class Run:
         )
 
 
-def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
+def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool = False) -> Run:
+    """Everything a run needs, resumed from ``checkpoint.resume``'s checkpoint. ``evaluation_only``
+    (``rlite eval``): the run folder's config, metrics and loggers are left as they are."""
+    started = time.perf_counter()
     check_input_paths(cfg)  # before anything loads or the run folder is touched
     ctx = init_distributed()
     if cfg.training.num_threads is not None:
@@ -89,6 +98,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
     check_resume_config(cfg)  # before this run's config.yaml replaces the one the check reads
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main and not evaluation_only:
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
     try:
@@ -153,9 +163,13 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
     )
     loggers = []
-    if ctx.is_main:
-        trim_metrics_file(run_dir / "metrics.jsonl", start_step if start_step else None)
+    if ctx.is_main and not evaluation_only:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            trim_metrics_file(run_dir / name, start_step if start_step else None)
         loggers = build_loggers(cfg, run_dir, pm)
+        for logger in loggers:  # steps an interrupted run logged after the checkpoint are logged again
+            if start_step and callable(getattr(logger, "resume", None)):
+                logger.resume(start_step)
     # the engine last: a failure above leaves no engine process behind; every rank tells the engine
     # factories where it runs and what its trainer will still allocate (a collective)
     context = gather_engine_context(
@@ -192,7 +206,11 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         timer=timer,
         start_step=start_step,
         draft=draft,
+        started=started,
+        samples=SampleWriter(run_dir / "samples.jsonl", loggers) if ctx.is_main and cfg.logging.samples_every else None,
     )
+    if run.samples is not None:
+        run.rollouts.eval_sample_count = cfg.logging.samples_per_step
     try:
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
         run.routing = routing_setup(cfg, backend, engine, layout)

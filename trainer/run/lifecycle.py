@@ -141,28 +141,41 @@ def maybe_resume(
 def finish_run(run: Run, last: dict[str, float]) -> dict[str, Any]:
     """Export, plot, print the summary and the time breakdown; the summary is read from the metrics
     file, so a resumed (or already finished) run reports its whole history."""
-    from rlite.metrics import plot_run, print_summary
+    import time
+
+    from rlite.metrics import format_duration, plot_run, print_summary
     from rlite.stages.report import summarize_metrics
 
     cfg = run.config
+    summary: dict[str, Any] = {"steps": cfg.training.steps, "run_dir": str(run.run_dir)}
     if cfg.checkpoint.export_hf:
         from rlite.run.export import export_hf
 
         export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main,
                   source_model=cfg.model.path)
+        summary["exported_model"] = str((run.run_dir / "hf_model").resolve())
         if run.draft is not None and run.ctx.is_main:  # every rank holds the same draft
             run.draft.export(run.run_dir / "hf_draft")
-    summary: dict[str, Any] = {"steps": cfg.training.steps, "run_dir": str(run.run_dir)}
     if run.ctx.is_main:
         for logger in run.loggers:
             logger.close()
         summary.update(summarize_metrics(run.run_dir / "metrics.jsonl", last))
         if cfg.logging.plot and (run.run_dir / "metrics.jsonl").is_file():
             summary["plot"] = str(plot_run(run.run_dir / "metrics.jsonl", run.run_dir / "plot.png"))
+        summary["wall_time"] = format_duration(time.perf_counter() - run.started)
         print_summary(summary, dict(run.timer.total))
     summary["time_breakdown"] = dict(run.timer.total)
     run.pm.hook.on_run_end(config=cfg, summary=summary)
     return summary
+
+
+def log_samples(run: Run, step: int, batch) -> None:
+    """Rank 0's first rollouts of the step, every ``logging.samples_every`` steps and at the last."""
+    every = run.config.logging.samples_every
+    if run.samples is not None and (step % every == 0 or step == run.config.training.steps):
+        from rlite.samples import train_sample_rows
+
+        run.samples.write(step, "train", train_sample_rows(batch, step, run.config.logging.samples_per_step))
 
 
 def log_metrics(run: Run, step: int, metrics: dict[str, float]) -> None:

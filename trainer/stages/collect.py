@@ -24,6 +24,7 @@ from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
 from rlite.rewards import RewardRunner
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
+from rlite.samples import eval_sample_rows
 from rlite.tasks import DEFAULT_ACCURACY_THRESHOLD, is_correct
 
 
@@ -67,6 +68,10 @@ class Rollouts:
         """The policy's top log-probs per generated token the draft learns from (0: none)."""
         self.speculation: SpeculationStats | None = None
         """What speculative decoding did in this step's rollout (all its rounds; this rank's engine)."""
+        self.eval_sample_count = 0
+        """Generations per mode an evaluation keeps in :attr:`eval_samples` (``logging.samples_per_step``)."""
+        self.eval_samples: list[dict] = []
+        """The last evaluation's first generations as sample rows (:mod:`rlite.samples`; the replica leader's)."""
 
     def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
         """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
@@ -182,7 +187,11 @@ class Rollouts:
             for sample, length, reason in zip(batch.samples, batch.response_lengths.tolist(), batch.finish_reasons)
         ]
         # the leader scores (a reward that times out on one rank must not split the replica)
-        scores, stats = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
+        def score_batch():
+            scores, stats = self.rewards.score(batch.completion_texts, batch.samples)
+            return scores, stats, self.rewards.last_components
+
+        scores, stats, batch.reward_components = self._from_leader(score_batch)
         batch.scores = torch.tensor(scores, dtype=torch.float32)
         batch.correct = torch.tensor([
             is_correct(text, sample, score, self.accuracy_threshold)
@@ -198,16 +207,18 @@ class Rollouts:
         layout = self.layout
         items = list(eval_prompts)[:max_prompts][layout.rank :: layout.size]
         out = {}
+        self.eval_samples = []
         for mode, greedy in (("greedy", True), ("sampled", False)):
             params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, layout.rank, 7), n=1, greedy=greedy)
 
-            def score_items(params=params) -> list[tuple[float, bool]]:
+            def score_items(params=params, mode=mode) -> list[tuple[float, bool]]:
                 # called with no items too: an engine serving several ranks samples them all in one call
                 completions = self.engine.generate([p.prompt_ids for p in items], params)
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
                 if not items:
                     return []
                 rewards = self.rewards.score(texts, [p.row for p in items])[0]
+                self.eval_samples += eval_sample_rows(step, mode, items, texts, rewards, self.eval_sample_count)
                 return [(reward, is_correct(text, item.row, reward, self.accuracy_threshold))
                         for reward, text, item in zip(rewards, texts, items)]  # fmt: skip
 

@@ -216,6 +216,9 @@ class TransformersEngine:
         self._grid: torch.Tensor | None = None
         self.shared_bytes = 0
         """Bytes of the engine's weights that are the sync's tensors themselves (``share_weights``)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        self.device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+        """Where parameters built on the meta device get their storage (the model's buffers' device)."""
         for p in self.synced_parameters().values():
             p.requires_grad_(False)
 
@@ -233,6 +236,12 @@ class TransformersEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if not prompts:
             return []
+        unsynced = [name for name, p in self.synced_parameters().items() if p.is_meta]
+        if unsynced:
+            raise EngineError(
+                f"the engine's model was built without weights ({unsynced[0]!r} and {len(unsynced) - 1} more have "
+                "none yet): a complete weight sync must come before the first generate"
+            )
         expanded = [p for p in prompts for _ in range(params.n)]  # groups stay contiguous
         device = next(self.model.parameters()).device  # the engine runs where its model lives
         ids, mask = (t.to(device) for t in left_pad(expanded, self.pad_token_id))
@@ -471,6 +480,8 @@ class TransformersEngine:
                 raise EngineError(
                     f"weight sync: {name} has shape {tuple(tensor.shape)}, engine expects {tuple(target.shape)}"
                 )
+            if target.is_meta:  # built without weights (skeleton_causal_lm): the first sync gives the storage
+                target = params[name] = give_storage([self.model, self.draft_model], target, self.device)
             if self.share_weights and _can_share(target, tensor):
                 if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
                     target.data = tensor.detach()  # bound once; later syncs find the same storage
@@ -508,17 +519,36 @@ class TransformersEngine:
         self.model = self.draft_model = self.speculator = None
 
 
+def give_storage(models: list[torch.nn.Module | None], param: torch.nn.Parameter,
+                 device: torch.device) -> torch.nn.Parameter:
+    """Replace a meta-device parameter, in every module of ``models`` that holds it (tied weights are
+    one parameter in two modules), by one with (uninitialised) storage on ``device``; return it."""
+    fresh = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+    for model in models:
+        for module in [] if model is None else model.modules():
+            for key, value in module._parameters.items():
+                if value is param:
+                    module._parameters[key] = fresh
+    return fresh
+
+
 def is_tied_output_layer(name: str) -> bool:
     """The output layer of the policy or of a trained draft, which ``named_parameters()`` does not list
     when it is tied to the input embedding (a sync may still send it)."""
     return name in ("lm_head.weight", DRAFT_PREFIX + "lm_head.weight")
 
 
-def load_draft_model(draft: DraftSpec | None, attn_implementation: str = "sdpa") -> torch.nn.Module | None:
-    """The causal LM of a ``model`` draft, from its folder (a trained draft's weights are then
-    overwritten by the first sync); ``None`` for drafts without weights."""
+def load_draft_model(draft: DraftSpec | None, attn_implementation: str = "sdpa",
+                     weights_from_sync: bool = False) -> torch.nn.Module | None:
+    """The causal LM of a ``model`` draft, from its folder; ``None`` for drafts without weights.
+    ``weights_from_sync``: a trained draft is built without reading its weights (parameters on the
+    meta device), since the engine's first sync sends them."""
     if draft is None or draft.method != "model":
         return None
+    if weights_from_sync and draft.trained:
+        from rlite.hf_models import skeleton_causal_lm
+
+        return skeleton_causal_lm(draft.model_path, draft.dtype, attn_implementation)
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[draft.dtype]

@@ -45,7 +45,7 @@ from rlite.engines.base import (
     SamplingParams,
     SpeculationStats,
 )
-from rlite.engines.transformers.engine import is_tied_output_layer
+from rlite.engines.transformers.engine import give_storage, is_tied_output_layer
 from rlite.sync.transport import SharedBucketReceiver, SharedBucketSender, SyncStats
 
 _DIRECT_SEND_BYTES = 16 << 10
@@ -168,6 +168,7 @@ class ProcessEngine:
         engine_factory: Callable[..., Any] | None = None,
         factory_kwargs: dict[str, Any] | None = None,
         draft: DraftSpec | None = None,
+        weights_from_sync: bool = False,
     ) -> None:
         """Start the engine process and wait (``start_timeout_s``, default ``timeout_s``) until it is ready.
 
@@ -183,6 +184,8 @@ class ProcessEngine:
         core, so the verification adds nothing to a sync on a machine with a core free for it.
         ``draft``: decode speculatively; a trained draft's weights travel in the same buckets as the
         policy's (after them, under ``draft.`` names), version and checksums included.
+        ``weights_from_sync``: the child builds the model from its config without reading the weights
+        (``skeleton_causal_lm``); the first sync, which must come before any generate, gives them.
         """
         if engine_factory is None:
             engine_factory = build_transformers_engine
@@ -195,6 +198,7 @@ class ProcessEngine:
                 attn_implementation=attn_implementation,
                 gguf_file=gguf_file,
                 draft=draft,
+                weights_from_sync=weights_from_sync,
             )
         self.timeout_s = float(timeout_s)
         self.weight_version = 0
@@ -301,8 +305,10 @@ def build_transformers_engine(
     attn_implementation: str,
     gguf_file: str | None,
     draft: DraftSpec | None = None,
+    weights_from_sync: bool = False,
 ):
-    """The engine the child runs by default: a TransformersEngine on the model folder."""
+    """The engine the child runs by default: a TransformersEngine on the model folder (with
+    ``weights_from_sync``, built from its config only: the first sync gives the weights)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -313,10 +319,16 @@ def build_transformers_engine(
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation)
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if weights_from_sync:
+        from rlite.hf_models import skeleton_causal_lm
+
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        model = skeleton_causal_lm(model_dir, dtype_name, attn_implementation, gguf_file)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     return TransformersEngine(
         model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, true_on_policy=true_on_policy,
-        draft=draft, draft_model=load_draft_model(draft, attn_implementation),
+        draft=draft, draft_model=load_draft_model(draft, attn_implementation, weights_from_sync),
     )
 
 
@@ -324,6 +336,7 @@ class _ViewLoader:
     """Points the model's parameters at the bucket views (or copies where dtype/device differ)."""
 
     def __init__(self, engine: Any) -> None:
+        self.engine = engine
         synced = getattr(engine, "synced_parameters", None)  # a trained draft's too, under draft. names
         self.params = synced() if synced is not None else dict(engine.model.named_parameters())
         self.seen: set[str] = set()
@@ -340,6 +353,9 @@ class _ViewLoader:
                 raise EngineError(
                     f"{name} has shape {tuple(view.shape)}, engine expects {tuple(param.shape)}"
                 )
+            if param.is_meta:  # built without weights (skeleton_causal_lm): the first sync gives the storage
+                models = [self.engine.model, getattr(self.engine, "draft_model", None)]
+                param = self.params[name] = give_storage(models, param, view.device)
             if param.dtype == view.dtype and param.device == view.device:
                 if param.data_ptr() != view.data_ptr():
                     param.data = view  # zero-copy from now on: the trainer writes, we read

@@ -1,0 +1,56 @@
+"""``rlite eval``: evaluate a checkpoint or a model on the held-out prompts, without training."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from rlite.config import ConfigError, RunConfig
+from rlite.distributed import init_distributed, shutdown_distributed
+from rlite.loop import evaluate
+from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
+from rlite.run.build import Run, build_run
+
+
+def run_evaluation(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[str, Any]:
+    """Evaluate, without training, the model a run would start from: the checkpoint that
+    ``checkpoint.resume`` names (``auto``: the latest in the run folder), else ``model.path``.
+
+    The held-out split is sampled as a run's evaluations sample it (greedy and sampled, the same seeds),
+    so a checkpoint of step s scores what the run's evaluation at step s scored. Rank 0 appends
+    ``{"step", "model", "eval/..."}`` to ``<run_dir>/eval.jsonl``, the generations to ``samples.jsonl``,
+    and prints the metrics; the run's config, metrics and TensorBoard logs are left as they are.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ctx = init_distributed()
+    finished = False
+    try:
+        run = build_run(cfg, pm if pm is not None else get_plugin_manager(), evaluation_only=True)
+        try:
+            if not run.eval_prompts:
+                raise ConfigError("rlite eval: no held-out prompts; set data.eval_files (or use a built-in data.task)")
+            with run.timer.phase("eval"):
+                metrics = evaluate(run, run.start_step)
+        finally:
+            run.engine.shutdown()
+            run.backend.close()
+        result = {"step": run.start_step, "model": evaluated_model(cfg, run), **metrics}
+        if ctx.is_main:
+            with open(run.run_dir / "eval.jsonl", "a") as handle:
+                handle.write(json.dumps(result) + "\n")
+            for key, value in result.items():
+                print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}", flush=True)
+        finished = True
+        return result
+    finally:
+        shutdown_distributed(ctx, finished=finished)
+
+
+def evaluated_model(cfg: RunConfig, run: Run) -> str:
+    """The checkpoint folder the run resumed from, or ``model.path``."""
+    if run.start_step == 0:
+        return cfg.model.path
+    from rlite.run.checkpoint import find_resume_checkpoint
+
+    return str(find_resume_checkpoint(run.run_dir, cfg.checkpoint.resume))
