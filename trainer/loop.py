@@ -18,6 +18,7 @@ from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.metrics import ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
+from rlite.run.faults import NonFiniteGuard
 from rlite.run.lifecycle import finish_run, log_metrics, save_run_checkpoint
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
@@ -31,6 +32,7 @@ def train(run: Run) -> dict[str, Any]:
     hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
+    nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_in_a_row, run.run_dir)
     if run.start_step == 0 and run.eval_prompts:
         with timer.phase("eval"):
             log_metrics(run, 0, evaluate(run, 0))  # the baseline the run is measured against
@@ -53,7 +55,8 @@ def train(run: Run) -> dict[str, Any]:
                     layout=run.layout,
                 ))
 
-        # 4. policy update (mini-batches x micro-batches, global loss normalisation)
+        # 4. policy update (mini-batches x micro-batches, global loss normalisation); an update with a
+        # NaN/inf loss or gradient norm is skipped
         with timer.phase("train"):
             train_metrics, train_logprobs = update_policy(
                 run.backend,
@@ -68,7 +71,9 @@ def train(run: Run) -> dict[str, Any]:
                     hook.before_optimizer_step, step=step, model=run.backend.model, optimizer=run.backend.optimizer
                 ),
                 timer=timer,
+                outcomes=(outcomes := []),
             )
+            nonfinite.record(step, outcomes)  # stops the run after too many skipped updates in a row
             if run.critic is not None:
                 train_metrics.update(update_critic(run, batch))
         hook.after_optimizer_step(step=step, model=run.backend.model, metrics=train_metrics)

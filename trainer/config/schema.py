@@ -349,6 +349,9 @@ class TrainingConfig:
     """Evaluate on the held-out split every this many steps (0 = only at the end)."""
     eval_max_prompts: int = 64
     """Cap on held-out prompts per evaluation."""
+    max_nonfinite_in_a_row: int = 3
+    """An optimizer update whose loss or gradient norm is NaN/inf is skipped (counted in ``train/skipped_nonfinite``);
+    after this many skipped in a row the run stops with a message naming the step and the likely cause (exit status 3)."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "training.steps must be >= 0")
@@ -357,6 +360,7 @@ class TrainingConfig:
         _check(len(self.betas) == 2, f"training.betas must have two values, got {list(self.betas)}")
         _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check(self.logprob_chunk_size >= 1, "training.logprob_chunk_size must be >= 1")
+        _check(self.max_nonfinite_in_a_row >= 1, "training.max_nonfinite_in_a_row must be >= 1")
         _check_choice("training.optimizer_offload", self.optimizer_offload, OPTIMIZER_OFFLOADS)
 
 
