@@ -32,7 +32,8 @@ def model_state(backend: TrainingBackend, critic: CriticModel | None) -> dict[st
 
 
 def save_run_checkpoint(run: Run, step: int) -> Path:
-    from rlite.run.checkpoint import save_checkpoint
+    from rlite.run.checkpoint import CheckpointWriteError, save_checkpoint
+    from rlite.run.faults import RunStopped
 
     trainer_state = {
         "scheduler": run.backend.lr_scheduler_state(),
@@ -41,14 +42,17 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
     }
     if run.draft is not None:
         trainer_state["draft"] = run.draft.state_dict()
-    path = save_checkpoint(
-        run.run_dir,
-        step,
-        model_state(run.backend, run.critic),
-        trainer_state,
-        rank=run.ctx.rank,
-        keep_last=run.config.checkpoint.keep_last,
-    )
+    try:
+        path = save_checkpoint(
+            run.run_dir,
+            step,
+            model_state(run.backend, run.critic),
+            trainer_state,
+            rank=run.ctx.rank,
+            keep_last=run.config.checkpoint.keep_last,
+        )
+    except CheckpointWriteError as exc:  # a full disk: stop with the folder and its free space named
+        raise RunStopped(str(exc)) from None
     run.backend.after_checkpoint()
     run.pm.hook.on_checkpoint_save(step=step, path=path)
     return path
