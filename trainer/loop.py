@@ -18,8 +18,14 @@ from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.metrics import ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
-from rlite.run.faults import NonFiniteGuard
-from rlite.run.lifecycle import finish_run, log_metrics, save_run_checkpoint
+from rlite.run.faults import NonFiniteGuard, Preemption
+from rlite.run.lifecycle import (
+    finish_run,
+    log_metrics,
+    save_and_stop_for_preemption,
+    save_run_checkpoint,
+    step_start_state,
+)
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
@@ -36,12 +42,16 @@ def train(run: Run) -> dict[str, Any]:
     if run.start_step == 0 and run.eval_prompts:
         with timer.phase("eval"):
             log_metrics(run, 0, evaluate(run, 0))  # the baseline the run is measured against
+    saved_step = run.start_step
     for step in range(run.start_step + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
         profiler.before_step(step)
+        at_start = step_start_state(run)
         # 1-2. rollout from the engine's current weights, then rewards (a failing reward function
         # scores 0 and is counted); dynamic sampling may draw extra rounds
         batch, reward_stats = run.rollouts.collect(step)
+        if step > 1 and run.preemption.requested():  # SIGTERM: the policy is as the previous step left it
+            raise save_and_stop_for_preemption(run, step - 1, saved_step=saved_step, at_start=at_start)
 
         # 3. pi_old and pi_ref log-probs, KL-in-reward, corrections, advantages
         with timer.phase("logprobs"):
@@ -111,6 +121,9 @@ def train(run: Run) -> dict[str, Any]:
         ):
             with timer.phase("checkpoint"):
                 save_run_checkpoint(run, step)
+            saved_step = step
+        if run.preemption.requested():  # SIGTERM or Ctrl-C: this step's checkpoint, then exit (status 75)
+            raise save_and_stop_for_preemption(run, step, saved_step=saved_step)
     progress.close()
     profiler.close()
     return finish_run(run, last_metrics)
@@ -144,8 +157,11 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[s
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ctx = init_distributed()
     finished = False
+    preemption = Preemption(cfg.checkpoint.preempt_timeout_s)
+    preemption.install()  # from here a SIGTERM waits for the next step boundary
     try:
         run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+        run.preemption = preemption
         try:
             summary = train(run)
         finally:
@@ -154,4 +170,5 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[s
         finished = True
         return summary
     finally:
+        preemption.uninstall()
         shutdown_distributed(ctx, finished=finished)

@@ -428,10 +428,15 @@ class CheckpointConfig:
     """Save a checkpoint after the last step."""
     export_hf: bool = True
     """Export the final model as a Hugging Face folder (LoRA merged) loadable by plain transformers."""
+    preempt_timeout_s: float = 600.0
+    """After SIGTERM or Ctrl-C the run saves a checkpoint at the next step boundary and exits with status 75; if it
+    has not within this many seconds it exits anyway (the previous checkpoint resumes). Keep it under the scheduler's
+    grace period; 0 = no limit."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "checkpoint.every must be >= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+        _check(self.preempt_timeout_s >= 0, "checkpoint.preempt_timeout_s must be >= 0")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import build_reward_runner
+from rlite.run.faults import Preemption
 from rlite.run.lifecycle import maybe_resume
 from rlite.stages.collect import Rollouts
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
@@ -65,6 +66,8 @@ class Run:
     """MoE routing replay and metrics (``None``: a dense model, or both off)."""
     draft: SpeculativeDraft | None = None
     """The speculative-decoding draft (``rollout.draft``; ``None``: plain decoding)."""
+    preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
+    """The preemption signals' flag (:func:`rlite.loop.run_training` installs its handlers)."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(

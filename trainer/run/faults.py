@@ -92,3 +92,90 @@ def refuse_nonfinite(named, version: int):
                     "learning rate is too high (lower training.lr)"
                 )
         yield name, tensor
+
+
+class Preemption:
+    """SIGTERM (a scheduler preempting the job) or Ctrl-C: finish at the next step boundary with a
+    checkpoint, then exit with :data:`EXIT_PREEMPTED`.
+
+    The first SIGTERM or SIGINT only sets a flag; :meth:`requested` (a collective: any rank's signal
+    counts on every rank) is asked at the boundaries of a step. A second Ctrl-C stops at once
+    (``KeyboardInterrupt``, exit status 130; the previous checkpoint stays). If no boundary is reached
+    within ``timeout_s`` of the signal the process exits anyway with :data:`EXIT_PREEMPTED`; a save
+    in progress is then abandoned and resume ignores it, so the previous checkpoint is what resumes.
+    """
+
+    def __init__(self, timeout_s: float, group=None) -> None:
+        self.timeout_s = timeout_s
+        self.group = group
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+        self._watchdog = None
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set there; an embedding application handles signals itself
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def _on_signal(self, signum, frame) -> None:
+        import logging
+        import signal
+        import threading
+
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signal_name = name
+        logging.getLogger("rlite").warning(
+            "%s received: saving a checkpoint at the next step boundary, then exiting with status %d "
+            "(within checkpoint.preempt_timeout_s=%g s)%s", name, EXIT_PREEMPTED, self.timeout_s,
+            "; press Ctrl-C again to stop now without saving" if signum == signal.SIGINT else "",
+        )  # fmt: skip
+        if self.timeout_s > 0:
+            self._watchdog = threading.Timer(self.timeout_s, self._give_up)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _give_up(self) -> None:
+        import os
+        import sys
+
+        print(
+            f"rlite train: stopped: {self.signal_name}: no step boundary within checkpoint.preempt_timeout_s="
+            f"{self.timeout_s:g} s; exiting without a new checkpoint (the previous one is intact and resumes)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        os._exit(EXIT_PREEMPTED)
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled (a collective: every rank calls it at the same boundaries)."""
+        import torch
+
+        from rlite.distributed import all_reduce_sum
+
+        return bool(all_reduce_sum(torch.tensor([1.0 if self.signal_name else 0.0]), self.group)[0] > 0)
+
+    def stop(self, step: int, checkpoint: Path, resume: str) -> RunStopped:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        again = "run the same command again" + (" with checkpoint.resume=auto" if resume == "never" else "")
+        return RunStopped(
+            f"{self.signal_name or 'a signal'} received: saved the checkpoint of step {step} ({checkpoint}); "
+            f"{again} to resume from it",
+            exit_code=EXIT_PREEMPTED,
+        )

@@ -58,6 +58,33 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
     return path
 
 
+def step_start_state(run: Run) -> dict[str, Any]:
+    """What a step changes before its policy update (the prompt position, the RNG states, the KL
+    controller): enough to save the previous step's checkpoint if the step is abandoned there."""
+    from rlite.run.checkpoint import rng_state
+
+    return {"sampler": run.sampler.state_dict(), "kl_controller": run.kl_controller.state_dict(), "rng": rng_state()}
+
+
+def save_and_stop_for_preemption(run: Run, step: int, *, saved_step: int, at_start: dict[str, Any] | None = None):
+    """The :class:`~rlite.run.faults.RunStopped` to raise after a preemption signal, with the
+    checkpoint of ``step`` written (unless ``saved_step`` says it already is). ``at_start``: the step
+    after ``step`` was abandoned before its update; its :func:`step_start_state` is put back first, so
+    the checkpoint is exactly the one a save at the end of ``step`` would have written."""
+    from rlite.run.checkpoint import checkpoint_root, set_rng_state
+
+    if at_start is not None:
+        run.sampler.load_state_dict(at_start["sampler"])
+        run.kl_controller.load_state_dict(at_start["kl_controller"])
+        set_rng_state(at_start["rng"])
+    if saved_step == step:
+        path = checkpoint_root(run.run_dir) / f"step_{step:08d}"
+    else:
+        with run.timer.phase("checkpoint"):
+            path = save_run_checkpoint(run, step)
+    return run.preemption.stop(step, path, run.config.checkpoint.resume)
+
+
 def maybe_resume(
     resume: str,
     run_dir: Path,
