@@ -15,6 +15,7 @@ from typing import Any
 
 from rlite.config import RunConfig
 from rlite.distributed import init_distributed, shutdown_distributed
+from rlite.engines.supervisor import EngineGaveUp
 from rlite.metrics import ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
@@ -25,6 +26,7 @@ from rlite.run.lifecycle import (
     save_and_stop_for_preemption,
     save_run_checkpoint,
     step_start_state,
+    stop_after_engine_failure,
 )
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
@@ -42,16 +44,16 @@ def train(run: Run) -> dict[str, Any]:
     if run.start_step == 0 and run.eval_prompts:
         with timer.phase("eval"):
             log_metrics(run, 0, evaluate(run, 0))  # the baseline the run is measured against
-    saved_step = run.start_step
     for step in range(run.start_step + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
         profiler.before_step(step)
         at_start = step_start_state(run)
+        run.in_progress = (step, at_start)  # where a run that must stop can save exactly (an engine that died)
         # 1-2. rollout from the engine's current weights, then rewards (a failing reward function
         # scores 0 and is counted); dynamic sampling may draw extra rounds
         batch, reward_stats = run.rollouts.collect(step)
         if step > 1 and run.preemption.requested():  # SIGTERM: the policy is as the previous step left it
-            raise save_and_stop_for_preemption(run, step - 1, saved_step=saved_step, at_start=at_start)
+            raise save_and_stop_for_preemption(run, step - 1, at_start)
 
         # 3. pi_old and pi_ref log-probs, KL-in-reward, corrections, advantages
         with timer.phase("logprobs"):
@@ -87,6 +89,7 @@ def train(run: Run) -> dict[str, Any]:
             if run.critic is not None:
                 train_metrics.update(update_critic(run, batch))
         hook.after_optimizer_step(step=step, model=run.backend.model, metrics=train_metrics)
+        run.in_progress = (step, None)  # the policy has moved: a stop from here saves this step
 
         # 4b. the speculative draft learns from the same rollouts (its own model: nothing reaches the policy)
         if run.draft is not None:
@@ -121,9 +124,8 @@ def train(run: Run) -> dict[str, Any]:
         ):
             with timer.phase("checkpoint"):
                 save_run_checkpoint(run, step)
-            saved_step = step
         if run.preemption.requested():  # SIGTERM or Ctrl-C: this step's checkpoint, then exit (status 75)
-            raise save_and_stop_for_preemption(run, step, saved_step=saved_step)
+            raise save_and_stop_for_preemption(run, step)
     progress.close()
     profiler.close()
     return finish_run(run, last_metrics)
@@ -164,6 +166,8 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[s
         run.preemption = preemption
         try:
             summary = train(run)
+        except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
+            raise stop_after_engine_failure(run, failure) from None
         finally:
             run.engine.shutdown()
             run.backend.close()

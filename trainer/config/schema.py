@@ -192,6 +192,10 @@ class RolloutConfig:
     """Size of the flattened weight buckets sent to the engine, in MB."""
     timeout_s: float = 600.0
     """Timeout of any single engine call (generate, weight update); a hung engine fails loudly."""
+    engine_restarts: int = 2
+    """How many times a rollout engine whose process died (or hung past ``timeout_s`` and was killed) is restarted
+    with the trainer's current weights, the failed call made again; one more death stops the run with a checkpoint
+    to resume from (exit status 3). Restarts need a single trainer process; with several, a death stops the run."""
     lora_sync: str = "merged"
     """With LoRA: ``merged`` sends W + scale * B @ A to the engine; ``adapter`` sends only the adapter (engines that serve adapters, e.g. sglang)."""
     true_on_policy: bool = False
@@ -203,6 +207,7 @@ class RolloutConfig:
         _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check_choice("rollout.lora_sync", self.lora_sync, ("merged", "adapter"))
+        _check(self.engine_restarts >= 0, f"rollout.engine_restarts must be >= 0, got {self.engine_restarts}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ engine (last, so a failure before it leaves no engine process behind), and resum
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from rlite.distributed import DataLayout, DistContext, init_distributed
 from rlite.drafts import DraftContext, SpeculativeDraft
 from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
+from rlite.engines.supervisor import SupervisedEngine
 from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
@@ -66,6 +68,9 @@ class Run:
     """MoE routing replay and metrics (``None``: a dense model, or both off)."""
     draft: SpeculativeDraft | None = None
     """The speculative-decoding draft (``rollout.draft``; ``None``: plain decoding)."""
+    in_progress: tuple[int, dict | None] = (0, None)
+    """The step under way and, until its policy update, the state it started from
+    (:func:`rlite.run.lifecycle.step_start_state`); ``None`` once the policy has moved."""
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
     """The preemption signals' flag (:func:`rlite.loop.run_training` installs its handlers)."""
 
@@ -166,7 +171,10 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
     engine: RolloutEngine = IdleEngine()  # ranks that receive their replica leader's batches
     if layout.leader:
         make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
-        engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
+        start = functools.partial(make_engine, cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
+        engine = start()
+        if ctx.world_size == 1:  # the re-sync after a restart is this rank's alone (several: a death stops the run)
+            engine = SupervisedEngine(engine, start, cfg.rollout.engine_restarts)
     timer = StepTimer()
     run = Run(
         config=cfg,
@@ -192,6 +200,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         start_step=start_step,
         draft=draft,
     )
+    if isinstance(engine, SupervisedEngine):
+        engine.resync = run.sync_weights
     try:
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
         run.routing = routing_setup(cfg, backend, engine, layout)

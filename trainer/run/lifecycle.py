@@ -66,23 +66,45 @@ def step_start_state(run: Run) -> dict[str, Any]:
     return {"sampler": run.sampler.state_dict(), "kl_controller": run.kl_controller.state_dict(), "rng": rng_state()}
 
 
-def save_and_stop_for_preemption(run: Run, step: int, *, saved_step: int, at_start: dict[str, Any] | None = None):
-    """The :class:`~rlite.run.faults.RunStopped` to raise after a preemption signal, with the
-    checkpoint of ``step`` written (unless ``saved_step`` says it already is). ``at_start``: the step
-    after ``step`` was abandoned before its update; its :func:`step_start_state` is put back first, so
-    the checkpoint is exactly the one a save at the end of ``step`` would have written."""
-    from rlite.run.checkpoint import checkpoint_root, set_rng_state
+def save_at_boundary(run: Run, step: int, at_start: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of ``step`` (unless it is on disk already) for a run that stops. ``at_start``:
+    the step after ``step`` was abandoned before its policy update; its :func:`step_start_state` is put
+    back first, so the checkpoint is exactly the one a save at the end of ``step`` would have written."""
+    from rlite.run.checkpoint import checkpoint_root, list_checkpoints, set_rng_state
 
     if at_start is not None:
         run.sampler.load_state_dict(at_start["sampler"])
         run.kl_controller.load_state_dict(at_start["kl_controller"])
         set_rng_state(at_start["rng"])
-    if saved_step == step:
-        path = checkpoint_root(run.run_dir) / f"step_{step:08d}"
+    path = checkpoint_root(run.run_dir) / f"step_{step:08d}"
+    if path in list_checkpoints(path.parent):
+        return path
+    with run.timer.phase("checkpoint"):
+        return save_run_checkpoint(run, step)
+
+
+def save_and_stop_for_preemption(run: Run, step: int, at_start: dict[str, Any] | None = None):
+    """The :class:`~rlite.run.faults.RunStopped` to raise after a preemption signal, the checkpoint of
+    ``step`` written (:func:`save_at_boundary`)."""
+    return run.preemption.stop(step, save_at_boundary(run, step, at_start), run.config.checkpoint.resume)
+
+
+def stop_after_engine_failure(run: Run, failure: Exception):
+    """The :class:`~rlite.run.faults.RunStopped` for an engine that died past its restarts: the
+    checkpoint of the last step whose state can be written exactly (the step in progress is redone
+    on resume when its policy update had not started)."""
+    from rlite.run.faults import RunStopped
+
+    step, at_start = run.in_progress
+    if at_start is not None:
+        step -= 1
+    if step == 0:
+        saved = "no step had finished, so a re-run starts from the beginning"
     else:
-        with run.timer.phase("checkpoint"):
-            path = save_run_checkpoint(run, step)
-    return run.preemption.stop(step, path, run.config.checkpoint.resume)
+        saved = f"saved the checkpoint of step {step} ({save_at_boundary(run, step, at_start)}); run the same command again to resume from it"
+        if run.config.checkpoint.resume == "never":
+            saved += " with checkpoint.resume=auto"
+    return RunStopped(f"{failure}. The run stops: {saved}")
 
 
 def maybe_resume(
