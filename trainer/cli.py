@@ -24,6 +24,7 @@ from rlite.plugin_manager import (
     RlitePluginManager,
     build_plugin_manager,
 )
+from rlite.run.faults import RunStopped
 
 EXIT_USAGE = 2
 
@@ -94,6 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, PluginError) as exc:  # problems the user fixes: one line, no traceback
         print(f"rlite {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RunStopped as exc:  # a fault the run could not get past, or a preemption: a message, no traceback
+        print(f"rlite {args.command}: stopped: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("rlite: interrupted", file=sys.stderr)
         return 130

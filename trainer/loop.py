@@ -15,10 +15,20 @@ from typing import Any
 
 from rlite.config import RunConfig
 from rlite.distributed import init_distributed, shutdown_distributed
+from rlite.engines.supervisor import EngineGaveUp
 from rlite.metrics import ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
-from rlite.run.lifecycle import finish_run, log_metrics, log_samples, save_run_checkpoint
+from rlite.run.faults import NonFiniteGuard, Preemption
+from rlite.run.lifecycle import (
+    finish_run,
+    log_metrics,
+    log_samples,
+    save_and_stop_for_preemption,
+    save_run_checkpoint,
+    step_start_state,
+    stop_after_engine_failure,
+)
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
@@ -32,15 +42,20 @@ def train(run: Run) -> dict[str, Any]:
     hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
+    nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_in_a_row, run.run_dir)
     if run.start_step == 0 and run.eval_prompts:
         with timer.phase("eval"):
             log_metrics(run, 0, evaluate(run, 0))  # the baseline the run is measured against
     for step in range(run.start_step + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
         profiler.before_step(step)
+        at_start = step_start_state(run)
+        run.in_progress = (step, at_start)  # where a run that must stop can save exactly (an engine that died)
         # 1-2. rollout from the engine's current weights, then rewards (a failing reward function
         # scores 0 and is counted); dynamic sampling may draw extra rounds
         batch, reward_stats = run.rollouts.collect(step)
+        if step > 1 and run.preemption.requested():  # SIGTERM: the policy is as the previous step left it
+            raise save_and_stop_for_preemption(run, step - 1, at_start)
 
         # 3. pi_old and pi_ref log-probs, KL-in-reward, corrections, advantages
         with timer.phase("logprobs"):
@@ -54,7 +69,8 @@ def train(run: Run) -> dict[str, Any]:
                     layout=run.layout,
                 ))
 
-        # 4. policy update (mini-batches x micro-batches, global loss normalisation)
+        # 4. policy update (mini-batches x micro-batches, global loss normalisation); an update with a
+        # NaN/inf loss or gradient norm is skipped
         with timer.phase("train"):
             train_metrics, train_logprobs = update_policy(
                 run.backend,
@@ -69,10 +85,13 @@ def train(run: Run) -> dict[str, Any]:
                     hook.before_optimizer_step, step=step, model=run.backend.model, optimizer=run.backend.optimizer
                 ),
                 timer=timer,
+                outcomes=(outcomes := []),
             )
+            nonfinite.record(step, outcomes)  # stops the run after too many skipped updates in a row
             if run.critic is not None:
                 train_metrics.update(update_critic(run, batch))
         hook.after_optimizer_step(step=step, model=run.backend.model, metrics=train_metrics)
+        run.in_progress = (step, None)  # the policy has moved: a stop from here saves this step
 
         # 4b. the speculative draft learns from the same rollouts (its own model: nothing reaches the policy)
         if run.draft is not None:
@@ -108,6 +127,8 @@ def train(run: Run) -> dict[str, Any]:
         ):
             with timer.phase("checkpoint"):
                 save_run_checkpoint(run, step)
+        if run.preemption.requested():  # SIGTERM or Ctrl-C: this step's checkpoint, then exit (status 75)
+            raise save_and_stop_for_preemption(run, step)
     progress.close()
     profiler.close()
     return finish_run(run, last_metrics)
@@ -143,14 +164,20 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[s
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ctx = init_distributed()
     finished = False
+    preemption = Preemption(cfg.checkpoint.preempt_timeout_s)
+    preemption.install()  # from here a SIGTERM waits for the next step boundary
     try:
         run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+        run.preemption = preemption
         try:
             summary = train(run)
+        except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
+            raise stop_after_engine_failure(run, failure) from None
         finally:
             run.engine.shutdown()
             run.backend.close()
         finished = True
         return summary
     finally:
+        preemption.uninstall()
         shutdown_distributed(ctx, finished=finished)

@@ -358,18 +358,19 @@ class MegatronBackend:
             dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
         return (dense + expert).sqrt()
 
-    def step(self, before_step=None) -> float:
+    def step(self, before_step=None, *, skip: bool = False) -> float:
         self._reduce_gradients()
         norm = float(self._grad_norm())
-        if self.grad_clip > 0 and math.isfinite(norm) and norm > self.grad_clip:
-            scale = self.grad_clip / (norm + 1e-6)  # torch's clip_grad_norm_ rule
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(scale)
-        if before_step is not None:
-            before_step()
-        self.optimizer.step()
-        self.scheduler.step()
+        if not skip and math.isfinite(norm):  # the norm is global: every rank skips alike
+            if self.grad_clip > 0 and norm > self.grad_clip:
+                scale = self.grad_clip / (norm + 1e-6)  # torch's clip_grad_norm_ rule
+                for param in self.model.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(scale)
+            if before_step is not None:
+                before_step()
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -436,6 +436,9 @@ def test_damaged_checkpoint_is_reported_not_crashed(tmp_path, model_dir):
         shard.write_bytes(b"garbage")
     from rlite.config import ConfigError
 
+    with pytest.raises(ConfigError, match="checkpoint.resume=auto: every checkpoint .* is damaged"):
+        run_training(tiny_config(model_dir, run_dir, "checkpoint.resume=auto", "training.steps=3"))
+    (ckpt / "MANIFEST.json").unlink()  # without its manifest, the damage shows when the shards are read
     with pytest.raises(ConfigError, match="checkpoint.resume: cannot load"):
         run_training(tiny_config(model_dir, run_dir, "checkpoint.resume=auto", "training.steps=3"))
 

@@ -196,6 +196,10 @@ class RolloutConfig:
     """Size of the flattened weight buckets sent to the engine, in MB."""
     timeout_s: float = 600.0
     """Timeout of any single engine call (generate, weight update); a hung engine fails loudly."""
+    engine_restarts: int = 2
+    """How many times a rollout engine whose process died (or hung past ``timeout_s`` and was killed) is restarted
+    with the trainer's current weights, the failed call made again; one more death stops the run with a checkpoint
+    to resume from (exit status 3). Restarts need a single trainer process; with several, a death stops the run."""
     lora_sync: str = "merged"
     """With LoRA: ``merged`` sends W + scale * B @ A to the engine; ``adapter`` sends only the adapter (engines that serve adapters, e.g. sglang)."""
     true_on_policy: bool = False
@@ -207,6 +211,7 @@ class RolloutConfig:
         _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check_choice("rollout.lora_sync", self.lora_sync, ("merged", "adapter"))
+        _check(self.engine_restarts >= 0, f"rollout.engine_restarts must be >= 0, got {self.engine_restarts}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -356,6 +361,9 @@ class TrainingConfig:
     accuracy_threshold: float = 1.0
     """``eval/*_accuracy`` and ``reward/accuracy`` count a sample correct by its built-in task's answer check
     (``rlite.tasks.TASK_CHECKS``); rows of data files, which have none, when their total reward is >= this."""
+    max_nonfinite_in_a_row: int = 3
+    """An optimizer update whose loss or gradient norm is NaN/inf is skipped (counted in ``train/skipped_nonfinite``);
+    after this many skipped in a row the run stops with a message naming the step and the likely cause (exit status 3)."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "training.steps must be >= 0")
@@ -364,6 +372,7 @@ class TrainingConfig:
         _check(len(self.betas) == 2, f"training.betas must have two values, got {list(self.betas)}")
         _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check(self.logprob_chunk_size >= 1, "training.logprob_chunk_size must be >= 1")
+        _check(self.max_nonfinite_in_a_row >= 1, "training.max_nonfinite_in_a_row must be >= 1")
         _check_choice("training.optimizer_offload", self.optimizer_offload, OPTIMIZER_OFFLOADS)
 
 
@@ -434,11 +443,16 @@ class CheckpointConfig:
     """Save a checkpoint after the last step."""
     export_hf: bool = True
     """Export the final model as a Hugging Face folder (LoRA merged) loadable by plain transformers."""
+    preempt_timeout_s: float = 600.0
+    """After SIGTERM or Ctrl-C the run saves a checkpoint at the next step boundary and exits with status 75; if it
+    has not within this many seconds it exits anyway (the previous checkpoint resumes). Keep it under the scheduler's
+    grace period; 0 = no limit."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "checkpoint.every must be >= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
         _check_choice("checkpoint.resume_mismatch", self.resume_mismatch, ("refuse", "allow"))
+        _check(self.preempt_timeout_s >= 0, "checkpoint.preempt_timeout_s must be >= 0")
 
 
 @dataclass

@@ -227,6 +227,11 @@ class EngineError(RuntimeError):
     """The engine failed, timed out, or reported a wrong weight version/checksum."""
 
 
+class EngineDied(EngineError):
+    """The engine's process is gone: it died, or it was killed after a call timed out. A fresh engine
+    can take over (:class:`rlite.engines.supervisor.SupervisedEngine` restarts it)."""
+
+
 class IdleEngine:
     """The engine of a rank that does not generate (a tensor-parallel rank other than its replica's
     leader, which receives the leader's batch): it takes part in weight syncs (they are collectives

@@ -6,6 +6,7 @@ engine (last, so a failure before it leaves no engine process behind), and resum
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -22,11 +23,13 @@ from rlite.distributed import DataLayout, DistContext, init_distributed
 from rlite.drafts import DraftContext, SpeculativeDraft
 from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
+from rlite.engines.supervisor import SupervisedEngine
 from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import build_reward_runner
+from rlite.run.faults import Preemption
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.samples import SampleWriter
 from rlite.stages.collect import Rollouts
@@ -73,6 +76,11 @@ class Run:
     """``time.perf_counter()`` when the run started being built (the summary's wall time counts from it)."""
     samples: SampleWriter | None = None
     """Where rollouts are written for people to read (rank 0 with ``logging.samples_every``; else ``None``)."""
+    in_progress: tuple[int, dict | None] = (0, None)
+    """The step under way and, until its policy update, the state it started from
+    (:func:`rlite.run.lifecycle.step_start_state`); ``None`` once the policy has moved."""
+    preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
+    """The preemption signals' flag (:func:`rlite.loop.run_training` installs its handlers)."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(
@@ -181,7 +189,10 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     engine: RolloutEngine = IdleEngine()  # ranks that receive their replica leader's batches
     if layout.leader:
         make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
-        engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
+        start = functools.partial(make_engine, cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
+        engine = start()
+        if ctx.world_size == 1:  # the re-sync after a restart is this rank's alone (several: a death stops the run)
+            engine = SupervisedEngine(engine, start, cfg.rollout.engine_restarts)
     timer = StepTimer()
     run = Run(
         config=cfg,
@@ -211,6 +222,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     )
     if run.samples is not None:
         run.rollouts.eval_sample_count = cfg.logging.samples_per_step
+    if isinstance(engine, SupervisedEngine):
+        engine.resync = run.sync_weights
     try:
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
         run.routing = routing_setup(cfg, backend, engine, layout)

@@ -2,13 +2,23 @@
 
 A checkpoint of step ``s`` is the folder ``<run_dir>/checkpoints/step_<s:08d>`` holding the DCP
 shards of model and optimizer, one ``trainer_state_rank<r>.pt`` per rank (scheduler, RNG states,
-data position, step, algorithm state) and a ``COMPLETE`` marker. It is written under a temporary
-name and renamed into place only after every rank finished writing and the marker is on disk, so a
-crash or SIGKILL during a save leaves at most a ``*.tmp`` folder that resume ignores.
+data position, step, algorithm state), a ``MANIFEST.json`` with the size and SHA-256 of every other
+file, and a ``COMPLETE`` marker. It is written under a temporary name and renamed into place only
+after every rank finished writing and the manifest and marker are on disk, so a crash or SIGKILL
+during a save leaves at most a ``*.tmp`` folder that resume ignores, and a save that fails (a full
+disk) removes its folder and leaves the previous checkpoint as it was.
+
+``resume: auto`` checks the newest checkpoint against its manifest and falls back to the newest one
+that is intact, saying which ones it skipped and why (a checkpoint from before manifests is taken
+as it is).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import logging
 import os
 import random
 import re
@@ -22,10 +32,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from rlite.distributed import all_gather_objects, barrier
+from rlite.distributed import all_gather_objects, barrier, broadcast_object
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+
+log = logging.getLogger("rlite")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (typically a full disk); the previous one is untouched."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -77,27 +94,86 @@ def save_checkpoint(
     final = root / f"step_{step:08d}"
     # every rank must write into the same temporary folder: rank 0 names it
     tmp = Path(all_gather_objects(str(root / f"step_{step:08d}.{os.getpid()}.tmp"))[0])
-    if rank == 0:
+
+    def make_folder() -> None:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    barrier()
-    dcp.save(model_state, checkpoint_id=str(tmp))
-    state = dict(trainer_state, rng=rng_state(), step=step)
-    torch.save(state, tmp / f"trainer_state_rank{rank}.pt")
-    barrier()
-    if rank == 0:
+
+    def write() -> None:  # DCP's save is collective: an error on one rank is raised on every rank
+        dcp.save(model_state, checkpoint_id=str(tmp))
+        state = dict(trainer_state, rng=rng_state(), step=step)
+        torch.save(state, tmp / f"trainer_state_rank{rank}.pt")
+
+    # an error on one rank (a full disk) becomes every rank's, so no rank waits for another
+    errors = all_gather_objects(_attempt(make_folder) if rank == 0 else "")
+    if not any(errors):
+        errors = all_gather_objects(_attempt(write))
+    if rank == 0 and not any(errors):
         pause = float(os.environ.get("RLITE_DEBUG_CHECKPOINT_PAUSE", "0"))  # fault-injection point for tests
         if pause:
             time.sleep(pause)
-        (tmp / MARKER).write_text(f"step {step}\n")
-        _fsync_tree(tmp)
+        errors[0] = _attempt(lambda: _publish(tmp, step))
+    errors = [e for e in broadcast_object(errors, 0) if e]
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint stays
+        barrier()
+        raise CheckpointWriteError(_describe_write_failure(step, root, errors[0]))
+    if rank == 0:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _prune(root, keep_last)
     barrier()
     return final
+
+
+def _attempt(write) -> str:
+    """Run ``write()``; the error it raised as text ("" when it succeeded). DCP wraps a rank's error
+    in a ``CheckpointException`` (a ``BaseException``); a full disk there reads ``[Errno 28]``."""
+    try:
+        write()
+    except CheckpointException as exc:  # the first rank's own error
+        rank, (error, _) = next(iter(exc.failures.items()))
+        return f"rank {rank}: {type(error).__name__}: {error}"
+    except (OSError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _publish(tmp: Path, step: int) -> None:
+    """The manifest of every file written, then the marker; both on disk before the rename."""
+    manifest = {
+        str(file.relative_to(tmp)): {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        for file in sorted(tmp.rglob("*"))
+        if file.is_file()
+    }
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+    (tmp / MARKER).write_text(f"step {step}\n")
+    _fsync_tree(tmp)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _describe_write_failure(step: int, root: Path, error: str) -> str:
+    try:
+        usage = shutil.disk_usage(root)
+        space = f"{usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.2f} GiB"
+    except OSError:
+        space = "free space unknown"
+    full = f"[Errno {errno.ENOSPC}]" in error or "No space left" in error
+    previous = list_checkpoints(root)
+    kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+    return (
+        f"the checkpoint of step {step} could not be written to {root} ({space}): {error.splitlines()[0]}. "
+        f"Its partial folder was removed and {kept}. "
+        + ("Free disk space" if full else "Fix the folder")
+        + " (or point logging.run_dir at another disk) and run the same command again to resume"
+    )
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -117,21 +193,59 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
+def verify_checkpoint(path: Path) -> str:
+    """Why the checkpoint at ``path`` is damaged ("" when every file matches its manifest; a checkpoint
+    written before manifests existed is taken as it is)."""
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        return ""
+    try:
+        files = json.loads(manifest_file.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its {MANIFEST} is unreadable ({type(exc).__name__})"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, {expected['bytes']} were written"
+        if _sha256(file) != expected["sha256"]:
+            return f"{name} does not match the checksum written with it"
+    return ""
+
+
 def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
-    """``auto``: latest complete checkpoint of the run, or None; ``never``: None; else a path."""
+    """``auto``: the newest intact checkpoint of the run, or None when there is none; ``never``: None;
+    else that path (refused if incomplete or damaged). ``auto`` logs every newer checkpoint it skipped
+    and why; if every checkpoint is damaged it refuses rather than starting over."""
+    from rlite.config import ConfigError
+
     if resume == "never":
         return None
     if resume == "auto":
-        found = list_checkpoints(checkpoint_root(run_dir))
-        return found[-1] if found else None
+        root = checkpoint_root(run_dir)
+        skipped = []
+        for path in reversed(list_checkpoints(root)):
+            damage = verify_checkpoint(path)
+            if not damage:
+                return path
+            log.warning("checkpoint %s is damaged and skipped: %s", path.name, damage)
+            skipped.append(f"{path.name}: {damage}")
+        if skipped:
+            raise ConfigError(
+                f"checkpoint.resume=auto: every checkpoint in {root} is damaged ({'; '.join(skipped)}); point "
+                "checkpoint.resume at a checkpoint, or start fresh with checkpoint.resume=never"
+            )
+        return None
     path = Path(resume)
     if not (path / MARKER).is_file():
-        from rlite.config import ConfigError
-
         raise ConfigError(
             f"checkpoint.resume: {str(path)!r} is not a complete rlite checkpoint (no {MARKER} marker); "
             "use 'auto', 'never' or the path of a step_XXXXXXXX folder"
         )
+    damage = verify_checkpoint(path)
+    if damage:
+        raise ConfigError(f"checkpoint.resume: {path} is damaged: {damage}; point it at another checkpoint")
     return path
 
 

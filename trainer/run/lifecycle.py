@@ -33,7 +33,8 @@ def model_state(backend: TrainingBackend, critic: CriticModel | None) -> dict[st
 
 
 def save_run_checkpoint(run: Run, step: int) -> Path:
-    from rlite.run.checkpoint import save_checkpoint
+    from rlite.run.checkpoint import CheckpointWriteError, save_checkpoint
+    from rlite.run.faults import RunStopped
 
     trainer_state = {
         "scheduler": run.backend.lr_scheduler_state(),
@@ -42,14 +43,17 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
     }
     if run.draft is not None:
         trainer_state["draft"] = run.draft.state_dict()
-    path = save_checkpoint(
-        run.run_dir,
-        step,
-        model_state(run.backend, run.critic),
-        trainer_state,
-        rank=run.ctx.rank,
-        keep_last=run.config.checkpoint.keep_last,
-    )
+    try:
+        path = save_checkpoint(
+            run.run_dir,
+            step,
+            model_state(run.backend, run.critic),
+            trainer_state,
+            rank=run.ctx.rank,
+            keep_last=run.config.checkpoint.keep_last,
+        )
+    except CheckpointWriteError as exc:  # a full disk: stop with the folder and its free space named
+        raise RunStopped(str(exc)) from None
     run.backend.after_checkpoint()
     run.pm.hook.on_checkpoint_save(step=step, path=path)
     return path
@@ -102,6 +106,55 @@ def check_resume_config(cfg: RunConfig) -> None:
         "this run in its own folder (logging.run_dir=...) or afresh (checkpoint.resume=never, which replaces that "
         "run's files), or resume it anyway with checkpoint.resume_mismatch=allow"
     )
+
+
+def step_start_state(run: Run) -> dict[str, Any]:
+    """What a step changes before its policy update (the prompt position, the RNG states, the KL
+    controller): enough to save the previous step's checkpoint if the step is abandoned there."""
+    from rlite.run.checkpoint import rng_state
+
+    return {"sampler": run.sampler.state_dict(), "kl_controller": run.kl_controller.state_dict(), "rng": rng_state()}
+
+
+def save_at_boundary(run: Run, step: int, at_start: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of ``step`` (unless it is on disk already) for a run that stops. ``at_start``:
+    the step after ``step`` was abandoned before its policy update; its :func:`step_start_state` is put
+    back first, so the checkpoint is exactly the one a save at the end of ``step`` would have written."""
+    from rlite.run.checkpoint import checkpoint_root, list_checkpoints, set_rng_state
+
+    if at_start is not None:
+        run.sampler.load_state_dict(at_start["sampler"])
+        run.kl_controller.load_state_dict(at_start["kl_controller"])
+        set_rng_state(at_start["rng"])
+    path = checkpoint_root(run.run_dir) / f"step_{step:08d}"
+    if path in list_checkpoints(path.parent):
+        return path
+    with run.timer.phase("checkpoint"):
+        return save_run_checkpoint(run, step)
+
+
+def save_and_stop_for_preemption(run: Run, step: int, at_start: dict[str, Any] | None = None):
+    """The :class:`~rlite.run.faults.RunStopped` to raise after a preemption signal, the checkpoint of
+    ``step`` written (:func:`save_at_boundary`)."""
+    return run.preemption.stop(step, save_at_boundary(run, step, at_start), run.config.checkpoint.resume)
+
+
+def stop_after_engine_failure(run: Run, failure: Exception):
+    """The :class:`~rlite.run.faults.RunStopped` for an engine that died past its restarts: the
+    checkpoint of the last step whose state can be written exactly (the step in progress is redone
+    on resume when its policy update had not started)."""
+    from rlite.run.faults import RunStopped
+
+    step, at_start = run.in_progress
+    if at_start is not None:
+        step -= 1
+    if step == 0:
+        saved = "no step had finished, so a re-run starts from the beginning"
+    else:
+        saved = f"saved the checkpoint of step {step} ({save_at_boundary(run, step, at_start)}); run the same command again to resume from it"
+        if run.config.checkpoint.resume == "never":
+            saved += " with checkpoint.resume=auto"
+    return RunStopped(f"{failure}. The run stops: {saved}")
 
 
 def maybe_resume(

@@ -17,6 +17,7 @@ import torch
 from rlite.config import ConfigError
 from rlite.drafts import SpeculativeDraft
 from rlite.engines.base import DRAFT_PREFIX, RolloutEngine
+from rlite.run.faults import refuse_nonfinite
 from rlite.training.backend import NamedTensors, TrainingBackend
 
 Quantizer = tuple[Callable, object]
@@ -40,7 +41,7 @@ def send_full_weights(
     capabilities = engine.capabilities
     # an in-process engine that shares the trainer's weights gets the parameters' own storage
     views = capabilities.shares_weights and backend.capabilities.weight_views and quantizer is None
-    named = backend.full_weights(views=views)
+    named = refuse_nonfinite(backend.full_weights(views=views), version)
     if capabilities.weight_dtype is not None:  # the engine's dtype travels, not the fp32 master weights
         named = in_dtype(named, capabilities.weight_dtype)
     if quantizer is not None:  # the engine samples with quantized weights; the trainer keeps full precision
@@ -63,7 +64,7 @@ def send_lora_adapter(
     draft: SpeculativeDraft | None = None,
 ) -> None:
     adapter = backend.lora_adapter()
-    engine.update_lora_adapter(adapter.tensors, adapter.config, version)
+    engine.update_lora_adapter(refuse_nonfinite(adapter.tensors, version), adapter.config, version)
 
 
 LORA_SYNC: dict[str, Callable[..., None]] = {

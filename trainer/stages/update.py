@@ -7,6 +7,7 @@ gradient equals that of the whole mini-batch whatever the split into ranks and m
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -75,6 +76,7 @@ def update_policy(
     before_step: Callable[[], None] | None = None,
     timer=None,
     dp_group: Any = None,
+    outcomes: list[dict[str, float] | None] | None = None,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Train on the batch; return averaged metrics and the log-probs seen by the first forward.
 
@@ -83,12 +85,19 @@ def update_policy(
     ``timer`` (a :class:`rlite.metrics.StepTimer`) times the parts: ``train/forward`` (forward and
     loss), ``train/backward``, ``train/optimizer`` (clipping and the optimizer step). Counts and
     metrics are summed over ``dp_group`` (the data-parallel ranks; default all) of ``dp_size`` ranks.
+
+    An optimizer step whose global loss or global gradient norm is NaN or infinite is skipped: its
+    gradients are dropped, optimizer and LR scheduler do not step, its numbers stay out of the
+    averages and ``train/skipped_nonfinite`` counts it. ``outcomes`` (if given) receives one entry
+    per optimizer step in order: ``None`` for an applied one, the loss, norm and learning rate of a
+    skipped one. Both values are global, so every rank skips the same steps.
     """
     phase = timer.phase if timer is not None else nullcontext
     backend.train_mode()
     sums: dict[str, float] = defaultdict(float)
     first_pass_logprobs = torch.zeros_like(batch.response_mask)
     optimizer_steps = 0
+    skipped: list[dict[str, float]] = []
     for epoch in range(epochs):
         offset = 0
         for mini in split_minibatches(batch, minibatches):
@@ -103,20 +112,41 @@ def update_policy(
                         first_pass_logprobs[offset : offset + len(mb)] = logprobs.detach()
                     offset += len(mb)
                     total = micro_batch_loss(mb, logprobs, entropy, loss, counts, step_sums)
+                    step_sums[OBJECTIVE] += total.detach()
                 with phase("train/backward"):
                     backend.backward(total)
             lr = backend.current_lr()
-            with phase("train/optimizer"):
-                grad_norm = backend.step(before_step)
-            optimizer_steps += 1
-            # every summed value is this rank's share x dp_size: average over ranks
+            # every summed value is this rank's share x dp_size: average over ranks. Reduced before the
+            # optimizer step, so that every rank sees the same global loss and skips alike.
             reduced = all_reduce_sum(torch.stack([v.detach().double().cpu() for v in step_sums.values()]), dp_group) / dp_size
-            for name, value in zip(step_sums, reduced.tolist()):
+            values = dict(zip(step_sums, reduced.tolist()))
+            objective = values.pop(OBJECTIVE)
+            with phase("train/optimizer"):
+                if math.isfinite(objective):
+                    grad_norm = backend.step(before_step)
+                else:  # backward already left non-finite gradients: drop them, step nothing
+                    grad_norm = backend.step(before_step, skip=True)
+            if not (math.isfinite(objective) and math.isfinite(grad_norm)):
+                # the backend skipped the update (the norm is global, so every rank did)
+                skipped.append(dict(loss=objective, grad_norm=grad_norm, lr=lr))
+                if outcomes is not None:
+                    outcomes.append(skipped[-1])
+                continue
+            if outcomes is not None:
+                outcomes.append(None)
+            optimizer_steps += 1
+            for name, value in values.items():
                 sums[name] += value
             sums["actor/grad_norm"] += grad_norm
             sums["actor/lr"] += lr
     metrics = {name: value / optimizer_steps for name, value in sums.items()}
+    metrics["train/skipped_nonfinite"] = float(len(skipped))
     return metrics, first_pass_logprobs
+
+
+OBJECTIVE = "train/objective"
+"""The summed loss of a mini-batch (what backward differentiates); checked for NaN/inf before each
+optimizer step, not reported."""
 
 
 def micro_batch_loss(

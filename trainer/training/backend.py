@@ -150,9 +150,14 @@ class TrainingBackend(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss`` (one micro-batch's share of the objective)."""
 
-    def step(self, before_step: Callable[[], None] | None = None) -> float:
+    def step(self, before_step: Callable[[], None] | None = None, *, skip: bool = False) -> float:
         """Clip the accumulated gradients, call ``before_step()``, step optimizer and LR scheduler,
-        zero the gradients; return the gradient norm before clipping (global over ranks)."""
+        zero the gradients; return the gradient norm before clipping (global over ranks).
+
+        When the norm is NaN or infinite, or with ``skip=True`` (the loop saw a non-finite loss; it
+        passes ``skip`` only then), drop the gradients without calling ``before_step`` or stepping
+        optimizer and scheduler, and still return the norm: a non-finite update never reaches the
+        weights. Since the norm is global, every rank skips the same steps."""
 
     def current_lr(self) -> float:
         """The learning rate the next :meth:`step` applies."""

@@ -9,6 +9,7 @@ gradients are then added into ``.grad`` in place (:mod:`rlite.backends.fsdp2.gra
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,18 +235,20 @@ class FSDP2Backend:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def step(self, before_step=None) -> float:
+    def step(self, before_step=None, *, skip: bool = False) -> float:
         params = self.trainable_parameters()
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
+        if hasattr(norm, "full_tensor"):  # the global norm: every rank decides the same below
             norm = norm.full_tensor()
-        if before_step is not None:
-            before_step()
-        self.optimizer.step()
-        self.scheduler.step()
+        norm = float(norm)
+        if not skip and math.isfinite(norm):
+            if before_step is not None:
+                before_step()
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -41,6 +41,7 @@ from rlite.engines.base import (
     Completion,
     DraftSpec,
     EngineCapabilities,
+    EngineDied,
     EngineError,
     SamplingParams,
     SpeculationStats,
@@ -113,11 +114,11 @@ class _PipeChannel:
     def _fail(self, what: str) -> None:
         self.broken = f"engine process {self.process.pid} {what}"
         _stop_process(self.process, self.conn, grace_s=0.0)
-        raise EngineError(self.broken)
+        raise EngineDied(self.broken)
 
     def _check(self) -> None:
         if self.broken is not None:
-            raise EngineError(f"engine process is gone: {self.broken}")
+            raise EngineDied(f"engine process is gone: {self.broken}")
 
 
 def _stop_process(process: mp.process.BaseProcess, conn: Connection, grace_s: float = 5.0) -> None:
@@ -282,8 +283,8 @@ class ProcessEngine:
         try:
             self._channel.send((op, *args))
             reply = self._channel.recv(self.timeout_s)
-        except EngineError as e:
-            raise EngineError(f"{op}: {e}") from None
+        except EngineError as e:  # EngineDied stays EngineDied: the process can be replaced
+            raise type(e)(f"{op}: {e}") from None
         status, value = reply
         if status == "error":
             raise EngineError(f"engine process failed in {op}:\n{value}")

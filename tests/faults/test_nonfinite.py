@@ -1,0 +1,163 @@
+"""Non-finite numbers: an update with a NaN/inf loss or gradient norm is skipped (the weights and the
+optimizer stay as they were), counted, and too many in a row stop the run with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlite.run.faults import EXIT_STOPPED, NonFiniteGuard, RunStopped, refuse_nonfinite
+from rlite.testing import fixed_batch, run_in_subprocess_env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def world_of_one():
+    from rlite.distributed import init_distributed, shutdown_distributed
+
+    ctx = init_distributed()
+    yield ctx
+    shutdown_distributed(ctx)
+
+
+def _backend(model_dir):
+    from rlite.backends.fsdp2.backend import FSDP2Backend
+    from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+
+    torch.manual_seed(0)
+    return FSDP2Backend.build(ModelConfig(path=model_dir), ParallelismConfig(), TrainingConfig(lr=1e-2, grad_clip=1.0),
+                              torch.device("cpu"), total_optimizer_steps=4)  # fmt: skip
+
+
+def _batch_and_specs(advantage_scale=1.0):
+    from rlite.algorithms import AdvantageInput
+    from rlite.plugin_manager import build_plugin_manager
+    from rlite.rollout import TrainTargets
+    from rlite.stages.update import LossSpec
+    from rlite.training.backend import ForwardSpec
+
+    pm = build_plugin_manager(autoload=False)
+    grpo, ppo_clip = pm.registry("advantage_estimator").get("grpo"), pm.registry("policy_loss").get("ppo_clip")
+    batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=96)
+    advantages, returns = grpo.implementation(AdvantageInput(batch.scores, batch.group_ids, batch.response_mask),
+                                              grpo.config_cls())  # fmt: skip
+    batch.targets = TrainTargets(advantages * advantage_scale, returns, batch.response_mask.clone())
+    fwd = ForwardSpec(micro_batch_size=8, temperature=1.0, chunk_size=16, exact_layout=False)
+    loss = LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), "token-mean", 7.0, None, 0.0, 0.0)
+    return batch, fwd, loss
+
+
+def _weights(backend):
+    return {name: t.detach().clone() for name, t in backend.full_weights()}
+
+
+def test_a_nan_gradient_is_skipped_and_the_other_update_is_exactly_the_one_alone(tmp_path, world_of_one):
+    """Two mini-batches; a NaN lands in one gradient of the first. Its update is skipped (no optimizer
+    or scheduler step), so the weights equal bitwise those of a fresh backend that trained on the
+    second mini-batch alone."""
+    from rlite.stages.update import update_policy
+    from rlite.tokenizer import build_tiny_model_dir
+
+    model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
+    batch, fwd, loss = _batch_and_specs()
+    backend = _backend(model_dir)
+    before = _weights(backend)
+    backward, calls = backend.backward, []
+
+    def poisoned_backward(total):  # the first mini-batch's gradient gets one NaN entry
+        backward(total)
+        calls.append(1)
+        if len(calls) == 1:
+            grad = next(p for p in backend.trainable_parameters() if p.grad is not None).grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
+
+    backend.backward = poisoned_backward
+    outcomes = []
+    metrics, _ = update_policy(backend, batch, fwd, loss, minibatches=2, epochs=1, dp_size=1, outcomes=outcomes)
+    assert metrics["train/skipped_nonfinite"] == 1.0
+    assert outcomes[1] is None and outcomes[0]["grad_norm"] != outcomes[0]["grad_norm"]  # NaN
+    after = _weights(backend)
+    assert all(torch.isfinite(t).all() for t in after.values())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert backend.scheduler.last_epoch == 1  # one scheduler step, the applied update's
+
+    alone = _backend(model_dir)
+    second = batch.select(slice(len(batch) // 2, len(batch)))
+    alone_metrics, _ = update_policy(alone, second, fwd, loss, minibatches=1, epochs=1, dp_size=1)
+    assert metrics["actor/grad_norm"] == alone_metrics["actor/grad_norm"] > 0  # averaged over applied updates only
+    expected = _weights(alone)
+    assert all(torch.equal(after[n], expected[n]) for n in expected)
+    backend.close()
+    alone.close()
+
+
+def test_a_nan_loss_skips_the_update_and_leaves_weights_and_optimizer_untouched(tmp_path, world_of_one):
+    from rlite.stages.update import update_policy
+    from rlite.tokenizer import build_tiny_model_dir
+
+    model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
+    batch, fwd, loss = _batch_and_specs(advantage_scale=float("nan"))
+    backend = _backend(model_dir)
+    before = _weights(backend)
+    outcomes = []
+    metrics, _ = update_policy(backend, batch, fwd, loss, minibatches=1, epochs=1, dp_size=1, outcomes=outcomes)
+    assert metrics == {"train/skipped_nonfinite": 1.0}
+    assert len(outcomes) == 1 and outcomes[0]["loss"] != outcomes[0]["loss"]
+    after = _weights(backend)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert not backend.optimizer.state and backend.scheduler.last_epoch == 0
+    assert all(p.grad is None for p in backend.trainable_parameters())
+    backend.close()
+
+
+def test_the_guard_stops_after_the_limit_in_a_row_and_resets_on_an_applied_update(tmp_path):
+    guard = NonFiniteGuard(limit=3, run_dir=tmp_path)
+    bad = dict(loss=float("nan"), grad_norm=float("nan"), lr=1e6)
+    guard.record(1, [bad, bad])
+    guard.record(2, [None])  # an applied update: the count starts over
+    guard.record(3, [bad, bad])
+    with pytest.raises(RunStopped) as stopped:
+        guard.record(4, [bad])
+    message = str(stopped.value)
+    assert message.startswith("step 4: 3 updates in a row") and "learning rate 1e+06" in message
+    assert "training.lr" in message and "no checkpoint was saved yet" in message
+    assert stopped.value.exit_code == EXIT_STOPPED
+
+
+def test_weights_that_overflowed_never_reach_the_engine():
+    good = torch.ones(3)
+    stream = refuse_nonfinite(iter([("a", good), ("b", torch.tensor([1.0, float("inf")])), ("c", good)]), 7)
+    assert next(stream)[0] == "a"
+    with pytest.raises(RunStopped, match="step 7: the updated weight b holds NaN or infinite"):
+        next(stream)
+    # huge but finite weights whose float32 sum overflows pass
+    assert [n for n, _ in refuse_nonfinite(iter([("big", torch.full((4,), 3e38))]), 1)] == ["big"]
+
+
+def test_a_huge_learning_rate_ends_with_a_clear_message_not_a_sampler_traceback(tmp_path):
+    """What a user meets: ``rlite train ... training.lr=1e6`` on the warm-started quickstart model."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "rlite", "train", str(REPO / "configs" / "quickstart.yaml"),
+         f"model.path={REPO / 'examples' / 'warmstart' / 'addition-qwen2-1m'}", f"logging.run_dir={run_dir}",
+         "training.lr=1e6", "training.warmup_steps=0", "training.steps=8", "training.eval_every=0",
+         "data.num_train=64", "data.num_eval=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=8",
+         "logging.progress_bar=false", "logging.plot=false", "logging.loggers=[jsonl]", "checkpoint.every=1",
+         "checkpoint.resume=never", "checkpoint.export_hf=false", "training.max_nonfinite_in_a_row=2"],
+        env=run_in_subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == EXIT_STOPPED, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    line = next(x for x in done.stderr.splitlines() if x.startswith("rlite train: stopped: step "))
+    assert "2 updates in a row had a non-finite" in line and "training.lr" in line
+    assert "the last good checkpoint is" in line
+    from rlite.testing import read_jsonl
+
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert sum(r["train/skipped_nonfinite"] for r in rows) == 1  # the stopping step logs no row
+    assert all(r.get("actor/grad_norm", 0.0) == r.get("actor/grad_norm", 0.0) for r in rows)  # no NaN logged

@@ -1,0 +1,98 @@
+"""Preemption: a real SIGTERM to a running ``rlite train`` saves a checkpoint at the next step boundary
+and exits with status 75; running the same command again ends bitwise where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlite.config import load_config
+from rlite.loop import run_training
+from rlite.plugin_manager import get_plugin_manager
+from rlite.run.checkpoint import list_checkpoints
+from rlite.run.faults import EXIT_PREEMPTED
+from rlite.testing import read_jsonl, run_in_subprocess_env
+from rlite.tokenizer import build_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
+
+
+def _args(model_dir, run_dir, steps):
+    return [
+        f"model.path={model_dir}", "data.task=addition", "data.num_train=64", "data.num_eval=8",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4",
+        f"logging.run_dir={run_dir}", "logging.progress_bar=false", "logging.plot=false",
+        "logging.loggers=[jsonl]", "training.eval_every=0", "training.lr=1e-2", f"training.steps={steps}",
+        "checkpoint.every=0", "checkpoint.export_hf=true", "checkpoint.resume=auto",
+    ]  # fmt: skip
+
+
+def _wait_for_step(metrics, step, proc, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, "the run ended before the signal"
+        assert time.monotonic() < deadline, f"step {step} never logged"
+        if metrics.is_file() and any(json.loads(x)["step"] >= step for x in metrics.read_text().splitlines() if x):
+            return
+        time.sleep(0.05)
+
+
+def test_sigterm_saves_at_a_step_boundary_exits_75_and_resume_is_bitwise(tmp_path, model_dir):
+    steps = 6
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text("training:\n  seed: 0\n")
+    cmd = [sys.executable, "-m", "rlite", "train", str(config), *_args(model_dir, run_dir, steps)]
+    proc = subprocess.Popen(cmd, env=run_in_subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    _wait_for_step(run_dir / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "Traceback" not in stderr
+    line = next(x for x in stderr.splitlines() if x.startswith("rlite train: stopped: SIGTERM received: saved the"))
+    (ckpt,) = list_checkpoints(run_dir / "checkpoints")  # checkpoint.every=0: only the preemption's
+    saved = int(ckpt.name.split("_")[1])
+    assert 2 <= saved < steps and f"checkpoint of step {saved} ({ckpt})" in line
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")][-1] == saved  # no half-logged step
+
+    done = subprocess.run(cmd, env=run_in_subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"(step {saved})" in done.stderr  # "resumed from ... (step N)"
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(steps + 1))
+
+    straight = tmp_path / "straight"
+    run_training(load_config(str(config), _args(model_dir, straight, steps), pm=get_plugin_manager()))
+    a = load_file(straight / "hf_model" / "model.safetensors")
+    b = load_file(run_dir / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_new_checkpoint(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text("training:\n  seed: 0\n")
+    cmd = [sys.executable, "-m", "rlite", "train", str(config), *_args(model_dir, run_dir, 50)]
+    proc = subprocess.Popen(cmd, env=run_in_subprocess_env(RLITE_DEBUG_CHECKPOINT_PAUSE="60"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    _wait_for_step(run_dir / "metrics.jsonl", 1, proc)
+    proc.send_signal(signal.SIGINT)  # the first: a checkpoint at the next boundary (its save pauses 60 s) ...
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints").is_dir() or not any((run_dir / "checkpoints").iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # ... the second stops now
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "press Ctrl-C again to stop now" in stderr and "rlite: interrupted" in stderr
+    assert list_checkpoints(run_dir / "checkpoints") == []  # the interrupted save never became a checkpoint

@@ -1,0 +1,181 @@
+"""What a run does when something goes wrong that is not a bug in the config: numbers that stop being
+finite, a preemption signal, a rollout engine process that dies.
+
+Each of them costs at most a step, never the run's past: the run either carries on (a skipped update,
+a restarted engine) or stops at a step boundary with a message and a checkpoint to resume from.
+How each one is handled, with the exit codes, is in ``docs/faults.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+EXIT_STOPPED = 3
+"""Exit status of a run that stopped on a fault it cannot get past (too many non-finite updates in a
+row, an engine that keeps dying, a full disk). The message names the cause and the checkpoint to
+resume from."""
+
+EXIT_PREEMPTED = 75
+"""Exit status of a run stopped by SIGTERM (or Ctrl-C) after it saved a checkpoint at a step boundary
+(75 is ``EX_TEMPFAIL``: try again later). Running the same command again resumes exactly there."""
+
+
+class RunStopped(Exception):
+    """The run stopped on purpose; ``str(self)`` says why and what to do, ``exit_code`` is the status
+    the ``rlite`` command exits with."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_STOPPED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def latest_checkpoint_text(run_dir: str | Path) -> str:
+    """Which checkpoint a stopped run resumes from, as a sentence for its message."""
+    from rlite.run.checkpoint import checkpoint_root, list_checkpoints
+
+    found = list_checkpoints(checkpoint_root(run_dir))
+    if not found:
+        return "no checkpoint was saved yet (checkpoint.every=0): a re-run starts from the beginning"
+    return f"the last good checkpoint is {found[-1]}"
+
+
+class NonFiniteGuard:
+    """Counts optimizer updates skipped for a NaN/inf loss or gradient norm, and stops the run once
+    ``limit`` of them came in a row.
+
+    :func:`rlite.stages.update.update_policy` skips such an update (the weights and the optimizer stay
+    as they were, so nothing non-finite is ever synced or saved); this decides when skipping has
+    become pointless. The counter runs across steps and resets at the first update that is applied.
+    """
+
+    def __init__(self, limit: int, run_dir: str | Path) -> None:
+        self.limit = limit
+        self.run_dir = run_dir
+        self.in_a_row = 0
+
+    def record(self, step: int, outcomes: list[dict[str, float] | None]) -> None:
+        """``outcomes``: one entry per optimizer update of ``step`` (``None``: applied; else the
+        skipped update's ``loss``, ``grad_norm`` and ``lr``). Raises :class:`RunStopped` at the limit."""
+        for outcome in outcomes:
+            if outcome is None:
+                self.in_a_row = 0
+                continue
+            self.in_a_row += 1
+            if self.in_a_row >= self.limit:
+                raise RunStopped(self._message(step, outcome))
+
+    def _message(self, step: int, outcome: dict[str, float]) -> str:
+        loss, norm, lr = outcome["loss"], outcome["grad_norm"], outcome["lr"]
+        what = "loss" if not math.isfinite(loss) else "gradient norm"
+        return (
+            f"step {step}: {self.in_a_row} updates in a row had a non-finite {what} (loss {loss:g}, "
+            f"gradient norm {norm:g}, learning rate {lr:g}) and were skipped "
+            f"(training.max_nonfinite_in_a_row={self.limit}). Likely cause: the learning rate is too high "
+            "(lower training.lr, or clip harder with training.grad_clip); also check the rewards and "
+            f"parallelism.param_dtype. No non-finite weights reached the engine or a checkpoint; "
+            f"{latest_checkpoint_text(self.run_dir)}"
+        )
+
+
+def refuse_nonfinite(named, version: int):
+    """The ``(name, tensor)`` stream unchanged, but a tensor with a NaN or infinite value stops the run
+    before the engine is handed it (an update can overflow with a finite gradient: a huge step size)."""
+    import torch
+
+    for name, tensor in named:
+        if tensor.is_floating_point() and not math.isfinite(float(torch.sum(tensor, dtype=torch.float32))):
+            if not bool(torch.isfinite(tensor).all()):
+                raise RunStopped(
+                    f"step {version}: the updated weight {name} holds NaN or infinite values although the loss "
+                    "and the gradient norm were finite; it is not sent to the engine or saved. Likely cause: the "
+                    "learning rate is too high (lower training.lr)"
+                )
+        yield name, tensor
+
+
+class Preemption:
+    """SIGTERM (a scheduler preempting the job) or Ctrl-C: finish at the next step boundary with a
+    checkpoint, then exit with :data:`EXIT_PREEMPTED`.
+
+    The first SIGTERM or SIGINT only sets a flag; :meth:`requested` (a collective: any rank's signal
+    counts on every rank) is asked at the boundaries of a step. A second Ctrl-C stops at once
+    (``KeyboardInterrupt``, exit status 130; the previous checkpoint stays). If no boundary is reached
+    within ``timeout_s`` of the signal the process exits anyway with :data:`EXIT_PREEMPTED`; a save
+    in progress is then abandoned and resume ignores it, so the previous checkpoint is what resumes.
+    """
+
+    def __init__(self, timeout_s: float, group=None) -> None:
+        self.timeout_s = timeout_s
+        self.group = group
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+        self._watchdog = None
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set there; an embedding application handles signals itself
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def _on_signal(self, signum, frame) -> None:
+        import logging
+        import signal
+        import threading
+
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signal_name = name
+        logging.getLogger("rlite").warning(
+            "%s received: saving a checkpoint at the next step boundary, then exiting with status %d "
+            "(within checkpoint.preempt_timeout_s=%g s)%s", name, EXIT_PREEMPTED, self.timeout_s,
+            "; press Ctrl-C again to stop now without saving" if signum == signal.SIGINT else "",
+        )  # fmt: skip
+        if self.timeout_s > 0:
+            self._watchdog = threading.Timer(self.timeout_s, self._give_up)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _give_up(self) -> None:
+        import os
+        import sys
+
+        print(
+            f"rlite train: stopped: {self.signal_name}: no step boundary within checkpoint.preempt_timeout_s="
+            f"{self.timeout_s:g} s; exiting without a new checkpoint (the previous one is intact and resumes)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        os._exit(EXIT_PREEMPTED)
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled (a collective: every rank calls it at the same boundaries)."""
+        import torch
+
+        from rlite.distributed import all_reduce_sum
+
+        return bool(all_reduce_sum(torch.tensor([1.0 if self.signal_name else 0.0]), self.group)[0] > 0)
+
+    def stop(self, step: int, checkpoint: Path, resume: str) -> RunStopped:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        again = "run the same command again" + (" with checkpoint.resume=auto" if resume == "never" else "")
+        return RunStopped(
+            f"{self.signal_name or 'a signal'} received: saved the checkpoint of step {step} ({checkpoint}); "
+            f"{again} to resume from it",
+            exit_code=EXIT_PREEMPTED,
+        )
