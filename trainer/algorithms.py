@@ -38,6 +38,14 @@ class AdvantageInput:
     """[B, T] per-token rewards added to the outcome (for example -beta * KL), or None."""
     values: torch.Tensor | None = None
     """[B, T] critic values V(s_t), or None for critic-free estimators."""
+    baseline_scores: torch.Tensor | None = None
+    """[B] reward of the greedy completion of each response's prompt (filled only for an estimator
+    registered with ``needs_greedy_baseline=True``, e.g. ReMax), or None."""
+    reward_components: torch.Tensor | None = None
+    """[B, K] unweighted value of each of the K configured reward functions (``scores`` is their
+    weighted sum), or None when the caller has no per-function values."""
+    reward_weights: torch.Tensor | None = None
+    """[K] weight of each reward function in ``scores = reward_components @ reward_weights``."""
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ Two kinds of hooks:
   for the choice are validated against it when the config loads, and the implementation receives
   an instance of it. Names must be unique across all plugins of a kind. ``metadata`` declares what
   the implementation needs, where a kind's hook lists such keys (``needs_critic`` for advantage
-  estimators); the config loader checks it, so no rlite code tests implementation names.
+  estimators); the config loader and the run builder read it, so no rlite code tests implementation names.
 
 * **Lifecycle hooks** (``on_*``, ``after_*``, ``before_*``) are called by the training loop on
   every rank unless the docstring says otherwise. Their return values are ignored unless stated.
@@ -60,7 +60,10 @@ def register_advantage_estimators(register: Register) -> None:
         takes an :class:`rlite.algorithms.AdvantageInput` and the estimator's config instance and
         returns ``(advantages, returns)``, both float tensors of shape ``[B, T]`` that are zero
         where ``batch.response_mask`` is zero. Pass ``needs_critic=True`` for an estimator that reads
-        ``batch.values`` (the config then requires ``algorithm.critic.enabled``).
+        ``batch.values`` (the config then requires ``algorithm.critic.enabled``), and
+        ``needs_greedy_baseline=True`` for one that reads ``batch.baseline_scores`` (the rollout stage
+        then generates one greedy completion per prompt and scores it, as ReMax needs).
+        ``batch.reward_components`` and ``batch.reward_weights`` carry each reward function's value.
     """
 
 

@@ -63,6 +63,13 @@ class RolloutBatch:
     """Decoded completions (filled before rewards)."""
     scores: torch.Tensor | None = None
     """[B] scalar rewards (filled by the reward step)."""
+    reward_components: torch.Tensor | None = None
+    """[B, K] each reward function's unweighted value (``scores`` is their weighted sum)."""
+    baseline_texts: list[str] = field(default_factory=list)
+    """The decoded greedy completion of each sample's prompt (with ``baseline_scores``; else empty)."""
+    baseline_scores: torch.Tensor | None = None
+    """[B] reward of one greedy completion of each sample's prompt; only for an advantage estimator
+    registered with ``needs_greedy_baseline=True`` (ReMax)."""
     weight_versions: list[int] = field(default_factory=list)
     """Weight version each sample was drawn with."""
     targets: TrainTargets | None = None
@@ -99,6 +106,9 @@ class RolloutBatch:
             samples=[self.samples[i] for i in index],
             completion_texts=[self.completion_texts[i] for i in index] if self.completion_texts else [],
             scores=None if self.scores is None else self.scores[idx],
+            reward_components=None if self.reward_components is None else self.reward_components[idx],
+            baseline_texts=[self.baseline_texts[i] for i in index] if self.baseline_texts else [],
+            baseline_scores=None if self.baseline_scores is None else self.baseline_scores[idx],
             weight_versions=[self.weight_versions[i] for i in index] if self.weight_versions else [],
             targets=None if self.targets is None else self.targets.select(idx),
             routed_experts=None if self.routed_experts is None else self.routed_experts[idx],
@@ -261,6 +271,11 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         samples=[s for b in batches for s in b.samples],
         completion_texts=[t for b in batches for t in b.completion_texts],
         scores=None if any(b.scores is None for b in batches) else cat([b.scores for b in batches]),
+        reward_components=None if any(b.reward_components is None for b in batches)
+        else cat([b.reward_components for b in batches]),
+        baseline_texts=[t for b in batches for t in b.baseline_texts],
+        baseline_scores=None if any(b.baseline_scores is None for b in batches)
+        else cat([b.baseline_scores for b in batches]),
         weight_versions=[v for b in batches for v in b.weight_versions],
         routed_experts=concat_routing(batches, prompt_width, response_width),
         policy_top_ids=None if batches[0].policy_top_ids is None else cat([right3(b.policy_top_ids) for b in batches]),

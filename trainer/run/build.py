@@ -144,6 +144,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         quantizer = resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization)
     kl_controller = build_kl_controller(algo.kl)
     rewards = build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s)
+    targets.reward_weights = tuple(rewards.weights)
     draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
     start_step = maybe_resume(
         cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
@@ -189,6 +190,9 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         start_step=start_step,
         draft=draft,
     )
+    # an estimator's declared needs (its registration's metadata), never its name
+    estimator_entry = pm.registry("advantage_estimator").get(algo.advantage.name)
+    run.rollouts.greedy_baseline = bool(estimator_entry.metadata.get("needs_greedy_baseline"))
     try:
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
         run.routing = routing_setup(cfg, backend, engine, layout)

@@ -62,6 +62,9 @@ class Rollouts:
         """The policy's top log-probs per generated token the draft learns from (0: none)."""
         self.speculation: SpeculationStats | None = None
         """What speculative decoding did in this step's rollout (all its rounds; this rank's engine)."""
+        self.greedy_baseline = False
+        """Also generate one greedy completion per prompt and score it (``batch.baseline_scores``): the
+        advantage estimator registered with ``needs_greedy_baseline=True`` (ReMax)."""
 
     def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
         """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
@@ -168,6 +171,12 @@ class Rollouts:
         batch.completion_texts = self.tokenizer.batch_decode(
             [c.token_ids for c in completions], skip_special_tokens=True
         )
+        if self.greedy_baseline:
+            greedy = engine.generate([p.prompt_ids for p in prompts], sampling_params(
+                self.rollout, seed=params.seed, n=1, greedy=True))
+            texts = self.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
+            # scored with the samples in score(); kept per prompt until then
+            batch.baseline_texts = [texts[c.prompt_index] for c in completions]
         return batch
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
@@ -177,8 +186,18 @@ class Rollouts:
             for sample, length, reason in zip(batch.samples, batch.response_lengths.tolist(), batch.finish_reasons)
         ]
         # the leader scores (a reward that times out on one rank must not split the replica)
-        scores, stats = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
+        scores, components, stats = self._from_leader(
+            lambda: self.rewards.score_components(batch.completion_texts, batch.samples))
         batch.scores = torch.tensor(scores, dtype=torch.float32)
+        batch.reward_components = torch.tensor(components, dtype=torch.float32).reshape(len(scores), -1)
+        if batch.baseline_texts:  # one call per prompt: the first row of each group
+            ids = batch.group_ids.tolist()
+            firsts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+            baseline, _ = self._from_leader(lambda: self.rewards.score(
+                [batch.baseline_texts[i] for i in firsts], [batch.samples[i] for i in firsts]))
+            per_group = dict(zip((ids[i] for i in firsts), baseline))
+            batch.baseline_scores = torch.tensor([per_group[g] for g in ids], dtype=torch.float32)
+            stats["reward/greedy_baseline"] = sum(baseline) / max(len(baseline), 1)
         return stats
 
     @torch.no_grad()
