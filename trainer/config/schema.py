@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 DTYPES = ("float32", "bfloat16", "float16")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZER_OFFLOADS = ("none", "disk")
 
@@ -255,7 +255,7 @@ class AlgorithmConfig:
     policy_loss: Choice = field(default_factory=lambda: Choice("ppo_clip"))
     """Policy loss."""
     loss_agg_mode: str = "token-mean"
-    """How per-token losses are averaged over the global batch (token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm)."""
+    """How per-token losses are averaged over the global batch (token-mean, token-sum, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm; token-sum is unnormalised: N_tok times token-mean)."""
     loss_agg_horizon: Optional[int] = None
     """Constant H of seq-mean-token-sum-norm (Dr.GRPO); defaults to ``rollout.max_new_tokens``."""
     kl: KLConfig = field(default_factory=KLConfig)
