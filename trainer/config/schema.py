@@ -217,7 +217,7 @@ class KLConfig:
     coef: float = 0.0
     """KL coefficient beta; the reference model is built only when it is non-zero."""
     estimator: str = "k3"
-    """KL estimator: k1, k2, k3, or a straight-through variant (k1+, k3+: value of the named one, gradient of k2)."""
+    """KL estimator: k1, k2, k3, abs, low_var_kl, or a straight-through variant (k1+, k3+, abs+, low_var_kl+: value of the named one, gradient of k2)."""
     in_reward: bool = False
     """Apply KL as a per-token reward penalty (PPO style) instead of a loss term (GRPO style)."""
     adaptive_target: Optional[float] = None

@@ -67,7 +67,8 @@ def prepare_training_targets(
         kl = loss.kl_fn(old, ref).detach()
         token_rewards = kl_reward_penalty(kl, kl_controller.value, batch.response_mask)
         metrics["actor/reward_kl_penalty_coeff"] = kl_controller.value
-        metrics["actor/reward_kl_penalty"] = update_kl_controller(kl_controller, kl, batch.response_mask, layout.group)
+        # verl's actor/reward_kl_penalty averages empty sequences in as 0; this one leaves them out
+        metrics["actor/reward_kl"] = update_kl_controller(kl_controller, kl, batch.response_mask, layout.group)
     loss_mask = batch.response_mask.clone()
     if spec.mask_truncated:
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.bool)
