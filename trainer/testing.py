@@ -204,7 +204,9 @@ def run_in_subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The metric rows of a ``metrics.jsonl`` (its provenance rows skipped: :mod:`rlite.provenance`)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [row for row in rows if "provenance" not in row]
 
 
 def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, run_dir: str, out_dir: str,

@@ -23,6 +23,7 @@ from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
+from rlite.provenance import append_metrics_record
 from rlite.rewards import build_reward_runner
 from rlite.run.lifecycle import maybe_resume
 from rlite.stages.collect import Rollouts
@@ -65,6 +66,8 @@ class Run:
     """MoE routing replay and metrics (``None``: a dense model, or both off)."""
     draft: SpeculativeDraft | None = None
     """The speculative-decoding draft (``rollout.draft``; ``None``: plain decoding)."""
+    provenance: dict = field(default_factory=dict)
+    """What produced this run (:mod:`rlite.provenance`), written into every checkpoint."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(
@@ -149,9 +152,12 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
     start_step = maybe_resume(
         cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
     )
+    provenance = run_provenance(cfg, pm, ctx, run_dir, start_step)
     loggers = []
     if ctx.is_main:
         trim_metrics_file(run_dir / "metrics.jsonl", start_step if start_step else None)
+        # the first row of a fresh run's metrics (a resumed run keeps it and adds its own)
+        append_metrics_record(run_dir / "metrics.jsonl", start_step, provenance)
         loggers = build_loggers(cfg, run_dir, pm)
     # the engine last: a failure above leaves no engine process behind; every rank tells the engine
     # factories where it runs and what its trainer will still allocate (a collective)
@@ -189,6 +195,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         timer=timer,
         start_step=start_step,
         draft=draft,
+        provenance=provenance,
     )
     # an estimator's declared needs (its registration's metadata), never its name
     estimator_entry = pm.registry("advantage_estimator").get(algo.advantage.name)
@@ -204,6 +211,20 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         engine.shutdown()
         raise
     return run
+
+
+def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, run_dir: Path,
+                   start_step: int) -> dict:
+    """This run's record; a resumed run's names the checkpoint's record it continues."""
+    from rlite.provenance import collect_provenance, read_checkpoint_record
+    from rlite.run.checkpoint import find_resume_checkpoint
+
+    record = collect_provenance(cfg, pm, world_size=ctx.world_size, device=ctx.device, weight_version=start_step)
+    if start_step:
+        loaded = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)  # the one maybe_resume loaded
+        record["resumed_from"] = {"step": start_step,
+                                  "provenance": read_checkpoint_record(loaded) if loaded is not None else None}
+    return record
 
 
 def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,

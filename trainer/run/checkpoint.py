@@ -67,11 +67,13 @@ def save_checkpoint(
     *,
     rank: int,
     keep_last: int,
+    provenance: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it).
 
     ``model_state`` is the backend's (and critic's) state for ``torch.distributed.checkpoint``;
-    ``trainer_state`` is this rank's small state (pickled, with the RNG states and the step).
+    ``trainer_state`` is this rank's small state (pickled, with the RNG states and the step);
+    ``provenance`` (:mod:`rlite.provenance`) is written by rank 0 as ``provenance.json``.
     """
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
@@ -90,6 +92,10 @@ def save_checkpoint(
         pause = float(os.environ.get("RLITE_DEBUG_CHECKPOINT_PAUSE", "0"))  # fault-injection point for tests
         if pause:
             time.sleep(pause)
+        if provenance is not None:
+            from rlite.provenance import write_checkpoint_record
+
+            write_checkpoint_record(tmp, provenance)
         (tmp / MARKER).write_text(f"step {step}\n")
         _fsync_tree(tmp)
         if final.exists():

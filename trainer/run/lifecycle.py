@@ -48,6 +48,7 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
         trainer_state,
         rank=run.ctx.rank,
         keep_last=run.config.checkpoint.keep_last,
+        provenance=dict(run.provenance, weight_version=step),  # the weights of step s are version s
     )
     run.backend.after_checkpoint()
     run.pm.hook.on_checkpoint_save(step=step, path=path)
