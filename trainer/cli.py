@@ -74,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("run_dir", metavar="RUN_DIR", help="the run's output folder (logging.run_dir)")
     info.add_argument("--json", action="store_true", help="print the records as JSON")
     info.set_defaults(func=cmd_info)
+
+    audit = commands.add_parser(
+        "audit",
+        help="check a config's invariants on a tiny replica of the run (pass/fail table; exit 1 on a failure)",
+        description="Build a tiny replica of the configured run (same plugins, algorithm, backend, engine and "
+        "quantizer; a tiny model of the same architecture family) and check: first on-policy ratio exactly 1, "
+        "world size 2 == 1, micro-batch x accumulation equivalence, weight-sync checksum and version every "
+        "step, the engine's mismatch metrics, the estimator and loss against their documented formulas, and "
+        "resume == uninterrupted for 3 steps.",
+    )
+    audit.add_argument("config", metavar="CONFIG", help="YAML config file")
+    audit.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    audit.add_argument("--workdir", help="folder for the replica's files (default: a new temporary folder)")
+    audit.set_defaults(func=cmd_audit)
     return parser
 
 
@@ -137,8 +151,21 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# info
+# audit, info
 # --------------------------------------------------------------------------------------------------
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    _, pm = load_run_config(args.config, args.overrides)  # validates the config as train would
+    from rlite.audit import FAIL, print_table, run_audit
+
+    checks, note = run_audit(args.config, list(args.overrides), pm, args.workdir)
+    print_table(checks, f"rlite audit {args.config}: replica {note}")
+    failed = [c.name for c in checks if c.result == FAIL]
+    if failed:
+        print(f"rlite audit: FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
 
 
 def cmd_info(args: argparse.Namespace) -> int:

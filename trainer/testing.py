@@ -317,3 +317,12 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
         return 1.0
     chi2 = ((observed - wanted) ** 2 / wanted).sum()
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), chi2 / 2))
+
+
+def per_micro_batch_mean_loss(logprobs, old_logprobs, advantages, response_mask, cfg):
+    """A deliberately broken policy loss for tests of ``rlite audit``: PPO's unclipped surrogate divided by
+    the *micro-batch's* token count inside the loss, so the objective depends on how the batch is split.
+    (It lives here, not in a test file, so that spawned ranks can import it.)"""
+    mask = response_mask.to(logprobs.dtype)
+    per_token = -advantages.detach() * (logprobs - old_logprobs.detach()).exp() * mask
+    return per_token / mask.sum().clamp(min=1), {}
