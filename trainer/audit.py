@@ -343,8 +343,11 @@ def reference_advantage(name: str, cfg: Any, scores, groups, lengths, baseline) 
         raw = getattr(cfg, "singleton", "zero") == "raw"
         mu, sd = _stats(rs)
         if name in ("grpo", "dr_grpo"):
-            if single:
-                a = scores[i] / (1 + cfg.epsilon) if raw and name == "grpo" and cfg.norm_by_std else (scores[i] if raw else 0.0)
+            if single and name == "grpo" and cfg.norm_by_std and raw:  # sigma = 1 (group) or the batch std
+                sigma = 1.0 if cfg.std_scope == "group" else _stats(list(scores))[1]
+                a = scores[i] / (sigma + cfg.epsilon)
+            elif single:
+                a = scores[i] if raw else 0.0
             else:
                 a = scores[i] - mu
                 if name == "grpo" and cfg.norm_by_std:
@@ -360,6 +363,9 @@ def reference_advantage(name: str, cfg: Any, scores, groups, lengths, baseline) 
             a = alpha * ((scores[i] if raw else 0.0) if single else scores[i] - mu) / cfg.f_norm
         elif name == "remax":
             a = scores[i] - baseline[i]
+        elif name == "gdpo":  # one reward function: its GRPO advantage, whitened over tokens below
+            a = 0.0 if single and not raw else (scores[i] / (1 + cfg.epsilon) if single else
+                                                (0.0 if scores[i] == mu else (scores[i] - mu) / (sd + cfg.epsilon)))
         else:
             return None
         out.append(a)
@@ -394,6 +400,30 @@ def reference_loss(name: str, cfg: Any, x: float, adv: float, lp: float, seq_log
     return None
 
 
+def sequence_reference(name: str, cfg: Any, log_ratio, advantages, mask) -> torch.Tensor:
+    """Per-token loss of the sequence-ratio losses (gspo's value, gmpo's l_i on every token)."""
+    out = torch.zeros_like(log_ratio)
+    for i in range(log_ratio.shape[0]):
+        tokens = [t for t in range(log_ratio.shape[1]) if mask[i, t]]
+        n = max(len(tokens), 1)
+        if name == "gspo":
+            log_s = sum(float(log_ratio[i, t]) for t in tokens) / n
+            s = math.exp(log_s if cfg.log_ratio_max is None else min(log_s, cfg.log_ratio_max))
+            for t in tokens:
+                a = float(advantages[i, t])
+                out[i, t] = max(-a * s, -a * min(max(s, 1 - cfg.clip_low), 1 + cfg.clip_high))
+        else:  # gmpo
+            kept = 0.0
+            for t in tokens:
+                x, a = float(log_ratio[i, t]), float(advantages[i, t])
+                sign = (a > 0) - (a < 0)
+                kept += sign * min(sign * x, sign * min(max(x, -cfg.clip_low), cfg.clip_high))
+            a_i = sum(float(advantages[i, t]) for t in tokens) / n
+            for t in tokens:
+                out[i, t] = -a_i * math.exp(kept / n)
+    return out
+
+
 def random_batch(seed: int = 0):
     """12 responses: groups of 4, 3, 3, a singleton and a constant group; one fully masked row; log-ratios
     up to +-30."""
@@ -423,8 +453,14 @@ def check_formulas(cfg: RunConfig, pm) -> list[Check]:
     if want is None:
         checks.append(Check(f"advantage formula ({name})", SKIP, "no documented reference formula in the audit"))
     else:
-        got, _ = estimator(AdvantageInput(scores, groups, mask, baseline_scores=baseline), estimator_cfg)
+        got, _ = estimator(AdvantageInput(scores, groups, mask, baseline_scores=baseline,
+                                          reward_components=scores[:, None]), estimator_cfg)
         expected = torch.tensor(want, dtype=torch.float64)[:, None] * mask
+        if name == "gdpo" and estimator_cfg.whiten:
+            kept = expected[mask.bool()]
+            mean = float(kept.mean())
+            var = sum((float(v) - mean) ** 2 for v in kept) / (len(kept) - 1)
+            expected = (expected - mean) / math.sqrt(var + 1e-8) * mask
         error = float((got.double() - expected).abs().max())
         checks.append(Check(f"advantage formula ({name})", PASS if error <= 1e-9 else FAIL,
                             f"max |plugin - formula| = {error:.2e} on 12 responses (singleton, constant group, empty row)"))
@@ -440,6 +476,8 @@ def check_formulas(cfg: RunConfig, pm) -> list[Check]:
                                    float(logprobs[i, t]), float(seq[i]))
             missing = missing or value is None
             expected[i, t] = (value or 0.0) * mask[i, t]
+    if missing and name in ("gspo", "gmpo"):
+        expected, missing = sequence_reference(name, loss_cfg, log_ratio, advantages, mask), False
     if missing:
         checks.append(Check(f"loss formula ({name})", SKIP, "no per-token reference formula in the audit"))
     else:
