@@ -1,4 +1,5 @@
-"""Built-in advantage estimators: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae.
+"""Built-in advantage estimators: grpo, dr_grpo, rloo, opo, gpg, gdpo, remax, reinforce_pp,
+reinforce_pp_baseline, gae.
 
 Every estimator maps an :class:`rlite.algorithms.AdvantageInput` (outcome rewards ``R_i``, group ids,
 response mask ``m``, optional per-token rewards and critic values) to ``(advantages, returns)`` of
@@ -13,7 +14,24 @@ Group-relative (outcome) estimators, ``g(i)`` the group of response ``i``, ``n_g
     dr_grpo   A_i = R_i - mu_g                         (Dr.GRPO: no std division)
     rloo      A_i = R_i - (1/(n_g - 1)) sum_{j in g, j != i} R_j  =  n_g/(n_g - 1) (R_i - mu_g)
 
+    opo       A_i = R_i - b_g,  b_g = sum_{j in g} |o_j| R_j / sum_{j in g} |o_j|   (length-weighted mean)
+    gpg       A_i = alpha (R_i - mu_g) / f_norm,  alpha = B / max(#{j : R_j != 0}, 1) over the batch
+    gdpo      A = masked_whiten( sum_k w_k (R_ik - mu_gk) / (sigma_gk + eps) )   (reward k of K, weight w_k)
+
     A_{i,t} = A_i * m_{i,t};  returns = advantages.
+
+``gdpo`` (GDPO, arXiv 2601.05242; verl's ``gdpo``) normalises every reward function's values over
+the group separately (a GRPO advantage per function, with grpo's singleton rule), sums them with the
+functions' weights, then whitens the sum over all response tokens of the batch (``whiten``). It reads
+``AdvantageInput.reward_components``; with a single reward it is GRPO followed by whitening.
+``gpg`` (GPG, arXiv 2504.02546) is verl's ``compute_gpg_outcome_advantage``: the group mean without
+std division, scaled by the batch size over the number of responses with a non-zero reward.
+
+``remax`` (ReMax, arXiv 2310.10505) uses the reward ``b_i`` of one *greedy* completion of the prompt as
+the baseline: ``A_{i,t} = G_{i,t} - b_i m_{i,t}``, ``G`` the undiscounted return-to-go of the
+per-token rewards below (with only an outcome reward, ``A_i = R_i - b_i`` on every token); returns
+``G``. It registers with ``needs_greedy_baseline=True``, which makes the rollout stage generate and
+score one greedy completion per prompt (``AdvantageInput.baseline_scores``).
 
 ``eps`` is added *outside* the square root (verl, slime: 1e-6; TRL: 1e-4). A group whose rewards
 are all equal gets exactly 0. Singleton groups (``n_g = 1``) have no baseline; ``singleton`` picks
@@ -178,6 +196,54 @@ class GAEConfig:
         _check_unit_interval("lam", self.lam)
 
 
+@dataclass
+class OPOConfig:
+    """Options of ``opo``."""
+
+    singleton: str = "zero"
+    """Advantage of a response alone in its group: zero, or raw = R (baseline 0, as verl)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("singleton", self.singleton, SINGLETON_MODES)
+
+
+@dataclass
+class GPGConfig:
+    """Options of ``gpg``."""
+
+    f_norm: float = 1.0
+    """Constant divisor of the advantage (verl: 1.0)."""
+    singleton: str = "raw"
+    """Advantage of a response alone in its group: raw = alpha R / f_norm (verl: mean 0) or zero."""
+
+    def __post_init__(self) -> None:
+        _check_choice("singleton", self.singleton, SINGLETON_MODES)
+        if self.f_norm <= 0:
+            raise ConfigError(f"f_norm must be > 0, got {self.f_norm}")
+
+
+@dataclass
+class GDPOConfig:
+    """Options of ``gdpo``."""
+
+    epsilon: float = 1e-6
+    """Added to each reward's group std outside the square root."""
+    singleton: str = "zero"
+    """Per-reward advantage of a response alone in its group: zero, or raw = R/(1+eps) (verl's GRPO)."""
+    whiten: bool = True
+    """Whiten the weighted sum over all response tokens of the batch (GDPO, verl)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("singleton", self.singleton, SINGLETON_MODES)
+        if self.epsilon < 0:
+            raise ConfigError(f"epsilon must be >= 0, got {self.epsilon}")
+
+
+@dataclass
+class ReMaxConfig:
+    """Options of ``remax`` (none besides the greedy rollout it asks for)."""
+
+
 # --------------------------------------------------------------------------------------------------
 # group statistics
 # --------------------------------------------------------------------------------------------------
@@ -262,6 +328,63 @@ def rloo_advantages(batch: AdvantageInput, cfg: RLOOConfig) -> tuple[torch.Tenso
     # R_i - (n mu - R_i)/(n - 1) rewritten as n/(n - 1) (R_i - mu): exactly 0 on a constant group.
     advantage = torch.where(single, fallback, n / (n - 1).clamp(min=1) * (x - mean))
     out = _broadcast(advantage, batch.response_mask, _out_dtype(batch.scores))
+    return out, out.clone()
+
+
+@torch.no_grad()
+def opo_advantages(batch: AdvantageInput, cfg: OPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO: ``R_i`` minus the length-weighted mean reward of its group."""
+    x = batch.scores.double()
+    length = batch.response_mask.double().sum(-1)
+    _, inverse, counts = torch.unique(batch.group_ids, return_inverse=True, return_counts=True)
+    # shifted by the group minimum, so that a constant group's baseline is its reward bit for bit
+    shift = torch.full_like(counts, float("inf"), dtype=torch.float64).scatter_reduce(
+        0, inverse, x, reduce="amin")[inverse]
+    weighted = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, length * (x - shift))
+    total_length = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, length)
+    baseline = (weighted / total_length.clamp(min=1))[inverse] + shift  # all-empty group: rows masked anyway
+    single = counts[inverse] == 1
+    fallback = x if cfg.singleton == "raw" else torch.zeros_like(x)
+    advantage = torch.where(single, fallback, x - baseline)
+    out = _broadcast(advantage, batch.response_mask, _out_dtype(batch.scores))
+    return out, out.clone()
+
+
+@torch.no_grad()
+def gpg_advantages(batch: AdvantageInput, cfg: GPGConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG: ``alpha (R_i - mu_g) / f_norm``, ``alpha = B / #nonzero(R)`` over the (global) batch."""
+    centred, _, _ = _centred(batch.scores, batch.group_ids, cfg.singleton)
+    nonzero = int(torch.count_nonzero(batch.scores))
+    alpha = len(batch.scores) / max(nonzero, 1)
+    out = _broadcast(centred * alpha / cfg.f_norm, batch.response_mask, _out_dtype(batch.scores))
+    return out, out.clone()
+
+
+@torch.no_grad()
+def gdpo_advantages(batch: AdvantageInput, cfg: GDPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: a GRPO advantage per reward function, weighted sum, whitened over the batch."""
+    if batch.reward_components is None:
+        raise ValueError(
+            "algorithm.advantage=gdpo needs each reward function's values (AdvantageInput.reward_components), "
+            "but the caller passed none; pass them (the training loop always does) or use grpo"
+        )
+    components = batch.reward_components.double()
+    weights = (
+        torch.ones(components.shape[1], dtype=torch.float64)
+        if batch.reward_weights is None else batch.reward_weights.double()
+    )
+    per_reward = GRPOConfig(epsilon=cfg.epsilon, singleton=cfg.singleton)
+    total = torch.zeros(len(components), dtype=torch.float64)
+    for k in range(components.shape[1]):
+        advantage = grpo_advantages(
+            AdvantageInput(scores=components[:, k], group_ids=batch.group_ids,
+                           response_mask=torch.ones(len(components), 1)), per_reward,
+        )[0][:, 0]
+        total += weights[k] * advantage
+    out = _broadcast(total, batch.response_mask, torch.float64)
+    if cfg.whiten:
+        out = masked_whiten(out, batch.response_mask.double())
+    out = out.to(_out_dtype(batch.scores))
     return out, out.clone()
 
 
@@ -469,6 +592,21 @@ def reinforce_pp_baseline_advantages(
 
 
 @torch.no_grad()
+def remax_advantages(batch: AdvantageInput, cfg: ReMaxConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: the return-to-go minus the greedy completion's reward ``b_i`` on every response token."""
+    if batch.baseline_scores is None:
+        raise ValueError(
+            "algorithm.advantage=remax needs the greedy baseline rewards (AdvantageInput.baseline_scores), "
+            "but the caller passed none; the training loop fills them for an estimator registered with "
+            "needs_greedy_baseline=True"
+        )
+    rewards = per_token_rewards(batch.scores, batch.response_mask, batch.token_rewards)
+    returns = discounted_cumsum(rewards, batch.response_mask, 1.0)
+    advantages = returns - _broadcast(batch.baseline_scores, batch.response_mask, returns.dtype)
+    return advantages, returns
+
+
+@torch.no_grad()
 def gae_advantages(batch: AdvantageInput, cfg: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's GAE with a critic; returns before whitening, advantages optionally whitened."""
     if batch.values is None:
@@ -495,6 +633,10 @@ def register_advantage_estimators(register: Register) -> None:
     register("grpo", grpo_advantages, GRPOConfig, needs_group=needs_group)
     register("dr_grpo", dr_grpo_advantages, DrGRPOConfig, needs_group=needs_group)
     register("rloo", rloo_advantages, RLOOConfig, needs_group=needs_group)
+    register("opo", opo_advantages, OPOConfig, needs_group=needs_group)
+    register("gpg", gpg_advantages, GPGConfig, needs_group=needs_group)
+    register("gdpo", gdpo_advantages, GDPOConfig, needs_group=needs_group)
+    register("remax", remax_advantages, ReMaxConfig, needs_greedy_baseline=True)
     register("reinforce_pp", reinforce_pp_advantages, ReinforcePPConfig)
     register("reinforce_pp_baseline", reinforce_pp_baseline_advantages, ReinforcePPBaselineConfig,
              needs_group=needs_group)  # fmt: skip

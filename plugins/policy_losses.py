@@ -1,4 +1,4 @@
-"""Built-in policy losses: ppo_clip, gspo, cispo.
+"""Built-in policy losses: ppo_clip, gspo, cispo, sapo, gmpo, gpg, reinforce_tis.
 
 Each loss maps ``(logprobs, old_logprobs, advantages, response_mask, cfg)`` ([B, T]; only ``logprobs``
 carries a gradient, the others are detached here) to ``(per_token_loss, token_metrics)``. The
@@ -41,6 +41,44 @@ cispo (MiniMax-M1)::
     Every token keeps the gradient -w A grad(lp); the loss *value* contains lp and is not comparable
     with PPO loss values. Defaults eps_low = 1.0 (no lower bound, as the paper does) and eps_high = 4.0
     (cap 5, TRL's recommended absolute cap); verl and slime default to their PPO ranges (0.2, 0.2 / 0.28).
+
+sapo (Soft Adaptive Policy Optimization, arXiv 2511.20347; verl's ``sapo``)::
+
+    log r = clamp(lp - old, -c_log, c_log),   tau = tau_pos where A > 0 else tau_neg
+    l = -A (4 / tau) sigmoid(tau (r - 1))
+
+    A smooth gate instead of a hard clip: its gradient -A 4 sigma(1 - sigma) r grad(lp) equals PPO's
+    -A r grad(lp) at r = 1 and decays smoothly away from it. verl 0.9.1 always aggregates SAPO as
+    seq-mean-token-mean (the paper's 1/G sum_i 1/|o_i|); here ``loss_agg_mode`` decides (set
+    ``seq-mean-token-mean`` to reproduce the paper). Metric: ``ppo_kl``.
+
+gmpo (Geometric-Mean Policy Optimization, arXiv 2507.20673; verl's ``geo_mean``)::
+
+    x = lp - old;   x~ = sgn(A) min(sgn(A) x, sgn(A) clamp(x, -clip_low, clip_high))   (token level)
+    s_i = exp( sum_t m x~ / |o_i| ),   A_i = sum_t m A / |o_i|,   l_i = -A_i s_i
+
+    The clip acts in log space and only on the side that matters for the sign of A (above for A > 0,
+    below for A < 0). ``l_i`` is written on every response token of sequence i, so
+    ``seq-mean-token-mean`` gives verl's plain mean over sequences (the paper); token-mean weights
+    sequences by length. Metrics as verl defines them: ``pg_clipfrac = [x != clamp(x)] and A > 0``,
+    ``pg_clipfrac_lower = [x != clamp(x)] and A < 0`` (out of range, whether or not the sign-aware
+    min picked the clamp), ``ppo_kl``.
+
+gpg (Group Policy Gradient, arXiv 2504.02546; verl's ``gpg``)::
+
+    l = -A lp        (no ratio, no clip: plain REINFORCE on the advantages)
+
+reinforce_tis (REINFORCE with truncated importance weights; verl's bypass-mode ``reinforce``)::
+
+    log w = clamp(sg(lp) - old, -20, 20)          (level "token"; "sequence": sum_t m (sg(lp) - old))
+    w = min(exp(log w), is_threshold)             (is_threshold null: no truncation)
+    l = -sg(w) A lp
+
+    With ``algorithm.old_logprob_mode: bypass`` the old log-probs are the engine's, so w is
+    pi_theta / pi_rollout computed at loss time, as verl's bypass mode with loss_type "reinforce" does
+    (verl defaults to seq-mean-token-sum aggregation there). Metrics: ``ppo_kl`` (= old - lp, verl's
+    KL(pi_old || pi_theta) k1), ``is_weight_mean`` (mean applied weight), ``is_truncated_frac``
+    (fraction of tokens whose weight was truncated).
 """
 
 from __future__ import annotations
@@ -53,6 +91,7 @@ import torch
 from rlite.api import ConfigError, Register, hookimpl, masked_mean
 
 CISPO_MODES = ("bounded", "absolute")
+IS_LEVELS = ("token", "sequence")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -120,6 +159,57 @@ class CISPOConfig:
             raise ConfigError(f"mode: invalid value {self.mode!r}. Valid choices: {', '.join(CISPO_MODES)}.")
         _check(self.eps_low >= 0, f"eps_low must be >= 0, got {self.eps_low}")
         _check(self.eps_high > 0, f"eps_high must be > 0, got {self.eps_high}")
+
+
+@dataclass
+class SAPOConfig:
+    """Options of ``sapo``."""
+
+    tau_pos: float = 1.0
+    """Gate temperature of tokens with A > 0 (verl, paper: 1.0)."""
+    tau_neg: float = 1.05
+    """Gate temperature of tokens with A <= 0 (verl, paper: 1.05)."""
+    log_ratio_clamp: Optional[float] = 20.0
+    """Clamp lp - old to +-this before exp (verl: 20); None = no clamp."""
+
+    def __post_init__(self) -> None:
+        _check(self.tau_pos > 0 and self.tau_neg > 0,
+               f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
+
+
+@dataclass
+class GMPOConfig:
+    """Options of ``gmpo``."""
+
+    clip_low: float = 0.4
+    """Log-ratio lower clip (for A < 0): log r >= -clip_low (paper: ratio range (e^-0.4, e^0.4))."""
+    clip_high: float = 0.4
+    """Log-ratio upper clip (for A > 0): log r <= clip_high."""
+
+    def __post_init__(self) -> None:
+        _check(self.clip_low >= 0 and self.clip_high >= 0,
+               f"clip_low and clip_high must be >= 0, got {self.clip_low}, {self.clip_high}")
+
+
+@dataclass
+class GPGConfig:
+    """Options of ``gpg`` (none)."""
+
+
+@dataclass
+class ReinforceTISConfig:
+    """Options of ``reinforce_tis``."""
+
+    is_threshold: Optional[float] = 2.0
+    """Truncation C of the importance weight, w = min(pi/pi_old, C); None = no truncation."""
+    is_level: str = "token"
+    """token: one weight per token; sequence: exp(sum of the sequence's log-ratios) on every token."""
+
+    def __post_init__(self) -> None:
+        if self.is_level not in IS_LEVELS:
+            raise ConfigError(f"is_level: invalid value {self.is_level!r}. Valid choices: {', '.join(IS_LEVELS)}.")
+        _check(self.is_threshold is None or self.is_threshold > 0,
+               f"is_threshold must be positive or null, got {self.is_threshold}")
 
 
 def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, clamp: float | None) -> torch.Tensor:
@@ -210,8 +300,85 @@ def cispo_loss(
     return _finish(loss, response_mask, {"pg_clipfrac": weight != ratio, "ppo_kl": old_logprobs - logprobs})
 
 
+def sapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: SAPOConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: the soft gate ``-A (4/tau) sigmoid(tau (r - 1))``."""
+    ratio = _log_ratio(logprobs, old_logprobs, cfg.log_ratio_clamp).exp()
+    advantages = advantages.detach()
+    tau_pos, tau_neg = (torch.tensor(t, dtype=ratio.dtype, device=ratio.device) for t in (cfg.tau_pos, cfg.tau_neg))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    loss = -advantages * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return _finish(loss, response_mask, {"ppo_kl": old_logprobs - logprobs})
+
+
+def gmpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: GMPOConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO: the geometric mean of the sign-aware clipped token ratios, times the sequence advantage."""
+    m = response_mask.to(logprobs.dtype)
+    advantages = advantages.detach()
+    log_ratio = logprobs - old_logprobs.detach()
+    clamped = log_ratio.clamp(-cfg.clip_low, cfg.clip_high)
+    sign = torch.sign(advantages)
+    clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    length = m.sum(-1).clamp(min=1)
+    sequence_ratio = torch.exp((clipped_log_ratio * m).sum(-1) / length)
+    sequence_advantage = (advantages * m).sum(-1) / length
+    loss = (-sequence_advantage * sequence_ratio)[:, None].expand_as(logprobs)
+    outside = log_ratio.detach() != clamped.detach()
+    return _finish(loss, response_mask, {
+        "pg_clipfrac": outside & (advantages > 0),
+        "pg_clipfrac_lower": outside & (advantages < 0),
+        "ppo_kl": old_logprobs - logprobs,
+    })
+
+
+def gpg_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: GPGConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG: ``-A lp``."""
+    return _finish(-advantages.detach() * logprobs, response_mask, {"ppo_kl": old_logprobs - logprobs})
+
+
+def reinforce_tis_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: ReinforceTISConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """REINFORCE weighted by the detached, truncated importance weight ``-sg(min(pi/pi_old, C)) A lp``."""
+    m = response_mask.to(logprobs.dtype)
+    log_weight = (logprobs.detach() - old_logprobs.detach()) * m
+    if cfg.is_level == "sequence":
+        log_weight = log_weight.sum(-1, keepdim=True).expand_as(logprobs)
+    raw = log_weight.clamp(-20.0, 20.0).exp()
+    weight = raw if cfg.is_threshold is None else raw.clamp(max=cfg.is_threshold)
+    loss = -weight * advantages.detach() * logprobs
+    return _finish(loss, response_mask, {
+        "ppo_kl": old_logprobs - logprobs, "is_weight_mean": weight, "is_truncated_frac": weight != raw,
+    })
+
+
 @hookimpl
 def register_policy_losses(register: Register) -> None:
     register("ppo_clip", ppo_clip_loss, PPOClipConfig)
     register("gspo", gspo_loss, GSPOConfig)
     register("cispo", cispo_loss, CISPOConfig)
+    register("sapo", sapo_loss, SAPOConfig)
+    register("gmpo", gmpo_loss, GMPOConfig)
+    register("gpg", gpg_loss, GPGConfig)
+    register("reinforce_tis", reinforce_tis_loss, ReinforceTISConfig)

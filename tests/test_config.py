@@ -230,3 +230,25 @@ def test_every_config_field_has_a_docstring() -> None:
 def test_field_docstring_check_catches_a_missing_docstring() -> None:
     source = '@dataclass\nclass A:\n    x: int = 1\n    """Doc."""\n    y: int = 2\n    z: int = 3\n    """Doc."""\n'
     assert dataclass_fields_without_docstring(source) == ["A.y"]
+
+
+def test_bypass_refuses_corrections_that_would_silently_do_nothing(pm, tmp_path) -> None:
+    # in bypass mode pi_old is the engine's log-probs: tis/mis/rejection would see rho == 1
+    for name in ("tis", "mis", "rejection", "batch_norm"):
+        message = config_error(pm, "algorithm.old_logprob_mode=bypass", f"algorithm.corrections=[opsm,{name}]")
+        assert f"algorithm.corrections[1]={name}" in message and "old_logprob_mode=decoupled" in message
+        assert "reinforce_tis" in message
+        load(pm, f"algorithm.corrections=[{name}]")  # decoupled: fine
+    # a loss-time correction reads pi_theta and still means something against pi_rollout
+    cfg = load(pm, "algorithm.old_logprob_mode=bypass", "algorithm.corrections=[opsm]",
+               "algorithm.policy_loss=reinforce_tis")
+    assert [c.name for c in cfg.algorithm.corrections] == ["opsm"]
+
+
+def test_bypass_refusal_reaches_the_command_line(tmp_path, capsys) -> None:
+    from rlite.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {path: m}\ndata: {task: addition}\nalgorithm:\n  old_logprob_mode: bypass\n  corrections: [tis]\n")
+    assert main(["config", str(config), "plugins.autoload=false"]) == 2
+    assert "algorithm.corrections[0]=tis" in capsys.readouterr().err

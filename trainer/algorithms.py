@@ -12,9 +12,12 @@ token-mean                 (1/N_tok) sum_i sum_t l_it
 seq-mean-token-mean        (1/N_seq) sum_i (1/|o_i|) sum_t l_it
 seq-mean-token-sum         (1/N_seq) sum_i sum_t l_it
 seq-mean-token-sum-norm    (1/(N_seq H)) sum_i sum_t l_it   (Dr.GRPO, H a constant)
+token-sum                  sum_i sum_t l_it                 (verl 0.9.1's token-sum)
 =========================  ===========================================================
 
-Fully masked rows count in ``N_seq`` (they contribute zero to the numerator).
+Fully masked rows count in ``N_seq`` (they contribute zero to the numerator). ``token-sum`` is not
+normalised at all: its scale (and the gradient's) grows with the mini-batch's token count N_tok, so it
+is N_tok times token-mean, and a learning rate tuned for a mean needs dividing by about N_tok.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ class AdvantageInput:
     """[B, T] per-token rewards added to the outcome (for example -beta * KL), or None."""
     values: torch.Tensor | None = None
     """[B, T] critic values V(s_t), or None for critic-free estimators."""
+    baseline_scores: torch.Tensor | None = None
+    """[B] reward of the greedy completion of each response's prompt (filled only for an estimator
+    registered with ``needs_greedy_baseline=True``, e.g. ReMax), or None."""
+    reward_components: torch.Tensor | None = None
+    """[B, K] unweighted value of each of the K configured reward functions (``scores`` is their
+    weighted sum), or None when the caller has no per-function values."""
+    reward_weights: torch.Tensor | None = None
+    """[K] weight of each reward function in ``scores = reward_components @ reward_weights``."""
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -77,6 +88,8 @@ def aggregate_loss(
     mask = mask.to(per_token.dtype)
     if mode == "token-mean":
         return (per_token * mask).sum() / max(global_tokens, 1.0) * dp_size
+    if mode == "token-sum":
+        return (per_token * mask).sum() * dp_size
     per_seq_sum = (per_token * mask).sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq_sum / mask.sum(-1).clamp(min=1)

@@ -1,4 +1,4 @@
-"""The ``rlite`` command: ``train``, ``eval``, ``config`` and ``plugins``.
+"""The ``rlite`` command: ``train``, ``eval``, ``config``, ``plugins``, ``info`` and ``audit``.
 
 Also runs as ``python -m rlite ...`` and ``torchrun --nproc_per_node N -m rlite train ...``.
 Configuration and plugin problems print one line on stderr and exit with status 2; nothing heavy
@@ -80,6 +80,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.set_defaults(func=cmd_plugins)
+
+    info = commands.add_parser(
+        "info",
+        help="print what produced a run: versions, git commit, plugins, config hash, seeds, device",
+        description="Print the provenance recorded in RUN_DIR: the first row of metrics.jsonl (and the rows "
+        "a resumed run added) and the record in each checkpoint.",
+    )
+    info.add_argument("run_dir", metavar="RUN_DIR", help="the run's output folder (logging.run_dir)")
+    info.add_argument("--json", action="store_true", help="print the records as JSON")
+    info.set_defaults(func=cmd_info)
+
+    audit = commands.add_parser(
+        "audit",
+        help="check a config's invariants on a tiny replica of the run (pass/fail table; exit 1 on a failure)",
+        description="Build a tiny replica of the configured run (same plugins, algorithm, backend, engine and "
+        "quantizer; a tiny model of the same architecture family) and check: first on-policy ratio exactly 1, "
+        "world size 2 == 1, micro-batch x accumulation equivalence, weight-sync checksum and version every "
+        "step, the engine's mismatch metrics, the estimator and loss against their documented formulas, and "
+        "resume == uninterrupted for 3 steps.",
+    )
+    audit.add_argument("config", metavar="CONFIG", help="YAML config file")
+    audit.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    audit.add_argument("--workdir", help="folder for the replica's files (default: a new temporary folder)")
+    audit.set_defaults(func=cmd_audit)
     return parser
 
 
@@ -155,6 +179,49 @@ def cmd_config(args: argparse.Namespace) -> int:
         sys.stdout.write(documented_yaml(cfg, pm))
     else:
         sys.stdout.write(config_to_yaml(cfg))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# audit, info
+# --------------------------------------------------------------------------------------------------
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    _, pm = load_run_config(args.config, args.overrides)  # validates the config as train would
+    from rlite.audit import FAIL, print_table, run_audit
+
+    checks, note = run_audit(args.config, list(args.overrides), pm, args.workdir)
+    print_table(checks, f"rlite audit {args.config}: replica {note}")
+    failed = [c.name for c in checks if c.result == FAIL]
+    if failed:
+        print(f"rlite audit: FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlite.provenance import describe, metrics_records, read_checkpoint_record
+    from rlite.run.checkpoint import checkpoint_root, list_checkpoints
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"RUN_DIR {str(run_dir)!r} is not a folder")
+    rows = metrics_records(run_dir / "metrics.jsonl")
+    checkpoints = [(path.name, read_checkpoint_record(path)) for path in list_checkpoints(checkpoint_root(run_dir))]
+    if not rows and not any(record for _, record in checkpoints):
+        raise ConfigError(f"{run_dir}: no provenance recorded (no metrics.jsonl provenance row, no checkpoint record)")
+    if args.json:
+        print(json.dumps({"metrics": rows, "checkpoints": dict(checkpoints)}, indent=2, sort_keys=True))
+        return 0
+    for row in rows:
+        print(f"metrics.jsonl, run started at step {row['step']}:")
+        print("\n".join(describe(row["provenance"], "  ")))
+    for name, record in checkpoints:
+        print(f"checkpoints/{name}:")
+        print("\n".join(describe(record, "  ") if record else ["  (no record: written before rlite recorded provenance)"]))
     return 0
 
 

@@ -16,8 +16,9 @@ Two kinds of hooks:
   ``config_cls`` is an optional dataclass of options for that implementation; the YAML's ``args``
   for the choice are validated against it when the config loads, and the implementation receives
   an instance of it. Names must be unique across all plugins of a kind. ``metadata`` declares what
-  the implementation needs, where a kind's hook lists such keys (``needs_critic`` and ``needs_group``
-  for advantage estimators); the config loader checks it, so no rlite code tests implementation names.
+  the implementation needs, where a kind's hook lists such keys (``needs_critic``, ``needs_group`` and
+  ``needs_greedy_baseline`` for advantage estimators); the config loader and the run builder read it,
+  so no rlite code tests implementation names.
 
 * **Lifecycle hooks** (``on_*``, ``after_*``, ``before_*``) are called by the training loop on
   every rank unless the docstring says otherwise. Their return values are ignored unless stated.
@@ -63,7 +64,10 @@ def register_advantage_estimators(register: Register) -> None:
         ``batch.values`` (the config then requires ``algorithm.critic.enabled``), and ``needs_group``
         for one whose baseline comes from the other samples of a prompt's group: ``True``, or a
         function of the estimator's config instance (``lambda cfg: cfg.singleton == "zero"``); the
-        config then refuses ``rollout.samples_per_prompt=1``, under which every advantage would be 0.
+        config then refuses ``rollout.samples_per_prompt=1``, under which every advantage would be 0),
+        and ``needs_greedy_baseline=True`` for one that reads ``batch.baseline_scores`` (the rollout
+        stage then generates one greedy completion per prompt and scores it, as ReMax needs).
+        ``batch.reward_components`` and ``batch.reward_weights`` carry each reward function's value.
     """
 
 

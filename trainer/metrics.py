@@ -130,11 +130,14 @@ def trim_metrics_file(path: str | Path, keep_through_step: int | None) -> None:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The metric rows of ``metrics.jsonl`` (provenance rows, :mod:`rlite.provenance`, are skipped)."""
     rows = []
     with open(path) as handle:
         for line in handle:
             if line.strip():
-                rows.append(json.loads(line))
+                row = json.loads(line)
+                if "provenance" not in row:
+                    rows.append(row)
     return rows
 
 

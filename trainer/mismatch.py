@@ -40,7 +40,10 @@ arguments ``weights`` (the running product of the weights so far, or None), ``ad
 :func:`resolve_old_logprobs` picks π_old for the PPO ratio: ``decoupled`` (default, verl's
 three-policy form: ratio π_θ/π_old from the trainer's recomputation, times the correction weights
 built from ρ = π_old/π_roll) or ``bypass`` (π_old := π_roll: no recomputation forward, the ratio
-π_θ/π_roll already carries the mismatch, ρ ≡ 1 so weight corrections become no-ops).
+π_θ/π_roll already carries the mismatch). In bypass mode ρ ≡ 1, so the config loader refuses every
+correction computed before the update (it would be a silent no-op); corrections that read the current
+log-probs (OPSM) run at loss time against π_roll, and ``policy_loss: reinforce_tis`` truncates
+π_θ/π_roll itself (verl's bypass REINFORCE).
 """
 
 from __future__ import annotations
@@ -311,7 +314,8 @@ def resolve_old_logprobs(
       by functions of ρ = exp(old − roll). Three policies, as verl's decoupled mode.
     * ``bypass``: the engine's log-probs (old := roll). The trainer can skip the recomputation
       forward; the PPO ratio exp(lp − roll) clips the mismatch together with the policy change, and
-      corrections built on ρ see ρ ≡ 1 (no-ops). slime's ``--use-rollout-logprobs``, verl's bypass.
+      corrections built on ρ would see ρ ≡ 1, so the config loader refuses them. slime's
+      ``--use-rollout-logprobs``, verl's bypass.
     """
     try:
         resolve = OLD_LOGPROB_MODES[mode].resolve

@@ -91,17 +91,27 @@ class RewardRunner:
         self.max_workers = max_workers
         self._warnings = _RateLimitedWarnings()
         self._abandoned: list[threading.Thread] = []
-        self.last_components: list[dict[str, float]] = []
-        """Each function's unweighted value per completion of the last :meth:`score` (failed calls: 0)."""
 
     @property
     def names(self) -> list[str]:
         return [entry[0] for entry in self.entries]
 
+    @property
+    def weights(self) -> list[float]:
+        return [entry[3] for entry in self.entries]
+
     def score(
         self, completions: Sequence[str], samples: Sequence[dict]
     ) -> tuple[list[float], dict[str, float]]:
-        """Return each completion's weighted reward and the stats of this batch.
+        """Return each completion's weighted reward and the stats of this batch (:meth:`score_components`)."""
+        totals, _, stats = self.score_components(completions, samples)
+        return totals, stats
+
+    def score_components(
+        self, completions: Sequence[str], samples: Sequence[dict]
+    ) -> tuple[list[float], list[list[float]], dict[str, float]]:
+        """Return each completion's weighted reward, each function's unweighted value per completion
+        (one row per completion, one column per function, failed calls 0) and the stats of this batch.
 
         Stats: ``reward/failures`` (exceptions and bad return values), ``reward/timeouts``, and
         ``reward/<name>``, the mean unweighted value of each function (failed calls count as 0).
@@ -124,11 +134,10 @@ class RewardRunner:
                 continue
             values[i][j] = outcome
         totals = [sum(entry[3] * v for entry, v in zip(self.entries, row)) for row in values]
-        self.last_components = [dict(zip(self.names, row)) for row in values]
         stats = {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
         for j, entry in enumerate(self.entries):
             stats[f"reward/{entry[0]}"] = sum(row[j] for row in values) / len(values) if values else 0.0
-        return totals, stats
+        return totals, values, stats
 
     def _run_calls(self, calls: list[tuple[int, int]], completions, samples) -> list[Any]:
         """Run every call with bounded concurrency; each outcome is a float, an exception or _TIMED_OUT."""

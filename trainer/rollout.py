@@ -65,8 +65,13 @@ class RolloutBatch:
     """[B] scalar rewards (filled by the reward step)."""
     correct: torch.Tensor | None = None
     """[B] bool: the answer is right (:func:`rlite.tasks.is_correct`; filled by the reward step)."""
-    reward_components: list[dict[str, float]] = field(default_factory=list)
-    """Each reward function's own value per sample (filled by the reward step; ``scores`` is their weighted sum)."""
+    reward_components: torch.Tensor | None = None
+    """[B, K] each reward function's unweighted value (``scores`` is their weighted sum)."""
+    baseline_texts: list[str] = field(default_factory=list)
+    """The decoded greedy completion of each sample's prompt (with ``baseline_scores``; else empty)."""
+    baseline_scores: torch.Tensor | None = None
+    """[B] reward of one greedy completion of each sample's prompt; only for an advantage estimator
+    registered with ``needs_greedy_baseline=True`` (ReMax)."""
     weight_versions: list[int] = field(default_factory=list)
     """Weight version each sample was drawn with."""
     targets: TrainTargets | None = None
@@ -104,7 +109,9 @@ class RolloutBatch:
             completion_texts=[self.completion_texts[i] for i in index] if self.completion_texts else [],
             scores=None if self.scores is None else self.scores[idx],
             correct=None if self.correct is None else self.correct[idx],
-            reward_components=[self.reward_components[i] for i in index] if self.reward_components else [],
+            reward_components=None if self.reward_components is None else self.reward_components[idx],
+            baseline_texts=[self.baseline_texts[i] for i in index] if self.baseline_texts else [],
+            baseline_scores=None if self.baseline_scores is None else self.baseline_scores[idx],
             weight_versions=[self.weight_versions[i] for i in index] if self.weight_versions else [],
             targets=None if self.targets is None else self.targets.select(idx),
             routed_experts=None if self.routed_experts is None else self.routed_experts[idx],
@@ -268,7 +275,11 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         completion_texts=[t for b in batches for t in b.completion_texts],
         scores=None if any(b.scores is None for b in batches) else cat([b.scores for b in batches]),
         correct=None if any(b.correct is None for b in batches) else cat([b.correct for b in batches]),
-        reward_components=[c for b in batches for c in b.reward_components],
+        reward_components=None if any(b.reward_components is None for b in batches)
+        else cat([b.reward_components for b in batches]),
+        baseline_texts=[t for b in batches for t in b.baseline_texts],
+        baseline_scores=None if any(b.baseline_scores is None for b in batches)
+        else cat([b.baseline_scores for b in batches]),
         weight_versions=[v for b in batches for v in b.weight_versions],
         routed_experts=concat_routing(batches, prompt_width, response_width),
         policy_top_ids=None if batches[0].policy_top_ids is None else cat([right3(b.policy_top_ids) for b in batches]),

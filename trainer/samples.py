@@ -35,8 +35,10 @@ def _number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def train_sample_rows(batch: RolloutBatch, step: int, count: int) -> list[dict[str, Any]]:
-    """The first ``count`` rollouts of a scored batch whose targets are filled, as rows."""
+def train_sample_rows(batch: RolloutBatch, step: int, count: int, reward_names: list[str] | None = None,
+                      ) -> list[dict[str, Any]]:  # fmt: skip
+    """The first ``count`` rollouts of a scored batch whose targets are filled, as rows; ``reward_names``:
+    the reward functions, one per column of ``batch.reward_components``."""
     rows = []
     lengths = batch.response_lengths
     for i in range(min(count, len(batch))):
@@ -49,8 +51,8 @@ def train_sample_rows(batch: RolloutBatch, step: int, count: int) -> list[dict[s
             "completion": batch.completion_texts[i] if batch.completion_texts else None,
             "reward": None if batch.scores is None else _number(batch.scores[i]),
         }
-        if batch.reward_components:
-            row["rewards"] = {k: _number(v) for k, v in batch.reward_components[i].items()}
+        if batch.reward_components is not None and reward_names:
+            row["rewards"] = {k: _number(v) for k, v in zip(reward_names, batch.reward_components[i].tolist())}
         if batch.targets is not None:
             mask = batch.response_mask[i]
             advantage = (batch.targets.advantages[i] * mask).sum() / mask.sum().clamp(min=1)

@@ -236,7 +236,9 @@ def run_in_subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The metric rows of a ``metrics.jsonl`` (its provenance rows skipped: :mod:`rlite.provenance`)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [row for row in rows if "provenance" not in row]
 
 
 def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, run_dir: str, out_dir: str,
@@ -349,3 +351,12 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
         return 1.0
     chi2 = ((observed - wanted) ** 2 / wanted).sum()
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), chi2 / 2))
+
+
+def per_micro_batch_mean_loss(logprobs, old_logprobs, advantages, response_mask, cfg):
+    """A deliberately broken policy loss for tests of ``rlite audit``: PPO's unclipped surrogate divided by
+    the *micro-batch's* token count inside the loss, so the objective depends on how the batch is split.
+    (It lives here, not in a test file, so that spawned ranks can import it.)"""
+    mask = response_mask.to(logprobs.dtype)
+    per_token = -advantages.detach() * (logprobs - old_logprobs.detach()).exp() * mask
+    return per_token / mask.sum().clamp(min=1), {}

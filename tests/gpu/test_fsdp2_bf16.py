@@ -188,5 +188,5 @@ def test_ppo_with_critic_runs_on_cuda_in_bf16(tmp_path, model_dir):
     rows = [r for r in read_jsonl(tmp_path / "ppo" / "metrics.jsonl") if "critic/vf_loss" in r]
     assert len(rows) == 3
     for row in rows:
-        for key in ("critic/vf_loss", "critic/values_mean", "critic/grad_norm", "actor/pg_loss", "actor/reward_kl_penalty"):
+        for key in ("critic/vf_loss", "critic/values_mean", "critic/grad_norm", "actor/pg_loss", "actor/reward_kl"):
             assert math.isfinite(row[key]), (key, row[key])

@@ -99,7 +99,7 @@ def test_adaptive_kl_in_reward_moves_the_coefficient(tmp_path, model_dir, probe)
     run_training(cfg)
     rows = _rows(tmp_path)
     coefs = [r["actor/reward_kl_penalty_coeff"] for r in rows]
-    penalties = [r["actor/reward_kl_penalty"] for r in rows]
+    penalties = [r["actor/reward_kl"] for r in rows]
     assert penalties[0] == 0.0 and coefs[0] == pytest.approx(0.1)
     # KL far below the target: the controller lowers beta by 20% x n/horizon per step
     n = 2 * 8

@@ -281,11 +281,16 @@ def test_registration() -> None:
     A.register_advantage_estimators(register=register)
     assert {name for name, meta in metadata.items() if meta.get("needs_critic")} == {"gae"}
     assert {name for name, meta in metadata.items() if meta.get("needs_group")} == {
-        "grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}  # fmt: skip
+        "grpo", "dr_grpo", "rloo", "opo", "gpg", "gdpo", "reinforce_pp_baseline"}  # fmt: skip
+    assert {name for name, meta in metadata.items() if meta.get("needs_greedy_baseline")} == {"remax"}
     assert registered == {
         "grpo": A.GRPOConfig,
         "dr_grpo": A.DrGRPOConfig,
         "rloo": A.RLOOConfig,
+        "opo": A.OPOConfig,
+        "gpg": A.GPGConfig,
+        "gdpo": A.GDPOConfig,
+        "remax": A.ReMaxConfig,
         "reinforce_pp": A.ReinforcePPConfig,
         "reinforce_pp_baseline": A.ReinforcePPBaselineConfig,
         "gae": A.GAEConfig,
@@ -436,3 +441,119 @@ def test_needs_group_says_which_estimators_learn_nothing_from_one_sample_per_pro
         needs_group = declared(cfg) if callable(declared) else bool(declared)
         advantages, _ = fn(batch, cfg)
         assert bool((advantages == 0).all()) == needs_group, name
+
+
+# --------------------------------------------------------------------------------------------------
+# OPO, GPG, GDPO, ReMax
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("singleton", ["zero", "raw"])
+def test_opo_length_weighted_baseline(singleton: str) -> None:
+    lengths = [sum(row) for row in MASK]
+    expected = []
+    for i in range(B):
+        group = members(i)
+        if len(group) == 1:
+            expected.append(0.0 if singleton == "zero" else SCORES[i])
+            continue
+        baseline = sum(lengths[j] * SCORES[j] for j in group) / sum(lengths[j] for j in group)
+        expected.append(SCORES[i] - baseline)
+    adv, ret = A.opo_advantages(make_batch(), A.OPOConfig(singleton=singleton))
+    assert_close(adv, broadcast(expected))
+    assert_close(ret, adv)
+    assert (adv[5:8] == 0).all()  # constant group (one row fully masked): exactly 0
+    # equal lengths give the plain group mean (Dr.GRPO)
+    batch = AdvantageInput(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64), torch.tensor([0, 0, 0]),
+                           torch.ones(3, 4))
+    assert_close(A.opo_advantages(batch, A.OPOConfig())[0][:, 0], [2 / 3, -1 / 3, -1 / 3])
+
+
+@pytest.mark.parametrize("singleton", ["zero", "raw"])
+@pytest.mark.parametrize("f_norm", [1.0, 2.5])
+def test_gpg(singleton: str, f_norm: float) -> None:
+    alpha = B / sum(1 for s in SCORES if s != 0)  # 9 / 8
+    expected = []
+    for i in range(B):
+        rewards = [SCORES[j] for j in members(i)]
+        if len(rewards) == 1:
+            centred = 0.0 if singleton == "zero" else SCORES[i]
+        else:
+            centred = SCORES[i] - mean(rewards)
+        expected.append(alpha * centred / f_norm)
+    adv, ret = A.gpg_advantages(make_batch(), A.GPGConfig(f_norm=f_norm, singleton=singleton))
+    assert_close(adv, broadcast(expected))
+    assert_close(ret, adv)
+    # all rewards zero: alpha = B / max(0, 1), advantages 0
+    batch = AdvantageInput(torch.zeros(4), torch.tensor([0, 0, 1, 1]), torch.ones(4, 2))
+    assert (A.gpg_advantages(batch, A.GPGConfig())[0] == 0).all()
+
+
+COMPONENTS = [[1.0, 0.0], [0.0, 1.0], [0.5, 1.0], [2.0, 1.0], [1.0, 0.0], [0.3, 1.0], [0.3, 0.0], [0.3, 1.0],
+              [-1.0, 0.5]]
+
+
+@pytest.mark.parametrize("singleton", ["zero", "raw"])
+@pytest.mark.parametrize("whiten_sum", [True, False])
+def test_gdpo_normalises_each_reward_then_sums(singleton: str, whiten_sum: bool) -> None:
+    weights = [0.7, 2.0]
+    total = []
+    for i in range(B):
+        value = 0.0
+        for k in range(2):
+            rewards = [COMPONENTS[j][k] for j in members(i)]
+            if len(rewards) == 1:
+                a = 0.0 if singleton == "zero" else COMPONENTS[i][k] / (1 + 1e-6)
+            else:
+                mu, sd = mean(rewards), bessel_std(rewards)
+                a = 0.0 if sd == 0 else (COMPONENTS[i][k] - mu) / (sd + 1e-6)
+            value += weights[k] * a
+        total.append(value)
+    rows = broadcast(total).tolist()
+    expected = whiten(rows) if whiten_sum else rows
+    batch = make_batch()
+    batch.reward_components = torch.tensor(COMPONENTS, dtype=torch.float64)
+    batch.reward_weights = torch.tensor(weights, dtype=torch.float64)
+    adv, ret = A.gdpo_advantages(batch, A.GDPOConfig(singleton=singleton, whiten=whiten_sum))
+    assert_close(adv, expected)
+    assert_close(ret, adv)
+    # it differs from GRPO on the summed reward (the point of GDPO)
+    summed = make_batch()
+    summed.scores = torch.tensor([0.7 * a + 2.0 * b for a, b in COMPONENTS], dtype=torch.float64)
+    grpo, _ = A.grpo_advantages(summed, A.GRPOConfig(singleton=singleton))
+    assert not torch.allclose(grpo, adv)
+
+
+def test_gdpo_without_components_is_an_error() -> None:
+    with pytest.raises(ValueError, match="reward_components"):
+        A.gdpo_advantages(make_batch(), A.GDPOConfig())
+
+
+@pytest.mark.parametrize("with_token_rewards", [False, True])
+def test_remax_greedy_baseline(with_token_rewards: bool) -> None:
+    token_rewards = TOKEN_REWARDS if with_token_rewards else None
+    baseline = [0.25 * i - 0.5 for i in range(B)]
+    returns = hand_returns(hand_rewards(SCORES, token_rewards), 1.0)
+    expected = [[returns[i][t] - baseline[i] * MASK[i][t] for t in range(T)] for i in range(B)]
+    batch = make_batch(token_rewards)
+    batch.baseline_scores = torch.tensor(baseline, dtype=torch.float64)
+    adv, ret = A.remax_advantages(batch, A.ReMaxConfig())
+    assert_close(adv, expected)
+    assert_close(ret, returns)
+    if not with_token_rewards:  # outcome only: R_i - b_i on every response token
+        assert_close(adv, broadcast([SCORES[i] - baseline[i] for i in range(B)]))
+    # a greedy completion as good as the sample gives exactly 0
+    batch.baseline_scores = batch.scores.clone()
+    batch.token_rewards = None
+    assert (A.remax_advantages(batch, A.ReMaxConfig())[0] == 0).all()
+    batch.baseline_scores = None
+    with pytest.raises(ValueError, match="baseline_scores"):
+        A.remax_advantages(batch, A.ReMaxConfig())
+
+
+def test_remax_registration_declares_the_greedy_rollout() -> None:
+    from rlite.plugin_manager import build_plugin_manager
+
+    registry = build_plugin_manager(autoload=False).registry("advantage_estimator")
+    assert registry.get("remax").metadata.get("needs_greedy_baseline") is True
+    assert not registry.get("grpo").metadata.get("needs_greedy_baseline")

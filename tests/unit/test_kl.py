@@ -39,6 +39,9 @@ HAND_VALUE = {
     "low_var_kl": hand_low_var,
     "k1+": lambda d: d,
     "k3+": hand_k3,
+    "abs": abs,
+    "abs+": abs,
+    "low_var_kl+": hand_low_var,
 }
 
 
@@ -59,6 +62,9 @@ HAND_GRAD = {
     "low_var_kl": hand_low_var_grad,
     "k1+": lambda d: d,  # gradient of k2
     "k3+": lambda d: d,
+    "abs": lambda d: (d > 0) - (d < 0),
+    "abs+": lambda d: d,
+    "low_var_kl+": lambda d: d,
 }
 
 
@@ -69,7 +75,16 @@ def registered() -> dict:
 
 
 def test_registered_names() -> None:
-    assert set(registered()) == {"k1", "k2", "k3", "low_var_kl", "k1+", "k3+"}
+    assert set(registered()) == {"k1", "k2", "k3", "low_var_kl", "k1+", "k3+", "abs", "abs+", "low_var_kl+"}
+
+
+def test_clamped_straight_through_differs_from_exact_only_beyond_the_clamp() -> None:
+    """verl's "k3+" (rlite's low_var_kl+) and rlite's exact k3+ agree until k3 leaves [-10, 10]."""
+    logprobs, ref = inputs()
+    exact, clamped = K.kl_k3_plus(logprobs, ref), K.kl_low_var_plus(logprobs, ref)
+    for j, d in enumerate(D):
+        same = abs(hand_k3(d)) <= 10.0 and abs(d) <= 20.0
+        assert (exact[0, j].item() == pytest.approx(clamped[0, j].item(), rel=1e-12)) == same, d
 
 
 @pytest.mark.parametrize("name", sorted(HAND_VALUE))

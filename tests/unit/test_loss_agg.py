@@ -16,7 +16,7 @@ from rlite.plugins.policy_losses import PPOClipConfig, ppo_clip_loss
 
 torch.set_num_threads(1)
 
-MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 HORIZON = 16.0
 # Uneven lengths, a fully masked row and an interior masked token, so that the per-micro-batch mean
 # of means (verl<=0.8, TRL "bnpo") would differ from the global objective.
@@ -42,6 +42,8 @@ def hand_objective(per_token: list[list[float]], mask: list[list[int]], mode: st
         row_len = sum(mask[i])
         if mode == "token-mean":
             total += row_sum / n_tok
+        elif mode == "token-sum":
+            total += row_sum
         elif mode == "seq-mean-token-mean":
             total += (row_sum / row_len if row_len else 0.0) / len(mask)
         elif mode == "seq-mean-token-sum":

@@ -200,6 +200,10 @@ def test_registration_and_config_validation() -> None:
         "ppo_clip": (P.ppo_clip_loss, P.PPOClipConfig),
         "gspo": (P.gspo_loss, P.GSPOConfig),
         "cispo": (P.cispo_loss, P.CISPOConfig),
+        "sapo": (P.sapo_loss, P.SAPOConfig),
+        "gmpo": (P.gmpo_loss, P.GMPOConfig),
+        "gpg": (P.gpg_loss, P.GPGConfig),
+        "reinforce_tis": (P.reinforce_tis_loss, P.ReinforceTISConfig),
     }
     for bad in [
         lambda: P.PPOClipConfig(dual_clip_c=1.0),
@@ -208,12 +212,16 @@ def test_registration_and_config_validation() -> None:
         lambda: P.GSPOConfig(clip_high=-1.0),
         lambda: P.CISPOConfig(mode="trl"),
         lambda: P.CISPOConfig(eps_high=0.0),
+        lambda: P.SAPOConfig(tau_neg=0.0),
+        lambda: P.GMPOConfig(clip_low=-0.1),
+        lambda: P.ReinforceTISConfig(is_level="geometric"),
+        lambda: P.ReinforceTISConfig(is_threshold=0.0),
     ]:
         with pytest.raises(ConfigError):
             bad()
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo"])
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo", "sapo", "gmpo", "gpg", "reinforce_tis"])
 def test_masked_tokens_give_zero_loss_metrics_and_gradient(name: str) -> None:
     registered = {}
     P.register_policy_losses(register=lambda n, fn, c=None: registered.__setitem__(n, (fn, c)))
@@ -226,3 +234,102 @@ def test_masked_tokens_give_zero_loss_metrics_and_gradient(name: str) -> None:
     assert (loss[outside] == 0).all() and (grad[outside] == 0).all()
     for value in metrics.values():
         assert value.shape == (4, 6) and (value[outside] == 0).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# SAPO, GMPO, GPG, REINFORCE with truncated IS
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("tau_pos", "tau_neg"), [(1.0, 1.05), (2.0, 0.5)])
+def test_sapo_soft_gate_values_and_gradient(tau_pos, tau_neg) -> None:
+    logprobs, old, adv, mask = inputs()
+    loss, metrics = P.sapo_loss(logprobs, old, adv, mask, P.SAPOConfig(tau_pos=tau_pos, tau_neg=tau_neg))
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    for i, t in cells():
+        m = MASK[i][t]
+        a, x = ADV[i][t], LOG_RATIO[i][t]
+        r = math.exp(min(max(x, -20.0), 20.0))
+        tau = tau_pos if a > 0 else tau_neg
+        sigma = 1.0 / (1.0 + math.exp(-tau * (r - 1.0)))
+        want = -a * sigma * 4.0 / tau
+        want_grad = 0.0 if abs(x) > 20 else -a * 4.0 * sigma * (1.0 - sigma) * r
+        assert loss[i, t].item() == pytest.approx(want * m, rel=1e-12, abs=1e-12)
+        assert grad[i, t].item() == pytest.approx(want_grad * m, rel=1e-9, abs=1e-12)
+        assert metrics["ppo_kl"][i, t].item() == pytest.approx(-x * m, abs=1e-12)
+
+
+def test_sapo_on_policy_gradient_equals_ppo() -> None:
+    _, old, adv, mask = inputs()
+    logprobs = old.clone().requires_grad_(True)
+    loss, _ = P.sapo_loss(logprobs, old, adv, mask, P.SAPOConfig())
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    torch.testing.assert_close(grad, -adv * mask, rtol=1e-12, atol=1e-12)  # 4 sigma(0)(1 - sigma(0)) = 1
+    tau = torch.where(adv > 0, torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.05, dtype=torch.float64))
+    torch.testing.assert_close(loss, -adv * 2.0 / tau * mask, rtol=1e-12, atol=1e-12)  # gate 2/tau at r = 1
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0.4, 0.4), (0.2, 0.28)])
+def test_gmpo_geometric_mean_with_sign_aware_log_clip(lo, hi) -> None:
+    logprobs, old, adv, mask = inputs()
+    loss, metrics = P.gmpo_loss(logprobs, old, adv, mask, P.GMPOConfig(clip_low=lo, clip_high=hi))
+    lengths = [sum(row) for row in MASK]
+    per_sequence = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # = l_i on each row
+    (grad,) = torch.autograd.grad(per_sequence.sum(), logprobs)
+    for i in range(4):
+        n = max(lengths[i], 1)
+        kept, passes = 0.0, []
+        for t in range(6):
+            x, a = LOG_RATIO[i][t], ADV[i][t]
+            clamped = min(max(x, -lo), hi)
+            sign = (a > 0) - (a < 0)
+            chosen = sign * min(sign * x, sign * clamped)
+            kept += chosen * MASK[i][t]
+            passes.append(float(sign != 0 and chosen == x))
+            out = x != clamped
+            assert metrics["pg_clipfrac"][i, t].item() == float(out and a > 0 and MASK[i][t])
+            assert metrics["pg_clipfrac_lower"][i, t].item() == float(out and a < 0 and MASK[i][t])
+        s = math.exp(kept / n)
+        a_i = sum(ADV[i][t] * MASK[i][t] for t in range(6)) / n
+        want = -a_i * s
+        for t in range(6):
+            assert loss[i, t].item() == pytest.approx(want * MASK[i][t], rel=1e-12, abs=1e-12)
+            assert grad[i, t].item() == pytest.approx(-a_i * s / n * passes[t] * MASK[i][t], rel=1e-12, abs=1e-12)
+    # seq-mean-token-mean aggregation gives verl's plain mean of l_i over all sequences (empty rows count)
+    agg = aggregate_loss(loss.detach(), mask, "seq-mean-token-mean", global_tokens=mask.sum().item(), global_sequences=4)
+    assert agg.item() == pytest.approx(per_sequence.sum().item() / 4, rel=1e-12)
+
+
+def test_gpg_loss_is_plain_policy_gradient() -> None:
+    logprobs, old, adv, mask = inputs()
+    loss, metrics = P.gpg_loss(logprobs, old, adv, mask, P.GPGConfig())
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    torch.testing.assert_close(loss, (-adv * logprobs * mask).detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, -adv * mask, rtol=1e-12, atol=1e-12)
+    assert set(metrics) == {"ppo_kl"}
+
+
+@pytest.mark.parametrize("threshold", [2.0, None])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_reinforce_truncated_is(threshold, level) -> None:
+    logprobs, old, adv, mask = inputs()
+    cfg = P.ReinforceTISConfig(is_threshold=threshold, is_level=level)
+    loss, metrics = P.reinforce_tis_loss(logprobs, old, adv, mask, cfg)
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    for i, t in cells():
+        m = MASK[i][t]
+        if level == "token":
+            log_w = LOG_RATIO[i][t]
+        else:
+            log_w = sum(LOG_RATIO[i][u] * MASK[i][u] for u in range(6))
+        raw = math.exp(min(max(log_w, -20.0), 20.0))
+        w = raw if threshold is None else min(raw, threshold)
+        lp = logprobs[i, t].item()
+        assert loss[i, t].item() == pytest.approx(-w * ADV[i][t] * lp * m, rel=1e-12, abs=1e-12)
+        assert grad[i, t].item() == pytest.approx(-w * ADV[i][t] * m, rel=1e-12, abs=1e-12)
+        assert metrics["is_weight_mean"][i, t].item() == pytest.approx(w * m, rel=1e-12)
+        assert metrics["is_truncated_frac"][i, t].item() == float(w != raw and m)
+    # on-policy: weight exactly 1, the loss is -A lp
+    on_policy = old.clone().requires_grad_(True)
+    loss, metrics = P.reinforce_tis_loss(on_policy, old, adv, mask, cfg)
+    assert torch.equal(metrics["is_weight_mean"], mask.double())

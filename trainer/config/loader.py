@@ -209,6 +209,7 @@ def validate_choices(cfg: RunConfig, pm) -> None:
         )
     check_group_size(cfg, pm.registry("advantage_estimator"))
     check_draft_runs_on_engine(cfg, pm)
+    check_bypass_corrections(cfg, pm)
     kl_names = pm.registry("kl_estimator").names()
     if cfg.algorithm.kl.estimator not in kl_names:
         _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
@@ -244,6 +245,26 @@ def check_group_size(cfg: RunConfig, estimators) -> None:
         f"Sample several per prompt (rollout.samples_per_prompt=2 or more) or use an estimator that works with "
         f"one sample: {', '.join(sorted(able)) or '(none installed)'}{options}"
     )
+
+
+def check_bypass_corrections(cfg: RunConfig, pm) -> None:
+    """In bypass mode pi_old is the engine's log-probs, so a correction computed before the update on
+    rho = pi_old / pi_rollout sees rho = 1 and does nothing: refuse it rather than run it as a no-op.
+    Corrections that read the current log-probs (they declare ``logprobs``, e.g. OPSM) run at loss time
+    on pi_theta against pi_old = pi_rollout and stay allowed."""
+    if cfg.algorithm.old_logprob_mode != "bypass":
+        return
+    from rlite.mismatch import declared_kwargs  # torch: only when a config uses bypass
+
+    registry = pm.registry("mismatch_correction")
+    for index, choice in enumerate(cfg.algorithm.corrections):
+        if "logprobs" not in declared_kwargs(registry.get(choice.name).implementation):
+            raise ConfigError(
+                f"algorithm.corrections[{index}]={choice.name}: with algorithm.old_logprob_mode=bypass, pi_old is the "
+                "engine's log-probs, so this correction's ratio pi_old/pi_rollout is exactly 1 and it would do nothing; "
+                "use algorithm.old_logprob_mode=decoupled (pi_old recomputed by the trainer), or for truncated IS "
+                "against the rollout in bypass mode algorithm.policy_loss=reinforce_tis"
+            )
 
 
 def check_draft_runs_on_engine(cfg: RunConfig, pm) -> None:

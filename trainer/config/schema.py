@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 DTYPES = ("float32", "bfloat16", "float16")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZER_OFFLOADS = ("none", "disk")
 
@@ -226,7 +226,7 @@ class KLConfig:
     coef: float = 0.0
     """KL coefficient beta; the reference model is built only when it is non-zero."""
     estimator: str = "k3"
-    """KL estimator: k1, k2, k3, or a straight-through variant (k1+, k3+: value of the named one, gradient of k2)."""
+    """KL estimator: k1, k2, k3, abs, low_var_kl, or a straight-through variant (k1+, k3+, abs+, low_var_kl+: value of the named one, gradient of k2)."""
     in_reward: bool = False
     """Apply KL as a per-token reward penalty (PPO style) instead of a loss term (GRPO style)."""
     adaptive_target: Optional[float] = None
@@ -264,7 +264,7 @@ class AlgorithmConfig:
     policy_loss: Choice = field(default_factory=lambda: Choice("ppo_clip"))
     """Policy loss."""
     loss_agg_mode: str = "token-mean"
-    """How per-token losses are averaged over the global batch (token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm)."""
+    """How per-token losses are averaged over the global batch (token-mean, token-sum, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm; token-sum is unnormalised: N_tok times token-mean)."""
     loss_agg_horizon: Optional[int] = None
     """Constant H of seq-mean-token-sum-norm (Dr.GRPO); defaults to ``rollout.max_new_tokens``."""
     kl: KLConfig = field(default_factory=KLConfig)

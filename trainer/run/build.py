@@ -28,6 +28,7 @@ from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
+from rlite.provenance import append_metrics_record
 from rlite.rewards import build_reward_runner
 from rlite.run.faults import Preemption
 from rlite.run.lifecycle import check_resume_config, maybe_resume
@@ -81,6 +82,8 @@ class Run:
     (:func:`rlite.run.lifecycle.step_start_state`); ``None`` once the policy has moved."""
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
     """The preemption signals' flag (:func:`rlite.loop.run_training` installs its handlers)."""
+    provenance: dict = field(default_factory=dict)
+    """What produced this run (:mod:`rlite.provenance`), written into every checkpoint."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(
@@ -166,14 +169,18 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         quantizer = resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization)
     kl_controller = build_kl_controller(algo.kl)
     rewards = build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s)
+    targets.reward_weights = tuple(rewards.weights)
     draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
     start_step = maybe_resume(
         cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
     )
+    provenance = run_provenance(cfg, pm, ctx, run_dir, start_step)
     loggers = []
     if ctx.is_main and not evaluation_only:
         for name in ("metrics.jsonl", "samples.jsonl"):
             trim_metrics_file(run_dir / name, start_step if start_step else None)
+        # the first row of a fresh run's metrics (a resumed run keeps it and adds its own)
+        append_metrics_record(run_dir / "metrics.jsonl", start_step, provenance)
         loggers = build_loggers(cfg, run_dir, pm)
         for logger in loggers:  # steps an interrupted run logged after the checkpoint are logged again
             if start_step and callable(getattr(logger, "resume", None)):
@@ -219,11 +226,15 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         draft=draft,
         started=started,
         samples=SampleWriter(run_dir / "samples.jsonl", loggers) if ctx.is_main and cfg.logging.samples_every else None,
+        provenance=provenance,
     )
     if run.samples is not None:
         run.rollouts.eval_sample_count = cfg.logging.samples_per_step
     if isinstance(engine, SupervisedEngine):
         engine.resync = run.sync_weights
+    # an estimator's declared needs (its registration's metadata), never its name
+    estimator_entry = pm.registry("advantage_estimator").get(algo.advantage.name)
+    run.rollouts.greedy_baseline = bool(estimator_entry.metadata.get("needs_greedy_baseline"))
     try:
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
         run.routing = routing_setup(cfg, backend, engine, layout)
@@ -287,6 +298,20 @@ def check_input_paths(cfg: RunConfig) -> None:
                     resolve_data_files(spec, f"data.{key}")
                 except (FileNotFoundError, ValueError) as exc:
                     raise ConfigError(str(exc).strip("'\"")) from None
+
+
+def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, run_dir: Path,
+                   start_step: int) -> dict:
+    """This run's record; a resumed run's names the checkpoint's record it continues."""
+    from rlite.provenance import collect_provenance, read_checkpoint_record
+    from rlite.run.checkpoint import find_resume_checkpoint
+
+    record = collect_provenance(cfg, pm, world_size=ctx.world_size, device=ctx.device, weight_version=start_step)
+    if start_step:
+        loaded = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)  # the one maybe_resume loaded
+        record["resumed_from"] = {"step": start_step,
+                                  "provenance": read_checkpoint_record(loaded) if loaded is not None else None}
+    return record
 
 
 def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,

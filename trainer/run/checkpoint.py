@@ -84,11 +84,13 @@ def save_checkpoint(
     *,
     rank: int,
     keep_last: int,
+    provenance: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it).
 
     ``model_state`` is the backend's (and critic's) state for ``torch.distributed.checkpoint``;
-    ``trainer_state`` is this rank's small state (pickled, with the RNG states and the step).
+    ``trainer_state`` is this rank's small state (pickled, with the RNG states and the step);
+    ``provenance`` (:mod:`rlite.provenance`) is written by rank 0 as ``provenance.json``.
     """
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
@@ -113,7 +115,14 @@ def save_checkpoint(
         pause = float(os.environ.get("RLITE_DEBUG_CHECKPOINT_PAUSE", "0"))  # fault-injection point for tests
         if pause:
             time.sleep(pause)
-        errors[0] = _attempt(lambda: _publish(tmp, step))
+        def publish() -> None:
+            if provenance is not None:  # in the manifest like every other file
+                from rlite.provenance import write_checkpoint_record
+
+                write_checkpoint_record(tmp, provenance)
+            _publish(tmp, step)
+
+        errors[0] = _attempt(publish)
     errors = [e for e in broadcast_object(errors, 0) if e]
     if errors:
         if rank == 0:
@@ -155,8 +164,11 @@ def _publish(tmp: Path, step: int) -> None:
 
 
 def _sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:  # hashlib.file_digest is Python 3.11+
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _describe_write_failure(step: int, root: Path, error: str) -> str:

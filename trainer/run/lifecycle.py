@@ -51,6 +51,7 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
             trainer_state,
             rank=run.ctx.rank,
             keep_last=run.config.checkpoint.keep_last,
+            provenance=dict(run.provenance, weight_version=step),  # the weights of step s are version s
         )
     except CheckpointWriteError as exc:  # a full disk: stop with the folder and its free space named
         raise RunStopped(str(exc)) from None
@@ -228,7 +229,8 @@ def log_samples(run: Run, step: int, batch) -> None:
     if run.samples is not None and (step % every == 0 or step == run.config.training.steps):
         from rlite.samples import train_sample_rows
 
-        run.samples.write(step, "train", train_sample_rows(batch, step, run.config.logging.samples_per_step))
+        rows = train_sample_rows(batch, step, run.config.logging.samples_per_step, run.rollouts.rewards.names)
+        run.samples.write(step, "train", rows)
 
 
 def log_metrics(run: Run, step: int, metrics: dict[str, float]) -> None:

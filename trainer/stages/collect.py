@@ -72,6 +72,9 @@ class Rollouts:
         """Generations per mode an evaluation keeps in :attr:`eval_samples` (``logging.samples_per_step``)."""
         self.eval_samples: list[dict] = []
         """The last evaluation's first generations as sample rows (:mod:`rlite.samples`; the replica leader's)."""
+        self.greedy_baseline = False
+        """Also generate one greedy completion per prompt and score it (``batch.baseline_scores``): the
+        advantage estimator registered with ``needs_greedy_baseline=True`` (ReMax)."""
 
     def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
         """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
@@ -178,6 +181,12 @@ class Rollouts:
         batch.completion_texts = self.tokenizer.batch_decode(
             [c.token_ids for c in completions], skip_special_tokens=True
         )
+        if self.greedy_baseline:
+            greedy = engine.generate([p.prompt_ids for p in prompts], sampling_params(
+                self.rollout, seed=params.seed, n=1, greedy=True))
+            texts = self.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
+            # scored with the samples in score(); kept per prompt until then
+            batch.baseline_texts = [texts[c.prompt_index] for c in completions]
         return batch
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
@@ -187,12 +196,18 @@ class Rollouts:
             for sample, length, reason in zip(batch.samples, batch.response_lengths.tolist(), batch.finish_reasons)
         ]
         # the leader scores (a reward that times out on one rank must not split the replica)
-        def score_batch():
-            scores, stats = self.rewards.score(batch.completion_texts, batch.samples)
-            return scores, stats, self.rewards.last_components
-
-        scores, stats, batch.reward_components = self._from_leader(score_batch)
+        scores, components, stats = self._from_leader(
+            lambda: self.rewards.score_components(batch.completion_texts, batch.samples))
         batch.scores = torch.tensor(scores, dtype=torch.float32)
+        batch.reward_components = torch.tensor(components, dtype=torch.float32).reshape(len(scores), -1)
+        if batch.baseline_texts:  # one call per prompt: the first row of each group
+            ids = batch.group_ids.tolist()
+            firsts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+            baseline, _ = self._from_leader(lambda: self.rewards.score(
+                [batch.baseline_texts[i] for i in firsts], [batch.samples[i] for i in firsts]))
+            per_group = dict(zip((ids[i] for i in firsts), baseline))
+            batch.baseline_scores = torch.tensor([per_group[g] for g in ids], dtype=torch.float32)
+            stats["reward/greedy_baseline"] = sum(baseline) / max(len(baseline), 1)
         batch.correct = torch.tensor([
             is_correct(text, sample, score, self.accuracy_threshold)
             for text, sample, score in zip(batch.completion_texts, batch.samples, scores)

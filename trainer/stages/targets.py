@@ -35,6 +35,8 @@ class TargetsSpec:
     corrections: list
     """Corrections applied here (those that need the current log-probs run in the loss instead)."""
     micro_batch_size: int
+    reward_weights: tuple[float, ...] = ()
+    """Weight of each reward function (``AdvantageInput.reward_weights``)."""
 
 
 def prepare_training_targets(
@@ -65,7 +67,8 @@ def prepare_training_targets(
         kl = loss.kl_fn(old, ref).detach()
         token_rewards = kl_reward_penalty(kl, kl_controller.value, batch.response_mask)
         metrics["actor/reward_kl_penalty_coeff"] = kl_controller.value
-        metrics["actor/reward_kl_penalty"] = update_kl_controller(kl_controller, kl, batch.response_mask, layout.group)
+        # verl's actor/reward_kl_penalty averages empty sequences in as 0; this one leaves them out
+        metrics["actor/reward_kl"] = update_kl_controller(kl_controller, kl, batch.response_mask, layout.group)
     loss_mask = batch.response_mask.clone()
     if spec.mask_truncated:
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.bool)
@@ -76,13 +79,15 @@ def prepare_training_targets(
 
     # one collective: every rank's rows, so that batch statistics are global
     local = (batch.scores, batch.group_ids, batch.response_mask, token_rewards, old_values,
-             old, batch.rollout_logprobs, loss_mask)
+             old, batch.rollout_logprobs, loss_mask, batch.baseline_scores, batch.reward_components)
     parts = all_gather_objects(local, layout.group)
     width = max(p[2].shape[1] for p in parts)
 
     def cat(i: int) -> torch.Tensor | None:
         if parts[0][i] is None:
             return None
+        if i == 9:  # [B, K] reward components: K is the same on every rank
+            return torch.cat([p[i] for p in parts])
         return torch.cat([p[i] if p[i].dim() == 1 else pad_to_width(p[i], width) for p in parts])
 
     start = sum(len(p[0]) for p in parts[: layout.rank])
@@ -102,7 +107,11 @@ def prepare_training_targets(
     estimator, estimator_cfg = spec.advantage
     scores = cat(0)
     advantages, returns = estimator(
-        AdvantageInput(scores=scores, group_ids=cat(1), response_mask=cat(2), token_rewards=cat(3), values=cat(4)),
+        AdvantageInput(
+            scores=scores, group_ids=cat(1), response_mask=cat(2), token_rewards=cat(3), values=cat(4),
+            baseline_scores=cat(8), reward_components=cat(9),
+            reward_weights=torch.tensor(spec.reward_weights, dtype=torch.float64) if spec.reward_weights else None,
+        ),
         estimator_cfg,
     )
     if recomputed is not None:  # else the report measures it against the first training forward

@@ -188,7 +188,8 @@ def micro_batch_loss(
         total = total - loss.entropy_coef * aggregate_loss(entropy, mask, loss.agg_mode, **agg)
     step_sums["actor/pg_loss"] += pg_loss.detach()
     token_share = dp_size / max(n_tok, 1.0)  # global token means
-    step_sums["actor/entropy"] += (entropy.detach() * mask).sum() * token_share
+    # verl's actor/entropy: the entropy aggregated like the loss (loss_agg_mode)
+    step_sums["actor/entropy"] += aggregate_loss(entropy.detach(), mask, loss.agg_mode, **agg)
     for name, values in token_metrics.items():
         step_sums[f"actor/{name}"] += (values.detach().float() * mask).sum() * token_share
     return total

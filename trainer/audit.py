@@ -1,0 +1,583 @@
+"""``rlite audit CONFIG [overrides]``: prove a config's invariants on a tiny replica before the real run.
+
+The replica keeps the config's plugins, algorithm settings, backend, engine and quantizer, and swaps
+the model for a tiny random one of the same architecture family (Qwen2, or Qwen3-MoE for MoE models;
+other families are replaced by Qwen2 and the table says so), a few prompts and 3 steps. Each check
+prints what it measured:
+
+* ``on-policy ratio``: in the first micro-batch of every step's first optimizer step the PPO ratio
+  exp(lp − old) is exactly 1 (max |lp − old| = 0; not applicable in bypass mode without true on-policy).
+* ``world size 2 == 1`` and ``micro-batch x accumulation``: one optimizer step of the configured backend,
+  estimator, loss, KL and aggregation on a fixed batch gives the same weights and loss at 2 ranks x 2
+  micro-batches (spawned processes, gloo) and at 1 x 4 micro-batches as at 1 x 1 (the machinery of
+  ``tests/invariants``: :func:`update_worker` follows :func:`rlite.testing.fixed_batch_update`).
+* ``weight sync``: after every step the engine reports the step as its weight version, and the SHA-256 of
+  the tensors it received equals that of the stream the trainer's weights produce for that engine
+  (same dtype, quantizer and LoRA mode).
+* ``mismatch``: the engine's and trainer's log-probs of the sampled tokens (``mismatch/*``): finite, and
+  k3 KL at most 1e-3 (5e-2 with a rollout quantizer); bitwise equal with ``rollout.true_on_policy``.
+* ``advantage formula`` and ``loss formula``: the configured estimator and loss against rlite's
+  documented formulas (docs/algorithms.md), written here again as plain float64 loops, on a random batch
+  with a singleton group, a constant group, a masked row and extreme ratios (skipped for plugins without
+  a documented formula).
+* ``resume == uninterrupted``: 2 steps, checkpoint, resume for the 3rd gives metrics identical to 3
+  steps straight (evaluations aside: the shorter run evaluates at its last step).
+
+Exit status 1 when any check fails. A few minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlite.config import ConfigError, RunConfig, load_config
+
+PASS, FAIL, SKIP = "pass", "FAIL", "n/a"
+
+
+@dataclass
+class Check:
+    name: str
+    result: str
+    measured: str
+
+
+# --------------------------------------------------------------------------------------------------
+# the replica
+# --------------------------------------------------------------------------------------------------
+
+
+def model_family(model_path: str | None) -> str:
+    """``model_type`` of the configured model's config.json, or "unknown" (no local config)."""
+    import json
+
+    if model_path and (Path(model_path) / "config.json").is_file():
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type", "unknown")
+    return "unknown"
+
+
+def build_replica_model(family: str, out: Path) -> tuple[Path, str]:
+    """A tiny random model of the family (and the note the table prints about it)."""
+    from rlite.tokenizer import build_tiny_model_dir
+
+    if "moe" in family:
+        return build_tiny_model_dir(out, num_experts=4, experts_per_token=2), f"{family} -> tiny Qwen3-MoE (4 experts)"
+    note = "tiny Qwen2" if family == "qwen2" else f"{family} -> tiny Qwen2 (no tiny replica of {family})"
+    return build_tiny_model_dir(out), note
+
+
+def replica_overrides(cfg: RunConfig, model_dir: Path, run_dir: Path, steps: int) -> list[str]:
+    samples = max(2, min(cfg.rollout.samples_per_prompt, 4))
+    prompts = 2 * cfg.algorithm.minibatches_per_step
+    out = [
+        f"model.path={model_dir}", "model.tokenizer=null", "model.gguf_file=null",
+        f"rollout.prompts_per_step={prompts}", f"rollout.samples_per_prompt={samples}",
+        f"rollout.max_new_tokens={min(cfg.rollout.max_new_tokens, 4)}",
+        f"training.steps={steps}", "training.micro_batch_size=4", "training.eval_every=0", "training.warmup_steps=0",
+        "training.num_threads=1", f"logging.run_dir={run_dir}", "logging.progress_bar=false", "logging.plot=false",
+        "logging.loggers=[jsonl]", "logging.profile=false", "checkpoint.every=2", "checkpoint.save_final=false",
+        "checkpoint.export_hf=false", "checkpoint.resume=auto",
+    ]
+    if cfg.data.task:
+        out += ["data.num_train=32", "data.num_eval=4"]
+    if cfg.algorithm.critic.enabled:
+        out.append("algorithm.critic.path=null")
+    if cfg.rollout.draft.name != "none":
+        out.append("rollout.draft=none")  # a draft model of the real run's size does not fit a replica
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# instrumented runs
+# --------------------------------------------------------------------------------------------------
+
+
+def tensor_digest(named) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in named:
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        data = tensor.detach().contiguous().cpu()
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+class RecordingEngine:
+    """Receives a weight sync like the real engine (same capabilities) and keeps only a digest."""
+
+    def __init__(self, capabilities) -> None:
+        self.capabilities, self.weight_version, self.digest = capabilities, -1, None
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        self.digest = None if named_tensors is None else tensor_digest(list(named_tensors))
+        self.weight_version = version
+
+    def update_lora_adapter(self, named_tensors, config: dict, version: int) -> None:
+        self.digest = tensor_digest(list(named_tensors))
+        self.weight_version = version
+
+    def resume_memory(self) -> None:
+        pass
+
+
+class Probe:
+    """Hooks and wrappers on one replica run: ratios of first micro-batches, sync digests, versions."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.first_call = False
+        self.ratio_gaps: list[float] = []
+        self.syncs: list[tuple[int, int, bool]] = []  # (step, engine version, digests equal)
+        self.received: str | None = None
+        self.run = None
+
+    def instrument(self, run) -> None:
+        from rlite import hookimpl
+
+        self.run = run
+        probe = self
+        loss_fn = run.loss.policy_loss
+
+        def recording_loss(logprobs, old_logprobs, advantages, response_mask, cfg):
+            if probe.first_call:
+                probe.first_call = False
+                gap = ((logprobs.detach() - old_logprobs.detach()).abs() * response_mask).max()
+                probe.ratio_gaps.append(float(gap))
+            return loss_fn(logprobs, old_logprobs, advantages, response_mask, cfg)
+
+        run.loss.policy_loss = recording_loss
+        engine = run.engine
+        update_weights, update_lora = engine.update_weights, getattr(engine, "update_lora_adapter", None)
+
+        def recording_update(named_tensors, version):
+            named = None if named_tensors is None else list(named_tensors)
+            probe.received = None if named is None else tensor_digest(named)
+            return update_weights(named, version)
+
+        def recording_lora(named_tensors, config, version):
+            named = list(named_tensors)
+            probe.received = tensor_digest(named)
+            return update_lora(named, config, version)
+
+        engine.update_weights = recording_update
+        if update_lora is not None:
+            engine.update_lora_adapter = recording_lora
+
+        class Hooks:
+            @hookimpl
+            def after_rollout(self, step, batch):
+                probe.step, probe.first_call = step, True
+
+            @hookimpl
+            def after_weight_sync(self, step, weight_version, engine):
+                from rlite.stages.sync import sync_weights_to_engine
+
+                recorder = RecordingEngine(engine.capabilities)
+                sync_weights_to_engine(recorder, run.backend, lora_sync=run.config.rollout.lora_sync,
+                                       quantizer=run.quantizer, version=weight_version, draft=run.draft)
+                probe.syncs.append((step, engine.weight_version, recorder.digest == probe.received))
+
+        self.hooks = Hooks()
+        run.pm.register(self.hooks, name="rlite-audit-probe")
+
+    def remove(self) -> None:
+        if self.run is not None:
+            self.run.pm.unregister(name="rlite-audit-probe")
+
+
+def replica_run(cfg: RunConfig, pm, probe: Probe | None = None) -> list[dict[str, Any]]:
+    """Train the replica (in this process); its metric rows."""
+    from rlite.distributed import init_distributed, shutdown_distributed
+    from rlite.loop import train
+    from rlite.run.build import build_run
+    from rlite.testing import read_jsonl
+
+    ctx = init_distributed()
+    finished = False
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the replica's end-of-run summary
+            run = build_run(cfg, pm)
+            try:
+                if probe is not None:
+                    probe.instrument(run)
+                train(run)
+            finally:
+                if probe is not None:
+                    probe.remove()
+                run.engine.shutdown()
+                run.backend.close()
+        finished = True
+    finally:
+        shutdown_distributed(ctx, finished=finished)
+    return read_jsonl(Path(cfg.logging.run_dir) / "metrics.jsonl")
+
+
+def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows without timings, and without evaluations: a run evaluates at its last step, so the interrupted
+    2-step run has an evaluation at step 2 that the straight run has not."""
+    return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "eval/"))} for row in rows]
+
+
+# --------------------------------------------------------------------------------------------------
+# update invariance (world size, micro-batches)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class UpdateSpec:
+    """What one audited optimizer step needs; picklable for spawned ranks."""
+
+    cfg: RunConfig
+    estimator: tuple
+    policy_loss: tuple
+    kl: tuple
+
+
+def update_worker(rank: int, world_size: int, init_file: str, out_file: str, spec: UpdateSpec, micro: int) -> None:
+    """One optimizer step of the configured backend on a fixed batch of 16 sequences; rank r takes slice r
+    (like :func:`rlite.testing.fixed_batch_update`, with the config's estimator, loss, KL and aggregation)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        from rlite.algorithms import AdvantageInput
+        from rlite.plugin_manager import build_plugin_manager, resolve_choice
+        from rlite.rollout import TrainTargets
+        from rlite.stages.update import LossSpec, update_policy
+        from rlite.testing import fixed_batch
+        from rlite.training.backend import ForwardSpec
+
+        cfg = spec.cfg
+        cfg.training.micro_batch_size = micro
+        pm = build_plugin_manager(autoload=cfg.plugins.autoload, only=cfg.plugins.enable)
+        factory, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
+        backend = factory(cfg, backend_cfg, torch.device("cpu"), 1)
+        batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
+        g = torch.Generator().manual_seed(1)
+        width = batch.response_mask.shape[1]
+        estimator, estimator_cfg = spec.estimator
+        advantages, returns = estimator(AdvantageInput(
+            batch.scores, batch.group_ids, batch.response_mask,
+            values=torch.randn(len(batch), width, generator=g) * batch.response_mask,
+            baseline_scores=torch.rand(len(batch), generator=g), reward_components=batch.scores[:, None],
+            reward_weights=torch.ones(1, dtype=torch.float64),
+        ), estimator_cfg)
+        ref = -torch.rand(len(batch), width, generator=g) * 3 * batch.response_mask
+        batch.targets = TrainTargets(advantages.float(), returns.float(), batch.response_mask.clone(),
+                                     ref_logprobs=ref if spec.kl[1] else None)
+        layout = backend.data_layout()
+        per_rank = len(batch) // layout.size
+        local = batch.select(slice(layout.rank * per_rank, (layout.rank + 1) * per_rank))
+        policy_loss, policy_cfg = spec.policy_loss
+        metrics, _ = update_policy(
+            backend, local,
+            ForwardSpec(micro_batch_size=micro, temperature=1.0, chunk_size=16, exact_layout=False),
+            LossSpec(policy_loss, policy_cfg, cfg.algorithm.loss_agg_mode,
+                     float(cfg.algorithm.loss_agg_horizon or cfg.rollout.max_new_tokens), spec.kl[0], spec.kl[1],
+                     cfg.algorithm.entropy_coef),
+            minibatches=1, epochs=1, dp_size=layout.size, dp_group=layout.group,
+        )
+        params = {name: t.detach().clone() for name, t in backend.full_weights()}
+        if rank == 0:
+            torch.save({"metrics": metrics, "params": params}, out_file)
+        backend.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_update(spec: UpdateSpec, world_size: int, micro: int, workdir: Path, name: str) -> dict:
+    import torch.multiprocessing as mp
+
+    out, init = workdir / f"{name}.pt", workdir / f"{name}.init"
+    args = (world_size, str(init), str(out), spec, micro)
+    if world_size == 1:
+        update_worker(0, *args)
+    else:
+        mp.start_processes(update_worker, args=args, nprocs=world_size, start_method="spawn", join=True)
+    return torch.load(out, weights_only=False)
+
+
+def update_difference(a: dict, b: dict) -> tuple[bool, str]:
+    """Equal within float32 rounding of a reordered sum (the tolerances of tests/invariants)?"""
+    worst_param = max(
+        float(((a["params"][n].double() - b["params"][n].double()).abs()
+               - 1e-5 * b["params"][n].double().abs()).max()) for n in a["params"]
+    )
+    loss_a, loss_b = a["metrics"]["actor/pg_loss"], b["metrics"]["actor/pg_loss"]
+    loss_ok = math.isclose(loss_a, loss_b, rel_tol=1e-5, abs_tol=1e-7)
+    ok = loss_ok and worst_param <= 1e-7
+    return ok, f"pg_loss {loss_a:.6g} vs {loss_b:.6g}; max weight diff beyond rtol 1e-5: {max(worst_param, 0):.2e}"
+
+
+# --------------------------------------------------------------------------------------------------
+# formulas (docs/algorithms.md) written again as plain loops
+# --------------------------------------------------------------------------------------------------
+
+
+def _stats(xs: list[float]) -> tuple[float, float]:
+    mu = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return mu, sd
+
+
+def reference_advantage(name: str, cfg: Any, scores, groups, lengths, baseline) -> list[float] | None:
+    """Per-response advantage of the outcome estimators, or None for an estimator without a reference."""
+    n = len(scores)
+    members = [[j for j in range(n) if groups[j] == groups[i]] for i in range(n)]
+    out = []
+    for i in range(n):
+        rs = [scores[j] for j in members[i]]
+        single = len(rs) == 1
+        raw = getattr(cfg, "singleton", "zero") == "raw"
+        mu, sd = _stats(rs)
+        if name in ("grpo", "dr_grpo"):
+            if single and name == "grpo" and cfg.norm_by_std and raw:  # sigma = 1 (group) or the batch std
+                sigma = 1.0 if cfg.std_scope == "group" else _stats(list(scores))[1]
+                a = scores[i] / (sigma + cfg.epsilon)
+            elif single:
+                a = scores[i] if raw else 0.0
+            else:
+                a = scores[i] - mu
+                if name == "grpo" and cfg.norm_by_std:
+                    sigma = sd if cfg.std_scope == "group" else _stats(list(scores))[1]
+                    a = 0.0 if a == 0 else a / (sigma + cfg.epsilon)
+        elif name == "rloo":
+            a = (scores[i] if raw else 0.0) if single else scores[i] - (sum(rs) - scores[i]) / (len(rs) - 1)
+        elif name == "opo":
+            ls = [lengths[j] for j in members[i]]
+            a = (scores[i] if raw else 0.0) if single else scores[i] - sum(length * r for length, r in zip(ls, rs)) / max(sum(ls), 1)
+        elif name == "gpg":
+            alpha = n / max(sum(1 for s in scores if s != 0), 1)
+            a = alpha * ((scores[i] if raw else 0.0) if single else scores[i] - mu) / cfg.f_norm
+        elif name == "remax":
+            a = scores[i] - baseline[i]
+        elif name == "gdpo":  # one reward function: its GRPO advantage, whitened over tokens below
+            a = 0.0 if single and not raw else (scores[i] / (1 + cfg.epsilon) if single else
+                                                (0.0 if scores[i] == mu else (scores[i] - mu) / (sd + cfg.epsilon)))
+        else:
+            return None
+        out.append(a)
+    return out
+
+
+def reference_loss(name: str, cfg: Any, x: float, adv: float, lp: float, seq_log_ratio: float) -> float | None:
+    """Per-token loss of the token-level losses (``x`` = lp − old), or None without a reference."""
+    def clamp(v, bound):
+        return v if bound is None else min(max(v, -bound), bound)
+
+    if name == "ppo_clip":
+        r = math.exp(clamp(x, cfg.log_ratio_clamp))
+        loss = max(-adv * r, -adv * min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high))
+        if cfg.dual_clip_c is not None and adv < 0:
+            loss = min(loss, -cfg.dual_clip_c * adv)
+        return loss
+    if name == "cispo":
+        r = math.exp(clamp(x, cfg.log_ratio_clamp))
+        w = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high) if cfg.mode == "bounded" else min(r, cfg.eps_high)
+        return -w * adv * lp
+    if name == "sapo":
+        r = math.exp(clamp(x, cfg.log_ratio_clamp))
+        tau = cfg.tau_pos if adv > 0 else cfg.tau_neg
+        return -adv * 4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0)))
+    if name == "gpg":
+        return -adv * lp
+    if name == "reinforce_tis":
+        log_w = x if cfg.is_level == "token" else seq_log_ratio
+        w = math.exp(clamp(log_w, 20.0))
+        return -(w if cfg.is_threshold is None else min(w, cfg.is_threshold)) * adv * lp
+    return None
+
+
+def sequence_reference(name: str, cfg: Any, log_ratio, advantages, mask) -> torch.Tensor:
+    """Per-token loss of the sequence-ratio losses (gspo's value, gmpo's l_i on every token)."""
+    out = torch.zeros_like(log_ratio)
+    for i in range(log_ratio.shape[0]):
+        tokens = [t for t in range(log_ratio.shape[1]) if mask[i, t]]
+        n = max(len(tokens), 1)
+        if name == "gspo":
+            log_s = sum(float(log_ratio[i, t]) for t in tokens) / n
+            s = math.exp(log_s if cfg.log_ratio_max is None else min(log_s, cfg.log_ratio_max))
+            for t in tokens:
+                a = float(advantages[i, t])
+                out[i, t] = max(-a * s, -a * min(max(s, 1 - cfg.clip_low), 1 + cfg.clip_high))
+        else:  # gmpo
+            kept = 0.0
+            for t in tokens:
+                x, a = float(log_ratio[i, t]), float(advantages[i, t])
+                sign = (a > 0) - (a < 0)
+                kept += sign * min(sign * x, sign * min(max(x, -cfg.clip_low), cfg.clip_high))
+            a_i = sum(float(advantages[i, t]) for t in tokens) / n
+            for t in tokens:
+                out[i, t] = -a_i * math.exp(kept / n)
+    return out
+
+
+def random_batch(seed: int = 0):
+    """12 responses: groups of 4, 3, 3, a singleton and a constant group; one fully masked row; log-ratios
+    up to +-30."""
+    g = torch.Generator().manual_seed(seed)
+    groups = [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 4]
+    scores = torch.randint(0, 3, (12,), generator=g).double() / 2
+    scores[7:10] = 0.5  # constant group
+    lengths = torch.randint(1, 7, (12,), generator=g)
+    lengths[5] = 0  # fully masked row
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).double()
+    old = -torch.rand(12, 6, generator=g, dtype=torch.float64) * 4
+    log_ratio = torch.randn(12, 6, generator=g, dtype=torch.float64) * 0.3
+    log_ratio[0, 0], log_ratio[1, 1] = 30.0, -30.0  # extreme ratios
+    return torch.tensor(groups), scores, mask, old, log_ratio, torch.rand(12, generator=g, dtype=torch.float64)
+
+
+def check_formulas(cfg: RunConfig, pm) -> list[Check]:
+    from rlite.algorithms import AdvantageInput
+    from rlite.plugin_manager import resolve_choice
+
+    groups, scores, mask, old, log_ratio, baseline = random_batch()
+    lengths = mask.sum(-1)
+    checks = []
+    name = cfg.algorithm.advantage.name
+    estimator, estimator_cfg = resolve_choice(pm.registry("advantage_estimator"), cfg.algorithm.advantage)
+    want = reference_advantage(name, estimator_cfg, scores.tolist(), groups.tolist(), lengths.tolist(), baseline.tolist())
+    if want is None:
+        checks.append(Check(f"advantage formula ({name})", SKIP, "no documented reference formula in the audit"))
+    else:
+        got, _ = estimator(AdvantageInput(scores, groups, mask, baseline_scores=baseline,
+                                          reward_components=scores[:, None]), estimator_cfg)
+        expected = torch.tensor(want, dtype=torch.float64)[:, None] * mask
+        if name == "gdpo" and estimator_cfg.whiten:
+            kept = expected[mask.bool()]
+            mean = float(kept.mean())
+            var = sum((float(v) - mean) ** 2 for v in kept) / (len(kept) - 1)
+            expected = (expected - mean) / math.sqrt(var + 1e-8) * mask
+        error = float((got.double() - expected).abs().max())
+        checks.append(Check(f"advantage formula ({name})", PASS if error <= 1e-9 else FAIL,
+                            f"max |plugin - formula| = {error:.2e} on 12 responses (singleton, constant group, empty row)"))
+    name = cfg.algorithm.policy_loss.name
+    loss_fn, loss_cfg = resolve_choice(pm.registry("policy_loss"), cfg.algorithm.policy_loss)
+    advantages = torch.randn(12, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * mask
+    logprobs = old + log_ratio
+    seq = (log_ratio * mask).sum(-1)
+    expected, missing = torch.zeros(12, 6, dtype=torch.float64), False
+    for i in range(12):
+        for t in range(6):
+            value = reference_loss(name, loss_cfg, float(log_ratio[i, t]), float(advantages[i, t]),
+                                   float(logprobs[i, t]), float(seq[i]))
+            missing = missing or value is None
+            expected[i, t] = (value or 0.0) * mask[i, t]
+    if missing and name in ("gspo", "gmpo"):
+        expected, missing = sequence_reference(name, loss_cfg, log_ratio, advantages, mask), False
+    if missing:
+        checks.append(Check(f"loss formula ({name})", SKIP, "no per-token reference formula in the audit"))
+    else:
+        got, _ = loss_fn(logprobs.clone().requires_grad_(True), old, advantages, mask, loss_cfg)
+        error = float((got.detach().double() - expected).abs().max())
+        checks.append(Check(f"loss formula ({name})", PASS if error <= 1e-9 else FAIL,
+                            f"max |plugin - formula| = {error:.2e} on 72 tokens (log-ratios up to +-30)"))
+    return checks
+
+
+# --------------------------------------------------------------------------------------------------
+# the audit
+# --------------------------------------------------------------------------------------------------
+
+
+def run_audit(config_path: str | None, overrides: list[str], pm, workdir: Path | None = None) -> tuple[list[Check], str]:
+    """All checks of the module docstring; returns them and the replica's note."""
+    from rlite.plugin_manager import resolve_choice
+
+    base = load_config(config_path, overrides, pm=pm)
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="rlite-audit-"))
+    model_dir, note = build_replica_model(model_family(base.model.path), workdir / "model")
+
+    def replica(run_dir: str, steps: int) -> RunConfig:
+        return load_config(config_path, [*overrides, *replica_overrides(base, model_dir, workdir / run_dir, steps)], pm=pm)
+
+    checks: list[Check] = []
+    straight_cfg = replica("straight", 3)
+    probe = Probe()
+    try:
+        straight = replica_run(straight_cfg, pm, probe)
+    except (ConfigError, RuntimeError, ValueError, OSError) as exc:
+        return [Check("replica run", FAIL, f"{type(exc).__name__}: {exc}")], note
+    algo = straight_cfg.algorithm
+    if algo.old_logprob_mode == "bypass" and not straight_cfg.rollout.true_on_policy:
+        checks.append(Check("on-policy ratio", SKIP, "bypass mode: pi_old is the engine's (ratio pi/pi_rollout)"))
+    else:
+        worst = max(probe.ratio_gaps, default=math.inf)
+        checks.append(Check("on-policy ratio", PASS if worst == 0.0 and len(probe.ratio_gaps) == 3 else FAIL,
+                            f"max |lp - old| in each step's first micro-batch: {probe.ratio_gaps}"))
+
+    spec = UpdateSpec(
+        cfg=straight_cfg,
+        estimator=resolve_choice(pm.registry("advantage_estimator"), algo.advantage),
+        policy_loss=resolve_choice(pm.registry("policy_loss"), algo.policy_loss),
+        kl=(pm.registry("kl_estimator").get(algo.kl.estimator).implementation,
+            0.0 if algo.kl.in_reward else algo.kl.coef),
+    )
+    spec.cfg.training.lr, spec.cfg.training.eps, spec.cfg.training.grad_clip = 1e-2, 1.0, 0.0
+    whole = run_update(spec, 1, 16, workdir, "ws1-mb16")
+    ok, text = update_difference(run_update(spec, 2, 4, workdir, "ws2-mb4"), whole)
+    checks.append(Check("world size 2 == world size 1", PASS if ok else FAIL, f"2 ranks x 2 micro-batches vs 1 x 1: {text}"))
+    ok, text = update_difference(run_update(spec, 1, 4, workdir, "ws1-mb4"), whole)
+    checks.append(Check(f"micro-batch x accumulation ({algo.loss_agg_mode})", PASS if ok else FAIL,
+                        f"4 micro-batches of 4 vs 1 of 16: {text}"))
+
+    versions_ok = [version == step for step, version, _ in probe.syncs]
+    digests_ok = [same for _, _, same in probe.syncs]
+    checks.append(Check("weight sync: version and checksum", PASS if probe.syncs and all(versions_ok) and all(digests_ok)
+                        and len(probe.syncs) == 3 else FAIL,
+                        f"steps {[s for s, _, _ in probe.syncs]}: engine versions {[v for _, v, _ in probe.syncs]}, "
+                        f"sha256 of received == sent {digests_ok}"))
+
+    kls = [row.get("mismatch/k3_kl", math.nan) for row in straight if "reward/mean" in row]
+    bitwise = [row.get("mismatch/bitwise_equal_fraction", math.nan) for row in straight if "reward/mean" in row]
+    bound = 5e-2 if straight_cfg.rollout.quantization.name != "none" else 1e-3
+    if straight_cfg.rollout.true_on_policy:
+        ok = all(b == 1.0 for b in bitwise)
+    else:
+        ok = all(math.isfinite(k) and k <= bound for k in kls)
+    checks.append(Check(
+        f"mismatch ({straight_cfg.rollout.engine.name}, quantizer {straight_cfg.rollout.quantization.name})",
+        PASS if ok and kls else FAIL,
+        f"k3 KL per step {[f'{k:.2e}' for k in kls]} (bound {'bitwise' if straight_cfg.rollout.true_on_policy else bound}), "
+        f"bitwise-equal fraction {[round(b, 3) for b in bitwise]}"))
+
+    checks.extend(check_formulas(straight_cfg, pm))
+
+    replica_run(replica("resumed", 2), pm)
+    resumed = replica_run(replica("resumed", 3), pm)
+    same = comparable(resumed) == comparable(straight)
+    differing = sorted({k for a, b in zip(comparable(resumed), comparable(straight)) for k in a if a.get(k) != b.get(k)})
+    checks.append(Check("resume == uninterrupted (3 steps)", PASS if same else FAIL,
+                        "metrics of every step identical" if same else f"differ in {differing[:6]}"))
+    return checks, note
+
+
+def print_table(checks: list[Check], title: str) -> None:
+    import os
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
+    table = Table(title=title, title_justify="left", show_lines=True)
+    table.add_column("invariant", style="bold", overflow="fold")
+    table.add_column("result")
+    table.add_column("measured", overflow="fold")
+    for check in checks:
+        style = {"pass": "green", "FAIL": "bold red"}.get(check.result, "yellow")
+        table.add_row(check.name, f"[{style}]{check.result}[/{style}]", check.measured)
+    console.print(table)
