@@ -55,6 +55,7 @@ from rlite.training.backend import (
     optimizer_state_bytes_to_come,
 )
 from rlite.training.schedule import build_lr_scheduler
+from rlite.workflows import Action, Environment, SingleTurn
 
 _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
@@ -82,6 +83,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Action",
     "AdvantageInput",
     "BackendCapabilities",
     "Completion",
@@ -95,6 +97,7 @@ __all__ = [
     "EngineCapabilities",
     "EngineContext",
     "EngineError",
+    "Environment",
     "FixedDraft",
     "ForwardSpec",
     "LoraAdapter",
@@ -109,6 +112,7 @@ __all__ = [
     "RunConfig",
     "SamplingParams",
     "ScoringModel",
+    "SingleTurn",
     "SpeculationStats",
     "SpeculativeDraft",
     "TrainTargets",

@@ -31,6 +31,7 @@ from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
 from rlite.stages.targets import TargetsSpec
 from rlite.stages.update import LossSpec
 from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainingBackend
+from rlite.workflows import TurnRunner, turn_format
 
 log = logging.getLogger("rlite")
 
@@ -105,6 +106,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         if not backend.capabilities.critic:
             raise ConfigError(f"algorithm.critic.enabled: the {cfg.parallelism.backend.name!r} backend has no critic")
         critic = backend.build_critic(algo.critic)
+    turns = build_turn_runner(cfg, pm, tokenizer)
     policy_loss, policy_cfg = resolve_choice(pm.registry("policy_loss"), algo.policy_loss)
     corrections = build_corrections(algo.corrections, pm.registry("mismatch_correction"))
     loss_time = needs_current_logprobs(corrections)
@@ -112,7 +114,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         policy_loss=policy_loss,
         policy_cfg=policy_cfg,
         agg_mode=algo.loss_agg_mode,
-        horizon=float(algo.loss_agg_horizon or cfg.rollout.max_new_tokens),
+        horizon=float(algo.loss_agg_horizon or (cfg.rollout.max_response_tokens if turns else cfg.rollout.max_new_tokens)),
         kl_fn=pm.registry("kl_estimator").get(algo.kl.estimator).implementation,
         kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef,
         entropy_coef=algo.entropy_coef,
@@ -195,11 +197,27 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         run.forward.routing = replay_plan(run.routing)
         run.rollouts.record_routing = run.routing is not None
         run.rollouts.use_draft(draft, engine, cfg.rollout.engine.name)
+        run.rollouts.use_workflow(turns)
         run.sync_weights(version=start_step)
     except BaseException:
         engine.shutdown()
         raise
     return run
+
+
+def build_turn_runner(cfg: RunConfig, pm: RlitePluginManager, tokenizer) -> TurnRunner | None:
+    """The runner of a multi-turn ``rollout.workflow`` (``None`` for a single-turn one)."""
+    entry = pm.registry("rollout_workflow").get(cfg.rollout.workflow.name)
+    if entry.metadata.get("single_turn"):
+        return None
+    factory, workflow_cfg = resolve_choice(pm.registry("rollout_workflow"), cfg.rollout.workflow)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        fmt = turn_format(tokenizer, cfg.rollout.observation_role, cfg.data.chat_template, eos)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return TurnRunner(lambda: factory(workflow_cfg, tokenizer), tokenizer, fmt, max_turns=cfg.rollout.max_turns,
+                      max_response_tokens=cfg.rollout.max_response_tokens, workflow=entry.name)
 
 
 def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,

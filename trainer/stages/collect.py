@@ -22,6 +22,7 @@ from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
 from rlite.rewards import RewardRunner
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
+from rlite.workflows import TurnRunner, trajectories_to_completions
 
 
 def sampling_params(rollout: RolloutConfig, *, seed: int, n: int | None = None, greedy: bool = False) -> SamplingParams:
@@ -62,6 +63,8 @@ class Rollouts:
         """The policy's top log-probs per generated token the draft learns from (0: none)."""
         self.speculation: SpeculationStats | None = None
         """What speculative decoding did in this step's rollout (all its rounds; this rank's engine)."""
+        self.turns: TurnRunner | None = None
+        """A multi-turn workflow's runner (:mod:`rlite.workflows`); ``None``: one completion per sample."""
 
     def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
         """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
@@ -79,6 +82,15 @@ class Rollouts:
                 "algorithm.routing_replay=none and algorithm.routing_metrics=false"
             )
         self.speculating, self.top_logprobs = True, int(draft.rollout_top_logprobs)
+
+    def use_workflow(self, runner: TurnRunner | None) -> None:
+        """Sample every trajectory turn by turn against its environment (``None``: single turn)."""
+        if runner is not None and self.record_routing:
+            raise ConfigError(
+                "rollout.workflow: MoE routing replay and routing metrics are not recorded for multi-turn rollouts; "
+                "set algorithm.routing_replay=none and algorithm.routing_metrics=false"
+            )
+        self.turns = runner
 
     @property
     def per_rank(self) -> int:
@@ -148,15 +160,12 @@ class Rollouts:
         params.return_routed_experts = self.record_routing
         params.top_logprobs = self.top_logprobs
         engine = self.engine
+        if self.turns is not None:
+            return self._generate_turns(prompts, params, step, extra_round)
         completions = engine.generate([p.prompt_ids for p in prompts], params)
         if self.speculating:
             self.speculation += engine.speculation_stats()
-        stale = {c.weight_version for c in completions} - {engine.weight_version}
-        if stale or engine.weight_version != step - 1:
-            raise RuntimeError(
-                f"step {step}: the engine sampled with weight version(s) {sorted(stale) or engine.weight_version}, "
-                f"expected {step - 1}: a weight sync was lost"
-            )
+        self.check_versions(completions, step)
         batch = build_rollout_batch(
             [p.prompt_ids for p in prompts],
             completions,
@@ -170,6 +179,40 @@ class Rollouts:
         )
         return batch
 
+    def check_versions(self, completions, step: int) -> None:
+        engine = self.engine
+        stale = {c.weight_version for c in completions} - {engine.weight_version}
+        if stale or engine.weight_version != step - 1:
+            raise RuntimeError(
+                f"step {step}: the engine sampled with weight version(s) {sorted(stale) or engine.weight_version}, "
+                f"expected {step - 1}: a weight sync was lost"
+            )
+
+    def _generate_turns(self, prompts: list, params: SamplingParams, step: int, extra_round: tuple) -> RolloutBatch:
+        """A multi-turn rollout: the trajectories' tokens, sampled (in the loss) and observed (not)."""
+        trajectories = self.run_turns(prompts, params, lambda turn: hash_seed(self.seed, step, self.layout.rank,
+                                                                             *extra_round, 1 << 20 | turn))
+        completions, loss_masks = trajectories_to_completions(trajectories)
+        self.check_versions(completions, step)
+        return self.trajectory_batch(trajectories, prompts, completions, loss_masks)
+
+    def run_turns(self, prompts: list, params: SamplingParams, later_seed):
+        first_seed = params.seed  # the first turn samples as a single-turn rollout would
+        return self.turns.run(self.engine, [p.prompt_ids for p in prompts], [p.row for p in prompts], params,
+                              lambda turn: first_seed if turn == 0 else later_seed(turn))
+
+    def trajectory_batch(self, trajectories, prompts: list, completions, loss_masks) -> RolloutBatch:
+        for row, completion in enumerate(completions):
+            completion.prompt_index = row  # one prompt row per trajectory: its first observation may differ
+        samples = [dict(prompts[t.prompt_index].row, env_reward=t.reward, turns=t.turns) for t in trajectories]
+        batch = build_rollout_batch(
+            [t.context for t in trajectories], completions, samples, group_offset=0,
+            pad_token_id=self.tokenizer.pad_token_id, loss_masks=loss_masks,
+        )  # fmt: skip
+        batch.group_ids = self.layout.rank * self.per_rank + torch.tensor([t.prompt_index for t in trajectories])
+        batch.completion_texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        return batch
+
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         # each sample gets its own copy of the data row plus what length-aware rewards need
         batch.samples = [
@@ -179,6 +222,11 @@ class Rollouts:
         # the leader scores (a reward that times out on one rank must not split the replica)
         scores, stats = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
         batch.scores = torch.tensor(scores, dtype=torch.float32)
+        if self.turns is not None:
+            stats["rollout/turns"] = sum(s["turns"] for s in batch.samples) / max(len(batch), 1)
+            stats["rollout/env_reward"] = sum(s["env_reward"] for s in batch.samples) / max(len(batch), 1)
+            stats["rollout/observation_tokens"] = float(
+                (batch.response_present - batch.response_mask).sum() / max(len(batch), 1))
         return stats
 
     @torch.no_grad()
@@ -194,6 +242,11 @@ class Rollouts:
 
             def score_items(params=params) -> list[float]:
                 # called with no items too: an engine serving several ranks samples them all in one call
+                if self.turns is not None:  # each held-out prompt played through its environment
+                    trajectories = self.run_turns(items, params, lambda turn: hash_seed(params.seed, turn))
+                    texts = self.tokenizer.batch_decode([t.token_ids for t in trajectories], skip_special_tokens=True)
+                    rows = [dict(p.row, env_reward=t.reward, turns=t.turns) for p, t in zip(items, trajectories)]
+                    return self.rewards.score(texts, rows)[0] if items else []
                 completions = self.engine.generate([p.prompt_ids for p in items], params)
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
                 return self.rewards.score(texts, [p.row for p in items])[0] if items else []
