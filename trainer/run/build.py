@@ -25,6 +25,7 @@ from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import build_reward_runner
 from rlite.run.lifecycle import maybe_resume
+from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import Rollouts
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
@@ -167,6 +168,11 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
         engine = make_engine(cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
     timer = StepTimer()
+    try:
+        rollouts = build_rollouts(cfg, engine, sampler, rewards, tokenizer, layout, pm.hook, timer)
+    except BaseException:
+        engine.shutdown()
+        raise
     run = Run(
         config=cfg,
         ctx=ctx,
@@ -176,7 +182,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         eval_prompts=eval_prompts,
         sampler=sampler,
         layout=layout,
-        rollouts=Rollouts(engine, sampler, rewards, tokenizer, cfg.rollout, algo, cfg.training.seed, layout, pm.hook, timer),
+        rollouts=rollouts,
         backend=backend,
         reference=reference,
         critic=critic,
@@ -203,6 +209,25 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         engine.shutdown()
         raise
     return run
+
+
+def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: DataLayout, hooks,
+                   timer: StepTimer) -> Rollouts:
+    """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``)."""
+    args = (engine, sampler, rewards, tokenizer, cfg.rollout, cfg.algorithm, cfg.training.seed, layout, hooks, timer)
+    mode = cfg.rollout.mode
+    if mode == "sync":
+        return Rollouts(*args)
+    if layout.size > 1 or layout.replica_size > 1:
+        raise ConfigError(f"rollout.mode={mode}: asynchronous rollouts run in one process only so far; use rollout.mode=sync")
+    overlaps = mode == "one_step_off" or cfg.rollout.max_staleness > 0
+    if overlaps and engine.capabilities.shares_weights:
+        raise ConfigError(
+            f"rollout.mode={mode}: the engine samples while the trainer updates, so it needs its own copy of the "
+            "weights; set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true)"
+        )
+    return AsyncRollouts(*args, mode=mode, max_staleness=cfg.rollout.max_staleness, last_step=cfg.training.steps,
+                         wait_timeout_s=cfg.rollout.timeout_s)
 
 
 def build_turn_runner(cfg: RunConfig, pm: RlitePluginManager, tokenizer) -> TurnRunner | None:

@@ -12,6 +12,8 @@ them back. An evaluation runs between a sync and the next rollout, on memory the
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rlite.config import AlgorithmConfig, ConfigError, RolloutConfig
@@ -103,6 +105,16 @@ class Rollouts:
         if layout.replica_size == 1:
             return make()
         return broadcast_object(make() if layout.leader else None, layout.replica_leader, layout.replica_group)
+
+    def exclusive_engine(self, version: int):
+        """A context that holds the engine for a weight sync to ``version`` (asynchronous rollouts)."""
+        return contextlib.nullcontext()
+
+    def weights_synced(self, version: int) -> None:
+        """The engine samples with ``version`` from now on (asynchronous rollouts wait for it)."""
+
+    def close(self) -> None:
+        """Stop whatever samples in the background (asynchronous rollouts)."""
 
     def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's batch of the step (:meth:`sample`), then the engine releases its memory: the
