@@ -80,6 +80,10 @@ class RolloutBatch:
     response_attention_mask: torch.Tensor | None = None
     """[B, T] 1 for every real response token, sampled or observed (multi-turn, :mod:`rlite.workflows`);
     ``None``: every response token is sampled, and this equals ``response_mask``."""
+    token_weight_versions: torch.Tensor | None = None
+    """[B, T] the weight version that sampled each response token (-1 on observations and padding), for
+    multi-turn rollouts, whose later turns may be sampled after a weight sync (asynchronous rollouts);
+    ``None``: every token has its sample's ``weight_versions`` entry."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -110,6 +114,7 @@ class RolloutBatch:
             policy_top_logprobs=None if self.policy_top_logprobs is None else self.policy_top_logprobs[idx],
             response_attention_mask=None if self.response_attention_mask is None
             else self.response_attention_mask[idx],
+            token_weight_versions=None if self.token_weight_versions is None else self.token_weight_versions[idx],
         )
 
     @property
@@ -291,6 +296,8 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         else cat([right3(b.policy_top_logprobs) for b in batches]),
         response_attention_mask=None if all(b.response_attention_mask is None for b in batches)
         else cat([right(b.response_present, 0) for b in batches]),
+        token_weight_versions=None if any(b.token_weight_versions is None for b in batches)
+        else cat([right(b.token_weight_versions, -1) for b in batches]),
     )
 
 

@@ -175,8 +175,11 @@ class TurnRunner:
         )
 
     def run(self, engine: RolloutEngine, prompts: list[list[int]], samples: list[dict[str, Any]],
-            params: SamplingParams, seed_of_turn: Callable[[int], int]) -> list[Trajectory]:
-        """``params.n`` trajectories per prompt (grouped by prompt, in order)."""
+            params: SamplingParams, seed_of_turn: Callable[[int], int],
+            between_turns: Callable[[], None] | None = None) -> list[Trajectory]:
+        """``params.n`` trajectories per prompt (grouped by prompt, in order). ``between_turns()`` runs
+        after every turn but the last: asynchronous rollouts let a weight sync in there, and the next
+        turns sample with the new weights (each token's version is recorded)."""
         n = params.n
         trajectories = []
         for index, (prompt, sample) in enumerate(zip(prompts, samples)):
@@ -188,6 +191,8 @@ class TurnRunner:
             live = [t for t in trajectories if not t.done]
             if not live:
                 break
+            if turn and between_turns is not None:
+                between_turns()
             turn_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed_of_turn(turn)})
             for t, completion in self._sample(engine, live, turn, params.n, turn_params):
                 self._answer(t, completion, turn)
@@ -259,10 +264,11 @@ def uniform_groups(group: list[Trajectory], n: int) -> bool:
 
 
 def trajectories_to_completions(trajectories: list[Trajectory]) -> tuple[list[Completion], list[list[int]]]:
-    """The trajectories as completions (all response tokens; log-prob 0 on observations) and their loss masks."""
+    """The trajectories as completions (all response tokens; log-prob 0 on observations) and their loss
+    masks. A completion's weight version is its oldest token's (the staleness bound holds for every token)."""
     completions = [
         Completion(t.prompt_index, t.token_ids, t.logprobs, t.finish_reason,
-                   max(t.weight_versions) if t.weight_versions else 0)
+                   min((v for v in t.weight_versions if v >= 0), default=0))
         for t in trajectories
     ]  # fmt: skip
     return completions, [t.loss_mask for t in trajectories]

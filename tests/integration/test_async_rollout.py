@@ -91,3 +91,45 @@ def test_async_needs_an_engine_with_its_own_weights(tmp_path, model_dir):
         tiny_config(model_dir, tmp_path, "rollout.mode=later", pm=pm)
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         tiny_config(model_dir, tmp_path, "rollout.max_staleness=-1", pm=pm)
+
+
+class ThreeTurns:
+    def reset(self, sample):
+        return None
+
+    def step(self, action):
+        return "go on", 0.0, action.turn == 2
+
+
+def test_multiturn_async_records_each_tokens_version_within_the_bound(tmp_path, model_dir):
+    pm = build_plugin_manager(autoload=False)
+    seen = []
+
+    class Plugin(Recorder):
+        @hookimpl
+        def register_rollout_workflows(self, register):
+            register("three_turns", lambda cfg, tokenizer: ThreeTurns())
+
+        @hookimpl
+        def after_rewards(self, step, batch):
+            seen.append((step, batch.token_weight_versions.clone(), batch.response_mask.clone(),
+                         batch.response_present.clone(), list(batch.weight_versions)))  # fmt: skip
+
+    pm.register(Plugin(), name="recorder")
+    cfg = tiny_config(model_dir, tmp_path, "rewards=[digits]", "training.lr=3e-3", "rollout.workflow=three_turns",
+                      "rollout.max_turns=3", "rollout.max_response_tokens=64", "training.steps=6",
+                      "rollout.mode=async", "rollout.max_staleness=2", "rollout.engine.args.share_weights=false",
+                      pm=pm)  # fmt: skip
+    run_training(cfg, pm)
+    assert [s for s, *_ in seen] == list(range(1, 7))
+    for step, versions, loss_mask, present, sample_versions in seen:
+        sampled = loss_mask.bool()
+        assert (versions[~sampled] == -1).all()  # observations and padding have no version
+        for row in range(versions.shape[0]):
+            row_versions = versions[row][sampled[row]].tolist()
+            assert row_versions == sorted(row_versions)  # a sync between turns only moves forward
+            assert sample_versions[row] == min(row_versions)
+            assert step - 1 - 2 <= min(row_versions) and max(row_versions) <= step - 1
+        assert (present.bool() & ~sampled).any()  # there are observations inside
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    assert all(0.0 <= r["rollout/partial_fraction"] <= 1.0 and r["rollout/staleness_max"] <= 2 for r in rows)

@@ -281,3 +281,44 @@ def test_workflow_config_is_checked(tmp_path, model_dir):
         tiny_config(model_dir, tmp_path, "rollout.max_turns=0", pm=pm)
     cfg = tiny_config(model_dir, tmp_path, "rollout.workflow={name: arithmetic_chain, args: {steps: 2}}", pm=pm)
     assert cfg.rollout.workflow.args == {"steps": 2, "digits": 2}
+
+
+def test_a_weight_update_between_turns_resumes_under_the_new_weights(model_dir, tokenizer):
+    """Partial rollouts at turn granularity: a sync between two turns (what asynchronous rollouts let
+    in) makes the next turns sample from the new weights, and every token records its version."""
+    kwargs = dict(pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id], share_weights=False)
+    engine = TransformersEngine.from_pretrained(model_dir, **kwargs)
+    versions = []
+
+    def perturbed(version: int):
+        g = torch.Generator().manual_seed(version)
+        return [(name, p.detach() + 0.2 * torch.randn(p.shape, generator=g))
+                for name, p in engine.model.named_parameters()]  # fmt: skip
+
+    def sync_between_turns():
+        version = engine.weight_version + 1
+        weights = perturbed(version)
+        versions.append((version, weights))
+        engine.update_weights(weights, version)
+
+    fmt = turn_format(tokenizer, "user", True, [tokenizer.eos_token_id])
+    runner = TurnRunner(Echo, tokenizer, fmt, max_turns=3, max_response_tokens=200)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=9)
+    spy = SpyEngine(engine)
+    trajectories = runner.run(spy, [encode(tokenizer, "5+5=")], [{}], params, lambda turn: 30 + turn, sync_between_turns)
+    assert [v for v, _ in versions] == [1, 2]
+    for t in trajectories:
+        turn_of_token, turn = [], 0
+        for i, m in enumerate(t.loss_mask):
+            turn += i > 0 and m == 1 and t.loss_mask[i - 1] == 0
+            turn_of_token.append(turn if m else -1)
+        assert t.weight_versions == turn_of_token  # turn k sampled with version k, observations -1
+    completions, _ = trajectories_to_completions(trajectories)
+    assert all(c.weight_version == 0 for c in completions)  # a sample's version is its oldest token's
+    # turn 2 is what an engine holding version 2 from the start samples from the same contexts
+    fresh = TransformersEngine.from_pretrained(model_dir, **kwargs)
+    fresh.update_weights(versions[1][1], 2)
+    prompts = spy.calls[2][0]
+    again = fresh.generate(prompts, SamplingParams(n=1, max_new_tokens=6, temperature=1.0, seed=32))
+    assert [c.token_ids for c in again] == spy.calls[2][2]
+    assert [c.logprobs for c in again] == spy.calls[2][3]

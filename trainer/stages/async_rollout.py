@@ -16,13 +16,17 @@ version ``v`` has staleness ``s - 1 - v``.
   overlaps and the batches are those of ``sync``, bitwise.
 
 The engine is used by one thread at a time (a lock): a weight sync or an evaluation waits for the
-generation in flight to finish (no partial rollouts). Every sample keeps the version it was drawn with
+generation in flight to finish. In ``async`` mode a multi-turn rollout lets a pending weight sync in
+between two turns (a partial rollout): its later turns sample with the new weights, and every token's
+version is recorded (``RolloutBatch.token_weight_versions``); a sample's version is its oldest token's,
+so the bound holds for every token. A single engine call is never interrupted. Every sample keeps the version it was drawn with
 (``RolloutBatch.weight_versions``); its log-probs are the behaviour policy's, which is what the
 mismatch corrections compare the trainer's log-probs against (``docs/multiturn.md``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 
@@ -56,6 +60,19 @@ class AsyncRollouts(Rollouts):
         self.batches: queue.Queue = queue.Queue()
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.sync_pending = threading.Event()
+        if mode == "async" and self.max_staleness > 0:
+            self.between_turns = self._let_sync_in
+
+    def _let_sync_in(self) -> None:
+        """Between two turns of the producer's multi-turn rollout: a waiting weight sync goes first."""
+        if not self.sync_pending.is_set():
+            return
+        self.engine_lock.release()
+        try:
+            self._wait_for(lambda: not self.sync_pending.is_set())
+        finally:
+            self.engine_lock.acquire()
 
     # -- the producer -----------------------------------------------------------------------------
     def _wait_for(self, ready) -> bool:
@@ -104,6 +121,9 @@ class AsyncRollouts(Rollouts):
         if produced != step:
             raise RuntimeError(f"step {step}: the producer delivered the batch of step {produced}")
         metrics = staleness_metrics(batch, step)
+        if batch.token_weight_versions is not None:  # samples whose turns span a weight sync
+            mixed = [len(set(row[row >= 0].tolist())) > 1 for row in batch.token_weight_versions]
+            metrics["rollout/partial_fraction"] = sum(mixed) / max(len(mixed), 1)
         if metrics["rollout/staleness_max"] > self.max_staleness:
             raise RuntimeError(
                 f"step {step}: a sample is {metrics['rollout/staleness_max']:g} weight versions old, "
@@ -116,19 +136,29 @@ class AsyncRollouts(Rollouts):
         versions = {c.weight_version for c in completions}
         oldest = self._oldest_version(step)
         exact = self.mode == "one_step_off"
-        if versions - {engine.weight_version} or not oldest <= engine.weight_version <= (oldest if exact else step - 1):
+        newest = oldest if exact else step - 1
+        # a multi-turn sample's version is its oldest token's; the engine may have moved on since
+        if not all(oldest <= v <= newest for v in versions | {engine.weight_version}):
             raise RuntimeError(
                 f"step {step}: the engine sampled with weight version(s) {sorted(versions)}, expected "
                 f"{oldest if exact else f'{oldest}..{step - 1}'} ({self.mode}): a weight sync was lost"
             )
 
     # -- the trainer's side -------------------------------------------------------------------------
+    @contextlib.contextmanager
     def exclusive_engine(self, version: int):
         """Hold the engine for a weight sync to ``version``; in ``one_step_off`` only once the batch
         drawn with the version before it is complete."""
         if self.mode == "one_step_off" and self.thread is not None and version + 1 <= self.last_step:
             self._wait_for(lambda: self.produced >= version + 1 or not self.thread.is_alive())
-        return self.engine_lock
+        self.sync_pending.set()
+        try:
+            with self.engine_lock:
+                yield
+        finally:
+            self.sync_pending.clear()
+            with self.versions:
+                self.versions.notify_all()
 
     def weights_synced(self, version: int) -> None:
         with self.versions:

@@ -67,6 +67,8 @@ class Rollouts:
         """What speculative decoding did in this step's rollout (all its rounds; this rank's engine)."""
         self.turns: TurnRunner | None = None
         """A multi-turn workflow's runner (:mod:`rlite.workflows`); ``None``: one completion per sample."""
+        self.between_turns = None
+        """Called between the turns of a multi-turn rollout (asynchronous rollouts let a weight sync in)."""
 
     def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
         """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
@@ -203,15 +205,16 @@ class Rollouts:
     def _generate_turns(self, prompts: list, params: SamplingParams, step: int, extra_round: tuple) -> RolloutBatch:
         """A multi-turn rollout: the trajectories' tokens, sampled (in the loss) and observed (not)."""
         trajectories = self.run_turns(prompts, params, lambda turn: hash_seed(self.seed, step, self.layout.rank,
-                                                                             *extra_round, 1 << 20 | turn))
+                                                                             *extra_round, 1 << 20 | turn),
+                                      self.between_turns)
         completions, loss_masks = trajectories_to_completions(trajectories)
         self.check_versions(completions, step)
         return self.trajectory_batch(trajectories, prompts, completions, loss_masks)
 
-    def run_turns(self, prompts: list, params: SamplingParams, later_seed):
+    def run_turns(self, prompts: list, params: SamplingParams, later_seed, between_turns=None):
         first_seed = params.seed  # the first turn samples as a single-turn rollout would
         return self.turns.run(self.engine, [p.prompt_ids for p in prompts], [p.row for p in prompts], params,
-                              lambda turn: first_seed if turn == 0 else later_seed(turn))
+                              lambda turn: first_seed if turn == 0 else later_seed(turn), between_turns)
 
     def trajectory_batch(self, trajectories, prompts: list, completions, loss_masks) -> RolloutBatch:
         for row, completion in enumerate(completions):
@@ -222,6 +225,10 @@ class Rollouts:
             pad_token_id=self.tokenizer.pad_token_id, loss_masks=loss_masks,
         )  # fmt: skip
         batch.group_ids = self.layout.rank * self.per_rank + torch.tensor([t.prompt_index for t in trajectories])
+        versions = torch.full(batch.response_ids.shape, -1, dtype=torch.long)
+        for row, t in enumerate(trajectories):
+            versions[row, : len(t.weight_versions)] = torch.tensor(t.weight_versions, dtype=torch.long)
+        batch.token_weight_versions = versions
         batch.completion_texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return batch
 
