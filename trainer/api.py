@@ -56,6 +56,7 @@ from rlite.training.backend import (
     optimizer_state_bytes_to_come,
 )
 from rlite.training.schedule import build_lr_scheduler
+from rlite.workflows import Action, Environment, SingleTurn
 
 _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
@@ -85,6 +86,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Action",
     "AdvantageInput",
     "BackendCapabilities",
     "Completion",
@@ -99,6 +101,7 @@ __all__ = [
     "EngineContext",
     "EngineDied",
     "EngineError",
+    "Environment",
     "FixedDraft",
     "ForwardSpec",
     "LoraAdapter",
@@ -113,6 +116,7 @@ __all__ = [
     "RunConfig",
     "SamplingParams",
     "ScoringModel",
+    "SingleTurn",
     "SpeculationStats",
     "SpeculativeDraft",
     "TrainTargets",

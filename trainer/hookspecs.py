@@ -173,6 +173,22 @@ def register_rollout_engines(register: Register) -> None:
 
 
 @hookspec
+def register_rollout_workflows(register: Register) -> None:
+    """Register rollout workflows (environments), selected by ``rollout.workflow.name``.
+
+    :param register: call ``register(name, factory, config_cls)``. ``factory(cfg, tokenizer)`` is called
+        once per trajectory and returns an environment (:class:`rlite.api.Environment`):
+        ``reset(sample) -> first observation`` (None, text, or token ids appended to the prompt) and
+        ``step(action) -> (observation, reward, done)`` after every sampled turn, where ``action`` is an
+        :class:`rlite.api.Action` (the sampled token ids and their text). Observations are appended as
+        tokens between the chat template's turn separators and masked out of the loss; rewards are
+        summed into ``sample["env_reward"]`` (the ``env_reward`` reward function). Pass
+        ``single_turn=True`` for a workflow whose environment always stops after one turn with no
+        reward: the loop then samples it with one engine call, as a plain rollout.
+    """
+
+
+@hookspec
 def register_reward_functions(register: Register) -> None:
     """Register reward functions, selected by ``rewards[*].name``.
 

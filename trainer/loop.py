@@ -99,8 +99,9 @@ def train(run: Run) -> dict[str, Any]:
                 train_metrics.update(run.draft.update(batch))
 
         # 5. the engine samples the next batch from exactly these weights
-        with timer.phase("weight_sync"):
+        with timer.phase("weight_sync"), run.rollouts.exclusive_engine(step):  # async: not mid-generation
             run.sync_weights(version=step)
+        run.rollouts.weights_synced(step)
         hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
 
         # 6. metrics, evaluation, then checkpoint
@@ -174,6 +175,7 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[s
         except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
             raise stop_after_engine_failure(run, failure) from None
         finally:
+            run.rollouts.close()
             run.engine.shutdown()
             run.backend.close()
         finished = True

@@ -50,7 +50,8 @@ class RolloutBatch:
     response_ids: torch.Tensor
     """[B, T] generated tokens, right-padded."""
     response_mask: torch.Tensor
-    """[B, T] 1 for tokens that count in the loss."""
+    """[B, T] 1 for tokens that count in the loss (the sampled ones: a multi-turn response has zero
+    spans inside, where an environment's observation tokens sit)."""
     rollout_logprobs: torch.Tensor
     """[B, T] log-probs reported by the engine."""
     group_ids: torch.Tensor
@@ -85,6 +86,13 @@ class RolloutBatch:
     them while sampling (``SamplingParams.top_logprobs``: a draft distils from them); ``None`` unless asked."""
     policy_top_logprobs: torch.Tensor | None = None
     """[B, T, k] their log-probs (``log_softmax(logits / temperature)``; 0 after each response)."""
+    response_attention_mask: torch.Tensor | None = None
+    """[B, T] 1 for every real response token, sampled or observed (multi-turn, :mod:`rlite.workflows`);
+    ``None``: every response token is sampled, and this equals ``response_mask``."""
+    token_weight_versions: torch.Tensor | None = None
+    """[B, T] the weight version that sampled each response token (-1 on observations and padding), for
+    multi-turn rollouts, whose later turns may be sampled after a weight sync (asynchronous rollouts);
+    ``None``: every token has its sample's ``weight_versions`` entry."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -117,7 +125,15 @@ class RolloutBatch:
             routed_experts=None if self.routed_experts is None else self.routed_experts[idx],
             policy_top_ids=None if self.policy_top_ids is None else self.policy_top_ids[idx],
             policy_top_logprobs=None if self.policy_top_logprobs is None else self.policy_top_logprobs[idx],
+            response_attention_mask=None if self.response_attention_mask is None
+            else self.response_attention_mask[idx],
+            token_weight_versions=None if self.token_weight_versions is None else self.token_weight_versions[idx],
         )
+
+    @property
+    def response_present(self) -> torch.Tensor:
+        """[B, T] 1 for every real response token (sampled or observed)."""
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
 
 
 def build_rollout_batch(
@@ -127,10 +143,13 @@ def build_rollout_batch(
     group_offset: int,
     pad_token_id: int,
     fixed_width: int | None = None,
+    loss_masks: list[list[int]] | None = None,
 ) -> RolloutBatch:
     """Pack engine completions (grouped by prompt) into padded tensors.
 
     ``fixed_width`` pads responses to exactly that many columns (true on-policy layout).
+    ``loss_masks``: per completion, 1 for its sampled tokens and 0 for observation tokens (multi-turn);
+    the batch's ``response_mask`` is then these and ``response_attention_mask`` marks every token.
     """
     prompt_rows = [prompts[c.prompt_index] for c in completions]
     prompt_ids, prompt_mask = left_pad(prompt_rows, pad_token_id)
@@ -144,6 +163,14 @@ def build_rollout_batch(
             response_ids[row, :n] = torch.tensor(comp.token_ids, dtype=torch.long)
             response_mask[row, :n] = 1.0
             rollout_logprobs[row, :n] = torch.tensor(comp.logprobs, dtype=torch.float32)
+    attention = None
+    if loss_masks is not None:
+        attention = response_mask
+        response_mask = torch.zeros_like(attention)
+        for row, mask in enumerate(loss_masks):
+            if len(mask) != len(completions[row].token_ids):
+                raise ValueError(f"loss mask of completion {row}: {len(mask)} entries for {len(completions[row].token_ids)} tokens")
+            response_mask[row, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
     return RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -155,6 +182,7 @@ def build_rollout_batch(
         samples=[samples[c.prompt_index] for c in completions],
         weight_versions=[c.weight_version for c in completions],
         routed_experts=routing_grid(completions, [len(r) for r in prompt_rows], prompt_ids.shape[1], width),
+        response_attention_mask=attention,
         **top_logprobs_grid(completions, width),
     )
 
@@ -215,19 +243,19 @@ def model_inputs(batch: RolloutBatch, *, exact_layout: bool = False) -> ModelInp
     causal attention makes columns after a token irrelevant to its log-prob.
     """
     prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
-    response_ids, response_mask = batch.response_ids, batch.response_mask
+    response_ids, response_mask, present = batch.response_ids, batch.response_mask, batch.response_present
     routing = batch.routed_experts
     if exact_layout:
         attn_response = torch.ones_like(response_ids)
     else:
         first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else 0
-        width = max(1, int(response_mask.sum(-1).max().item()))
+        width = max(1, int(present.sum(-1).max().item()))
         if routing is not None:
             width_p = prompt_ids.shape[1]
             routing = torch.cat([routing[:, first:width_p], routing[:, width_p : width_p + width]], dim=1)
         prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
         response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
-        attn_response = response_mask.long()
+        attn_response = present[:, :width].long()
     attention_mask = torch.cat([prompt_mask.long(), attn_response.long()], dim=1)
     return ModelInputs(
         input_ids=torch.cat([prompt_ids, response_ids], dim=1),
@@ -285,6 +313,10 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         policy_top_ids=None if batches[0].policy_top_ids is None else cat([right3(b.policy_top_ids) for b in batches]),
         policy_top_logprobs=None if batches[0].policy_top_logprobs is None
         else cat([right3(b.policy_top_logprobs) for b in batches]),
+        response_attention_mask=None if all(b.response_attention_mask is None for b in batches)
+        else cat([right(b.response_present, 0) for b in batches]),
+        token_weight_versions=None if any(b.token_weight_versions is None for b in batches)
+        else cat([right(b.token_weight_versions, -1) for b in batches]),
     )
 
 

@@ -119,6 +119,10 @@ def test_hook_register_reward_functions(pm, temp_plugin) -> None:
     check_registration(pm, temp_plugin, "register_reward_functions", "reward_function")
 
 
+def test_hook_register_rollout_workflows(pm, temp_plugin) -> None:
+    check_registration(pm, temp_plugin, "register_rollout_workflows", "rollout_workflow")
+
+
 def test_hook_register_loggers(pm, temp_plugin) -> None:
     check_registration(pm, temp_plugin, "register_loggers", "logger", config_cls=None)
 

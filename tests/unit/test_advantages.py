@@ -557,3 +557,18 @@ def test_remax_registration_declares_the_greedy_rollout() -> None:
     registry = build_plugin_manager(autoload=False).registry("advantage_estimator")
     assert registry.get("remax").metadata.get("needs_greedy_baseline") is True
     assert not registry.get("grpo").metadata.get("needs_greedy_baseline")
+
+
+def test_gae_skips_observation_spans_as_if_they_were_not_there() -> None:
+    """A multi-turn response: GAE over a row with observation tokens (mask 0) inside equals GAE over
+    the same row with those tokens removed, and is 0 on them."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 1]], dtype=torch.float32)
+    values = torch.randn(1, 9, generator=g)
+    rewards = A.per_token_rewards(torch.tensor([0.7]), mask, torch.randn(1, 9, generator=g) * 0.1)
+    advantages, returns = A.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    keep = mask[0].bool()
+    compact_a, compact_r = A.gae(rewards[:, keep], values[:, keep], None, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(advantages[:, keep], compact_a)
+    torch.testing.assert_close(returns[:, keep], compact_r)
+    assert advantages[:, ~keep].abs().sum() == 0 and returns[:, ~keep].abs().sum() == 0

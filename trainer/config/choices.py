@@ -30,6 +30,7 @@ REGISTRY_KINDS: dict[str, ChoiceKind] = {
     "speculative_draft": ChoiceKind("register_speculative_drafts", "rollout.draft", optional=True),
     "training_backend": ChoiceKind("register_training_backends", "parallelism.backend"),
     "rollout_engine": ChoiceKind("register_rollout_engines", "rollout.engine"),
+    "rollout_workflow": ChoiceKind("register_rollout_workflows", "rollout.workflow"),
     "reward_function": ChoiceKind("register_reward_functions", "rewards", many=True),
     "logger": ChoiceKind("register_loggers", "logging.loggers", many=True),
 }

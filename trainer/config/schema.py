@@ -204,14 +204,32 @@ class RolloutConfig:
     """With LoRA: ``merged`` sends W + scale * B @ A to the engine; ``adapter`` sends only the adapter (engines that serve adapters, e.g. sglang)."""
     true_on_policy: bool = False
     """Sample with the trainer's own fixed-shape forward so rollout log-probs equal the trainer's bitwise (slow; transformers engine)."""
+    workflow: Choice = field(default_factory=lambda: Choice("single_turn"))
+    """Rollout workflow: ``single_turn`` (one completion per sample) or an environment that answers every
+    sampled turn over several turns (``calculator``, ``arithmetic_chain``, plugins; ``docs/multiturn.md``)."""
+    max_turns: int = 4
+    """Multi-turn workflows: the most sampled turns per trajectory (each up to ``max_new_tokens``)."""
+    max_response_tokens: int = 256
+    """Multi-turn workflows: the token budget of a whole response, sampled and observation tokens together."""
+    observation_role: str = "user"
+    """Multi-turn workflows: the chat-template role of the environment's messages (``user``, ``tool``, ...)."""
+    mode: str = "sync"
+    """``sync``: each step samples from the weights it trains; ``one_step_off``: the next batch is sampled
+    while the trainer trains, one weight version behind; ``async``: sampled ahead, at most ``max_staleness``
+    versions behind (``docs/multiturn.md``)."""
+    max_staleness: int = 1
+    """``rollout.mode=async``: the most weight versions a sample may lag the weights it trains (0: none)."""
 
     def __post_init__(self) -> None:
-        for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "sync_bucket_mb"):
+        for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "sync_bucket_mb", "max_turns",
+                    "max_response_tokens"):
             _check(getattr(self, key) > 0, f"rollout.{key} must be positive, got {getattr(self, key)}")
         _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check_choice("rollout.lora_sync", self.lora_sync, ("merged", "adapter"))
         _check(self.engine_restarts >= 0, f"rollout.engine_restarts must be >= 0, got {self.engine_restarts}")
+        _check_choice("rollout.mode", self.mode, ("sync", "one_step_off", "async"))
+        _check(self.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,12 +33,14 @@ from rlite.rewards import build_reward_runner
 from rlite.run.faults import Preemption
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.samples import SampleWriter
+from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import Rollouts
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
 from rlite.stages.targets import TargetsSpec
 from rlite.stages.update import LossSpec
 from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainingBackend
+from rlite.workflows import TurnRunner, turn_format
 
 log = logging.getLogger("rlite")
 
@@ -130,6 +132,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         if not backend.capabilities.critic:
             raise ConfigError(f"algorithm.critic.enabled: the {cfg.parallelism.backend.name!r} backend has no critic")
         critic = backend.build_critic(algo.critic)
+    turns = build_turn_runner(cfg, pm, tokenizer)
     policy_loss, policy_cfg = resolve_choice(pm.registry("policy_loss"), algo.policy_loss)
     corrections = build_corrections(algo.corrections, pm.registry("mismatch_correction"))
     loss_time = needs_current_logprobs(corrections)
@@ -137,7 +140,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         policy_loss=policy_loss,
         policy_cfg=policy_cfg,
         agg_mode=algo.loss_agg_mode,
-        horizon=float(algo.loss_agg_horizon or cfg.rollout.max_new_tokens),
+        horizon=float(algo.loss_agg_horizon or (cfg.rollout.max_response_tokens if turns else cfg.rollout.max_new_tokens)),
         kl_fn=pm.registry("kl_estimator").get(algo.kl.estimator).implementation,
         kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef,
         entropy_coef=algo.entropy_coef,
@@ -201,6 +204,11 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         if ctx.world_size == 1:  # the re-sync after a restart is this rank's alone (several: a death stops the run)
             engine = SupervisedEngine(engine, start, cfg.rollout.engine_restarts)
     timer = StepTimer()
+    try:
+        rollouts = build_rollouts(cfg, engine, sampler, rewards, tokenizer, layout, pm.hook, timer)
+    except BaseException:
+        engine.shutdown()
+        raise
     run = Run(
         config=cfg,
         ctx=ctx,
@@ -210,7 +218,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         eval_prompts=eval_prompts,
         sampler=sampler,
         layout=layout,
-        rollouts=Rollouts(engine, sampler, rewards, tokenizer, cfg.rollout, algo, cfg.training.seed, layout, pm.hook, timer),
+        rollouts=rollouts,
         backend=backend,
         reference=reference,
         critic=critic,
@@ -242,6 +250,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         run.rollouts.record_routing = run.routing is not None
         run.rollouts.accuracy_threshold = cfg.training.accuracy_threshold
         run.rollouts.use_draft(draft, engine, cfg.rollout.engine.name)
+        run.rollouts.use_workflow(turns)
         run.sync_weights(version=start_step)
     except BaseException:
         engine.shutdown()
@@ -312,6 +321,40 @@ def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, run
         record["resumed_from"] = {"step": start_step,
                                   "provenance": read_checkpoint_record(loaded) if loaded is not None else None}
     return record
+
+
+def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: DataLayout, hooks,
+                   timer: StepTimer) -> Rollouts:
+    """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``)."""
+    args = (engine, sampler, rewards, tokenizer, cfg.rollout, cfg.algorithm, cfg.training.seed, layout, hooks, timer)
+    mode = cfg.rollout.mode
+    if mode == "sync":
+        return Rollouts(*args)
+    if layout.size > 1 or layout.replica_size > 1:
+        raise ConfigError(f"rollout.mode={mode}: asynchronous rollouts run in one process only so far; use rollout.mode=sync")
+    overlaps = mode == "one_step_off" or cfg.rollout.max_staleness > 0
+    if overlaps and engine.capabilities.shares_weights:
+        raise ConfigError(
+            f"rollout.mode={mode}: the engine samples while the trainer updates, so it needs its own copy of the "
+            "weights; set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true)"
+        )
+    return AsyncRollouts(*args, mode=mode, max_staleness=cfg.rollout.max_staleness, last_step=cfg.training.steps,
+                         wait_timeout_s=cfg.rollout.timeout_s)
+
+
+def build_turn_runner(cfg: RunConfig, pm: RlitePluginManager, tokenizer) -> TurnRunner | None:
+    """The runner of a multi-turn ``rollout.workflow`` (``None`` for a single-turn one)."""
+    entry = pm.registry("rollout_workflow").get(cfg.rollout.workflow.name)
+    if entry.metadata.get("single_turn"):
+        return None
+    factory, workflow_cfg = resolve_choice(pm.registry("rollout_workflow"), cfg.rollout.workflow)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        fmt = turn_format(tokenizer, cfg.rollout.observation_role, cfg.data.chat_template, eos)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return TurnRunner(lambda: factory(workflow_cfg, tokenizer), tokenizer, fmt, max_turns=cfg.rollout.max_turns,
+                      max_response_tokens=cfg.rollout.max_response_tokens, workflow=entry.name)
 
 
 def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,

@@ -14,6 +14,8 @@ them back. An evaluation runs between a sync and the next rollout, on memory the
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rlite.config import AlgorithmConfig, ConfigError, RolloutConfig
@@ -26,6 +28,7 @@ from rlite.rewards import RewardRunner
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
 from rlite.samples import eval_sample_rows
 from rlite.tasks import DEFAULT_ACCURACY_THRESHOLD, is_correct
+from rlite.workflows import TurnRunner, trajectories_to_completions
 
 
 def sampling_params(rollout: RolloutConfig, *, seed: int, n: int | None = None, greedy: bool = False) -> SamplingParams:
@@ -75,6 +78,10 @@ class Rollouts:
         self.greedy_baseline = False
         """Also generate one greedy completion per prompt and score it (``batch.baseline_scores``): the
         advantage estimator registered with ``needs_greedy_baseline=True`` (ReMax)."""
+        self.turns: TurnRunner | None = None
+        """A multi-turn workflow's runner (:mod:`rlite.workflows`); ``None``: one completion per sample."""
+        self.between_turns = None
+        """Called between the turns of a multi-turn rollout (asynchronous rollouts let a weight sync in)."""
 
     def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
         """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
@@ -93,6 +100,15 @@ class Rollouts:
             )
         self.speculating, self.top_logprobs = True, int(draft.rollout_top_logprobs)
 
+    def use_workflow(self, runner: TurnRunner | None) -> None:
+        """Sample every trajectory turn by turn against its environment (``None``: single turn)."""
+        if runner is not None and self.record_routing:
+            raise ConfigError(
+                "rollout.workflow: MoE routing replay and routing metrics are not recorded for multi-turn rollouts; "
+                "set algorithm.routing_replay=none and algorithm.routing_metrics=false"
+            )
+        self.turns = runner
+
     @property
     def per_rank(self) -> int:
         """Prompts per data-parallel shard."""
@@ -104,6 +120,16 @@ class Rollouts:
         if layout.replica_size == 1:
             return make()
         return broadcast_object(make() if layout.leader else None, layout.replica_leader, layout.replica_group)
+
+    def exclusive_engine(self, version: int):
+        """A context that holds the engine for a weight sync to ``version`` (asynchronous rollouts)."""
+        return contextlib.nullcontext()
+
+    def weights_synced(self, version: int) -> None:
+        """The engine samples with ``version`` from now on (asynchronous rollouts wait for it)."""
+
+    def close(self) -> None:
+        """Stop whatever samples in the background (asynchronous rollouts)."""
 
     def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's batch of the step (:meth:`sample`), then the engine releases its memory: the
@@ -161,15 +187,12 @@ class Rollouts:
         params.return_routed_experts = self.record_routing
         params.top_logprobs = self.top_logprobs
         engine = self.engine
+        if self.turns is not None:
+            return self._generate_turns(prompts, params, step, extra_round)
         completions = engine.generate([p.prompt_ids for p in prompts], params)
         if self.speculating:
             self.speculation += engine.speculation_stats()
-        stale = {c.weight_version for c in completions} - {engine.weight_version}
-        if stale or engine.weight_version != step - 1:
-            raise RuntimeError(
-                f"step {step}: the engine sampled with weight version(s) {sorted(stale) or engine.weight_version}, "
-                f"expected {step - 1}: a weight sync was lost"
-            )
+        self.check_versions(completions, step)
         batch = build_rollout_batch(
             [p.prompt_ids for p in prompts],
             completions,
@@ -187,6 +210,45 @@ class Rollouts:
             texts = self.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
             # scored with the samples in score(); kept per prompt until then
             batch.baseline_texts = [texts[c.prompt_index] for c in completions]
+        return batch
+
+    def check_versions(self, completions, step: int) -> None:
+        engine = self.engine
+        stale = {c.weight_version for c in completions} - {engine.weight_version}
+        if stale or engine.weight_version != step - 1:
+            raise RuntimeError(
+                f"step {step}: the engine sampled with weight version(s) {sorted(stale) or engine.weight_version}, "
+                f"expected {step - 1}: a weight sync was lost"
+            )
+
+    def _generate_turns(self, prompts: list, params: SamplingParams, step: int, extra_round: tuple) -> RolloutBatch:
+        """A multi-turn rollout: the trajectories' tokens, sampled (in the loss) and observed (not)."""
+        trajectories = self.run_turns(prompts, params, lambda turn: hash_seed(self.seed, step, self.layout.rank,
+                                                                             *extra_round, 1 << 20 | turn),
+                                      self.between_turns)
+        completions, loss_masks = trajectories_to_completions(trajectories)
+        self.check_versions(completions, step)
+        return self.trajectory_batch(trajectories, prompts, completions, loss_masks)
+
+    def run_turns(self, prompts: list, params: SamplingParams, later_seed, between_turns=None):
+        first_seed = params.seed  # the first turn samples as a single-turn rollout would
+        return self.turns.run(self.engine, [p.prompt_ids for p in prompts], [p.row for p in prompts], params,
+                              lambda turn: first_seed if turn == 0 else later_seed(turn), between_turns)
+
+    def trajectory_batch(self, trajectories, prompts: list, completions, loss_masks) -> RolloutBatch:
+        for row, completion in enumerate(completions):
+            completion.prompt_index = row  # one prompt row per trajectory: its first observation may differ
+        samples = [dict(prompts[t.prompt_index].row, env_reward=t.reward, turns=t.turns) for t in trajectories]
+        batch = build_rollout_batch(
+            [t.context for t in trajectories], completions, samples, group_offset=0,
+            pad_token_id=self.tokenizer.pad_token_id, loss_masks=loss_masks,
+        )  # fmt: skip
+        batch.group_ids = self.layout.rank * self.per_rank + torch.tensor([t.prompt_index for t in trajectories])
+        versions = torch.full(batch.response_ids.shape, -1, dtype=torch.long)
+        for row, t in enumerate(trajectories):
+            versions[row, : len(t.weight_versions)] = torch.tensor(t.weight_versions, dtype=torch.long)
+        batch.token_weight_versions = versions
+        batch.completion_texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return batch
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
@@ -212,6 +274,11 @@ class Rollouts:
             is_correct(text, sample, score, self.accuracy_threshold)
             for text, sample, score in zip(batch.completion_texts, batch.samples, scores)
         ], dtype=torch.bool)  # fmt: skip
+        if self.turns is not None:
+            stats["rollout/turns"] = sum(s["turns"] for s in batch.samples) / max(len(batch), 1)
+            stats["rollout/env_reward"] = sum(s["env_reward"] for s in batch.samples) / max(len(batch), 1)
+            stats["rollout/observation_tokens"] = float(
+                (batch.response_present - batch.response_mask).sum() / max(len(batch), 1))
         return stats
 
     @torch.no_grad()
@@ -228,6 +295,16 @@ class Rollouts:
 
             def score_items(params=params, mode=mode) -> list[tuple[float, bool]]:
                 # called with no items too: an engine serving several ranks samples them all in one call
+                if self.turns is not None:  # each held-out prompt played through its environment
+                    trajectories = self.run_turns(items, params, lambda turn: hash_seed(params.seed, turn))
+                    texts = self.tokenizer.batch_decode([t.token_ids for t in trajectories], skip_special_tokens=True)
+                    rows = [dict(p.row, env_reward=t.reward, turns=t.turns) for p, t in zip(items, trajectories)]
+                    if not items:
+                        return []
+                    rewards = self.rewards.score(texts, rows)[0]
+                    self.eval_samples += eval_sample_rows(step, mode, items, texts, rewards, self.eval_sample_count)
+                    return [(reward, is_correct(text, row, reward, self.accuracy_threshold))
+                            for reward, text, row in zip(rewards, texts, rows)]  # fmt: skip
                 completions = self.engine.generate([p.prompt_ids for p in items], params)
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
                 if not items:

@@ -1,0 +1,100 @@
+"""Multi-turn recipes run end to end through ``rlite train``'s path, the environment's reward rises, and
+the loss mask the trainer uses excludes every observation token.
+
+As in test_recipes.py, a tiny random model learns a reward it can learn in a few steps: here an
+environment that rewards the fraction of digits in each of three turns and answers every turn with a
+short message, so that every trajectory has observation spans inside its response."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rlite import hookimpl
+from rlite.config import load_config
+from rlite.loop import run_training
+from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
+from rlite.testing import read_jsonl
+from rlite.tokenizer import build_tiny_model_dir
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+QUIET = [
+    "logging.progress_bar=false", "logging.plot=false", "logging.loggers=[jsonl]", "checkpoint.every=0",
+    "checkpoint.save_final=false", "checkpoint.export_hf=false", "checkpoint.resume=never",
+]
+
+
+class DigitTurns:
+    def reset(self, sample):
+        return None
+
+    def step(self, action):
+        text = action.text
+        reward = sum(c.isdigit() for c in text) / max(len(text), 1) / 3
+        return "ok?", reward, action.turn == 2
+
+
+class Plugin:
+    def __init__(self) -> None:
+        self.batches = []
+
+    @hookimpl
+    def register_rollout_workflows(self, register):
+        register("digit_turns", lambda cfg, tokenizer: DigitTurns())
+
+    @hookimpl
+    def after_rewards(self, step, batch):
+        self.batches.append(batch)  # its targets (loss mask, advantages) are filled in before the update
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
+
+
+def test_multiturn_reward_rises_and_observations_stay_out_of_the_loss(tmp_path, model_dir):
+    pm = build_plugin_manager(autoload=False)
+    plugin = Plugin()
+    pm.register(plugin, name="digit-turns")
+    set_plugin_manager(pm)
+    try:
+        cfg = load_config(CONFIGS / "multiturn_arithmetic.yaml", [
+            f"model.path={model_dir}", "rollout.workflow=digit_turns", "data.num_train=64", "data.num_eval=8",
+            "training.steps=12", "training.lr=3e-3", "training.warmup_steps=0", "training.eval_every=0",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=8", "rollout.temperature=1.0",
+            "rollout.max_new_tokens=4", f"logging.run_dir={tmp_path / 'run'}", *QUIET,
+        ], pm=pm)  # fmt: skip
+        run_training(cfg)
+    finally:
+        set_plugin_manager(None)
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    rewards = [r["reward/mean"] for r in rows]
+    assert len(rewards) == 12
+    assert all(r["rollout/turns"] == 3.0 and r["rollout/observation_tokens"] > 0 for r in rows)
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
+    for batch in plugin.batches:
+        observed = batch.response_present - batch.response_mask
+        assert observed.sum() > 0
+        assert (batch.targets.loss_mask * observed).sum() == 0  # no observation token in the loss
+        assert (batch.targets.advantages * observed).abs().sum() == 0
+        assert ((batch.targets.loss_mask > 0) <= (batch.response_mask > 0)).all()
+
+
+@pytest.mark.parametrize("recipe", ["multiturn_arithmetic", "multiturn_calculator"])
+def test_multiturn_recipe_runs_as_shipped(tmp_path, recipe):
+    """The shipped recipe (the quickstart model and a built-in environment) for one step."""
+    cwd = os.getcwd()
+    os.chdir(CONFIGS.parent)  # model.path in the config is relative to the repository root
+    try:
+        cfg = load_config(CONFIGS / f"{recipe}.yaml", [
+            "training.steps=1", "training.eval_every=0", "rollout.prompts_per_step=2", f"logging.run_dir={tmp_path}",
+            *QUIET,
+        ], pm=build_plugin_manager(autoload=False))  # fmt: skip
+        run_training(cfg)
+    finally:
+        os.chdir(cwd)
+    (row,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    assert 1.0 <= row["rollout/turns"] <= 3.0
+    assert row["reward/mean"] == pytest.approx(row["rollout/env_reward"])
