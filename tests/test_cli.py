@@ -315,7 +315,7 @@ def test_one_sample_per_prompt_with_a_group_estimator_is_refused(in_repo, capsys
                  f"algorithm.advantage={estimator}"]) == 2  # fmt: skip
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"rlite config: error: rollout.samples_per_prompt=1: algorithm.advantage={estimator} ")
-    assert "every advantage is 0" in line and "works with one sample: gae, reinforce_pp" in line
+    assert "every advantage is 0" in line and "works with one sample: gae, gpg, reinforce_pp, remax" in line
 
 
 def test_one_sample_per_prompt_works_where_no_group_is_needed(in_repo, capsys) -> None:

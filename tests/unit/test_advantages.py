@@ -433,6 +433,9 @@ def test_needs_group_says_which_estimators_learn_nothing_from_one_sample_per_pro
         scores=torch.tensor([1.0, 0.0, 0.5, 2.0], dtype=torch.float64), group_ids=torch.arange(4),
         response_mask=torch.ones(4, 3, dtype=torch.long),
         values=torch.tensor([[0.1, 0.2, 0.3]] * 4, dtype=torch.float64),
+        baseline_scores=torch.zeros(4, dtype=torch.float64),  # ReMax's greedy rollouts, scored 0
+        reward_components=torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.5, 0.0], [2.0, 0.0]], dtype=torch.float64),
+        reward_weights=torch.ones(2, dtype=torch.float64),
     )  # fmt: skip
     for name, (fn, config_cls, meta) in registered.items():
         fields = {f for f in config_cls.__dataclass_fields__}
