@@ -275,6 +275,9 @@ def test_list_valued_overrides_set_lists_and_their_entries(in_repo, capsys) -> N
     assert resolved["rewards"][0]["name"] == "numeric" and "case_sensitive" not in resolved["rewards"][0]["args"]
     resolved = resolved_config(capsys, "training.betas.1=0.95")
     assert resolved["training"]["betas"] == [0.9, 0.95]
+    # a whole section, with the shorthand inside it
+    resolved = resolved_config(capsys, "algorithm={advantage: rloo, entropy_coef: 0.01}")
+    assert resolved["algorithm"]["advantage"]["name"] == "rloo" and resolved["algorithm"]["entropy_coef"] == 0.01
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,7 @@ def apply_override(cfg: DictConfig, item: str) -> None:
                 current["args"] = {}  # another implementation: the old one's options do not apply
     else:
         _walk(cfg, parts, item)
+        value = _normalise_choices(value, key) if isinstance(value, dict) else value  # a section: algorithm={...}
     try:
         OmegaConf.update(cfg, ".".join(parts), value, merge=True)
     except OmegaConfBaseException as exc:
