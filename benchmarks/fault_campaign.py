@@ -1,0 +1,264 @@
+"""Fault campaign: inject each kind of fault at random over N trials of a tiny run and count what held.
+
+Fault kinds (each trial a few seconds on a ~0.2M-parameter model, 6 steps):
+
+* ``sigkill``: ``rlite train`` in a subprocess, SIGKILLed at a random moment, then the same command
+  again (``checkpoint.every=1``, ``resume: auto``).
+* ``sigterm``: the same, SIGTERM instead (``checkpoint.every=0``: the only checkpoint is the one the
+  signal makes at a step boundary); the first run must exit 75.
+* ``nan``: a NaN reward at a random step (an ``after_rewards`` hook): its update must be skipped and
+  the run go on (no bitwise comparison: one update fewer is the intended outcome).
+* ``engine_kill``: the spawned transformers engine SIGKILLed after the rollout or the weight sync of
+  a random step; the run must restart it and go on.
+* ``corrupt_latest``: one random byte of one random file of the latest of two checkpoints flipped;
+  ``resume: auto`` must fall back to the previous one.
+
+Columns: ``injected`` trials where the fault hit a running run; ``survived`` the run (and its resume)
+finished every step; ``resumed bitwise`` its final weights equal an undisturbed run's bit for bit;
+``data lost`` trials whose metrics file lacks a step's row or has one twice, or that ended without
+the final weights. Run: ``python benchmarks/fault_campaign.py --trials 20`` (under the bench lock on a
+shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlite import hookimpl
+
+STEPS = 6
+KINDS = ("sigkill", "sigterm", "nan", "engine_kill", "corrupt_latest")
+
+
+def base_args(model_dir: str, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"model.path={model_dir}", "data.task=addition", "data.num_train=64", "data.num_eval=8",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4",
+        "training.micro_batch_size=8", "training.lr=1e-2", f"training.steps={STEPS}", "training.eval_every=0",
+        f"logging.run_dir={run_dir}", "logging.progress_bar=false", "logging.plot=false", "logging.loggers=[jsonl]",
+        "checkpoint.export_hf=true", "checkpoint.resume=auto", *extra,
+    ]  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    from rlite.testing import run_in_subprocess_env
+
+    return run_in_subprocess_env()
+
+
+def cli(config: Path, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "rlite", "train", str(config), *args]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor] | None:
+    from safetensors.torch import load_file
+
+    path = run_dir / "hf_model" / "model.safetensors"
+    return load_file(path) if path.is_file() else None
+
+
+def same(a, b) -> bool:
+    return a is not None and b is not None and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def rows_exact(run_dir: Path) -> bool:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    return steps == list(range(STEPS + 1))
+
+
+def in_process(model_dir: str, run_dir: Path, plugin=None, *extra: str):
+    from rlite.config import load_config
+    from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(autoload=False)
+    if plugin is not None:
+        pm.register(plugin, name="fault")
+    return run_training(load_config(None, base_args(model_dir, run_dir, *extra), pm=pm), pm)
+
+
+# -- the faults -----------------------------------------------------------------------------------
+
+
+def signal_trial(sig: int, rng: random.Random, work: Path, config: Path, model_dir: str, reference, duration: float):
+    run_dir = work / "run"
+    extra = ["checkpoint.every=1"] if sig == signal.SIGKILL else ["checkpoint.every=0"]
+    cmd = cli(config, base_args(model_dir, run_dir, *extra))
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(rng.uniform(0.5, duration))
+    injected = proc.poll() is None
+    if injected:
+        proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=600)
+    first_ok = proc.returncode == 0 or (sig == signal.SIGKILL and proc.returncode == -9) or (
+        sig == signal.SIGTERM and proc.returncode == 75)
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    survived = first_ok and done.returncode == 0
+    if not survived:
+        print(f"  [{signal.Signals(sig).name}] first exit {proc.returncode}, resume exit {done.returncode}: "
+              f"{(stderr + done.stderr)[-400:]!r}", file=sys.stderr)  # fmt: skip
+    weights = final_weights(run_dir)
+    return injected, survived, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
+
+
+class NanReward:
+    def __init__(self, step: int):
+        self.step = step
+
+    @hookimpl
+    def after_rewards(self, step, batch):
+        if step == self.step:
+            batch.scores[0] = float("nan")
+
+
+def nan_trial(rng, work, config, model_dir, reference, duration):
+    run_dir = work / "run"
+    step = rng.randint(1, STEPS)
+    try:
+        in_process(model_dir, run_dir, NanReward(step), "checkpoint.every=0")
+        survived = True
+    except Exception as exc:  # noqa: BLE001 (a campaign counts failures)
+        print(f"  [nan] {type(exc).__name__}: {exc}", file=sys.stderr)
+        survived = False
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    skipped = [r["step"] for r in rows if r.get("train/skipped_nonfinite")]
+    weights = final_weights(run_dir)
+    finite = weights is not None and all(torch.isfinite(t).all() for t in weights.values())
+    return True, survived and skipped == [step] and finite, None, not (rows_exact(run_dir) and finite)
+
+
+class EngineKiller:
+    def __init__(self, step: int, after_sync: bool):
+        self.step, self.kill_after_sync, self.engine = step, after_sync, None
+
+    @hookimpl
+    def after_weight_sync(self, step, engine):
+        self.engine = engine
+        if self.kill_after_sync and step == self.step:
+            os.kill(engine.pid, signal.SIGKILL)
+
+    @hookimpl
+    def after_rollout(self, step):
+        if not self.kill_after_sync and step == self.step:
+            os.kill(self.engine.pid, signal.SIGKILL)
+
+
+ENGINE = ("rollout.engine.args.process=true", "rollout.timeout_s=120", "checkpoint.every=0")
+
+
+def engine_trial(rng, work, config, model_dir, reference, duration):
+    run_dir = work / "run"
+    after_sync = rng.random() < 0.5
+    killer = EngineKiller(rng.randint(1, STEPS - 1), after_sync)
+    try:
+        in_process(model_dir, run_dir, killer, *ENGINE)
+        survived = True
+    except Exception as exc:  # noqa: BLE001
+        print(f"  [engine_kill] {type(exc).__name__}: {exc}", file=sys.stderr)
+        survived = False
+    weights = final_weights(run_dir)
+    return True, survived, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
+
+
+def corrupt_trial(rng, work, config, model_dir, reference, duration, prepared: Path):
+    from rlite.run.checkpoint import list_checkpoints
+
+    run_dir = work / "run"
+    shutil.copytree(prepared, run_dir)
+    latest = list_checkpoints(run_dir / "checkpoints")[-1]
+    files = sorted(p for p in latest.rglob("*") if p.is_file() and p.name != "COMPLETE")
+    victim = rng.choice(files)
+    data = bytearray(victim.read_bytes())
+    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    victim.write_bytes(bytes(data))
+    try:
+        in_process(model_dir, run_dir, None, "checkpoint.every=1")
+        survived = True
+    except Exception as exc:  # noqa: BLE001
+        print(f"  [corrupt_latest] {victim.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        survived = False
+    weights = final_weights(run_dir)
+    return True, survived, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20, help="trials per fault kind (default 20)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    import logging
+
+    from rlite.tokenizer import build_tiny_model_dir
+
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="rlite-faults-"))
+    model_dir = str(build_tiny_model_dir(root / "tiny"))
+    config = root / "run.yaml"
+    config.write_text("training:\n  seed: 0\n")
+    # undisturbed references: the in-process engine (subprocess runs, the NaN trials) and the spawned one
+    start = time.perf_counter()
+    subprocess.run(cli(config, base_args(model_dir, root / "ref")), env=env(), check=True, capture_output=True)
+    duration = time.perf_counter() - start
+    reference = final_weights(root / "ref")
+    in_process(model_dir, root / "ref_engine", None, *ENGINE)
+    reference_engine = final_weights(root / "ref_engine")
+    print(f"in-process and spawned engines train bitwise alike: {same(reference, reference_engine)}", file=sys.stderr)
+    prepared = root / "prepared"  # two checkpoints (steps 2 and 3) to corrupt the latest of
+    in_process(model_dir, prepared, None, "checkpoint.every=1", "checkpoint.keep_last=2", "training.steps=3",
+               "checkpoint.export_hf=false")  # fmt: skip
+    shutil.rmtree(prepared / "hf_model", ignore_errors=True)
+    logging.getLogger("rlite").setLevel(logging.ERROR)  # the trials' own warnings are expected
+
+    trials = {
+        "sigkill": lambda r, w: signal_trial(signal.SIGKILL, r, w, config, model_dir, reference, duration),
+        "sigterm": lambda r, w: signal_trial(signal.SIGTERM, r, w, config, model_dir, reference, duration),
+        "nan": lambda r, w: nan_trial(r, w, config, model_dir, reference, duration),
+        "engine_kill": lambda r, w: engine_trial(r, w, config, model_dir, reference_engine, duration),
+        "corrupt_latest": lambda r, w: corrupt_trial(r, w, config, model_dir, reference, duration, prepared),
+    }
+    table = []
+    for kind in args.kinds.split(","):
+        counts = [0, 0, 0, 0]
+        bitwise_applies = True
+        began = time.perf_counter()
+        for trial in range(args.trials):
+            work = root / f"{kind}-{trial}"
+            work.mkdir()
+            injected, survived, bitwise, lost = trials[kind](rng, work)
+            bitwise_applies = bitwise is not None
+            for i, value in enumerate((injected, survived, bool(bitwise), lost)):
+                counts[i] += int(value)
+            shutil.rmtree(work, ignore_errors=True)
+        table.append((kind, counts, bitwise_applies, (time.perf_counter() - began) / args.trials))
+        print(f"{kind}: {counts} ({table[-1][3]:.1f} s per trial)", file=sys.stderr, flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+    print(f"torch {torch.__version__}, {STEPS}-step tiny runs, {args.trials} trials per kind, seed {args.seed}, "
+          f"undisturbed subprocess run {duration:.1f} s\n")  # fmt: skip
+    print("| fault | trials | injected | survived | resumed bitwise | data lost | s / trial |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for kind, (injected, survived, bitwise, lost), applies, per in table:
+        shown = f"{bitwise}/{args.trials}" if applies else "n/a"
+        print(f"| {kind} | {args.trials} | {injected} | {survived} | {shown} | {lost} | {per:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
