@@ -172,12 +172,21 @@ class Rollouts:
             [c.token_ids for c in completions], skip_special_tokens=True
         )
         if self.greedy_baseline:
-            greedy = engine.generate([p.prompt_ids for p in prompts], sampling_params(
-                self.rollout, seed=params.seed, n=1, greedy=True))
-            texts = self.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
-            # scored with the samples in score(); kept per prompt until then
-            batch.baseline_texts = [texts[c.prompt_index] for c in completions]
+            self.greedy_rollout(batch, prompts, completions)
         return batch
+
+    def greedy_rollout(self, batch: RolloutBatch, prompts: list, completions: list) -> None:
+        """One greedy completion per prompt from the same weights, scored like the samples (with its own
+        length): ``batch.baseline_texts`` and ``batch.baseline_scores``, per sample (ReMax's baseline)."""
+        greedy = self.engine.generate([p.prompt_ids for p in prompts], sampling_params(self.rollout, seed=0, n=1, greedy=True))
+        by_prompt = {c.prompt_index: c for c in greedy}
+        ordered = [by_prompt[i] for i in range(len(prompts))]
+        texts = self.tokenizer.batch_decode([c.token_ids for c in ordered], skip_special_tokens=True)
+        rows = [dict(p.row, response_length=len(c.token_ids), finish_reason=c.finish_reason)
+                for p, c in zip(prompts, ordered)]
+        rewards, _ = self.rewards.score(texts, rows)  # timed with the generation
+        batch.baseline_texts = [texts[c.prompt_index] for c in completions]
+        batch.baseline_scores = torch.tensor([rewards[c.prompt_index] for c in completions], dtype=torch.float32)
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         # each sample gets its own copy of the data row plus what length-aware rewards need
@@ -190,14 +199,8 @@ class Rollouts:
             lambda: self.rewards.score_components(batch.completion_texts, batch.samples))
         batch.scores = torch.tensor(scores, dtype=torch.float32)
         batch.reward_components = torch.tensor(components, dtype=torch.float32).reshape(len(scores), -1)
-        if batch.baseline_texts:  # one call per prompt: the first row of each group
-            ids = batch.group_ids.tolist()
-            firsts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
-            baseline, _ = self._from_leader(lambda: self.rewards.score(
-                [batch.baseline_texts[i] for i in firsts], [batch.samples[i] for i in firsts]))
-            per_group = dict(zip((ids[i] for i in firsts), baseline))
-            batch.baseline_scores = torch.tensor([per_group[g] for g in ids], dtype=torch.float32)
-            stats["reward/greedy_baseline"] = sum(baseline) / max(len(baseline), 1)
+        if batch.baseline_scores is not None:
+            stats["reward/greedy_baseline"] = float(batch.baseline_scores.mean()) if len(batch) else 0.0
         return stats
 
     @torch.no_grad()
