@@ -205,11 +205,7 @@ class Rollouts:
             [c.token_ids for c in completions], skip_special_tokens=True
         )
         if self.greedy_baseline:
-            greedy = engine.generate([p.prompt_ids for p in prompts], sampling_params(
-                self.rollout, seed=params.seed, n=1, greedy=True))
-            texts = self.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
-            # scored with the samples in score(); kept per prompt until then
-            batch.baseline_texts = [texts[c.prompt_index] for c in completions]
+            self.greedy_rollout(batch, prompts, completions)
         return batch
 
     def check_versions(self, completions, step: int) -> None:
@@ -251,6 +247,19 @@ class Rollouts:
         batch.completion_texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return batch
 
+    def greedy_rollout(self, batch: RolloutBatch, prompts: list, completions: list) -> None:
+        """One greedy completion per prompt from the same weights, scored like the samples (with its own
+        length): ``batch.baseline_texts`` and ``batch.baseline_scores``, per sample (ReMax's baseline)."""
+        greedy = self.engine.generate([p.prompt_ids for p in prompts], sampling_params(self.rollout, seed=0, n=1, greedy=True))
+        by_prompt = {c.prompt_index: c for c in greedy}
+        ordered = [by_prompt[i] for i in range(len(prompts))]
+        texts = self.tokenizer.batch_decode([c.token_ids for c in ordered], skip_special_tokens=True)
+        rows = [dict(p.row, response_length=len(c.token_ids), finish_reason=c.finish_reason)
+                for p, c in zip(prompts, ordered)]
+        rewards, _ = self.rewards.score(texts, rows)  # timed with the generation
+        batch.baseline_texts = [texts[c.prompt_index] for c in completions]
+        batch.baseline_scores = torch.tensor([rewards[c.prompt_index] for c in completions], dtype=torch.float32)
+
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         # each sample gets its own copy of the data row plus what length-aware rewards need
         batch.samples = [
@@ -279,6 +288,9 @@ class Rollouts:
             stats["rollout/env_reward"] = sum(s["env_reward"] for s in batch.samples) / max(len(batch), 1)
             stats["rollout/observation_tokens"] = float(
                 (batch.response_present - batch.response_mask).sum() / max(len(batch), 1))
+
+        if batch.baseline_scores is not None:
+            stats["reward/greedy_baseline"] = float(batch.baseline_scores.mean()) if len(batch) else 0.0
         return stats
 
     @torch.no_grad()
