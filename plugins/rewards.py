@@ -2,7 +2,9 @@
 
 Every function has the signature ``fn(completion, sample, cfg) -> float``: the decoded completion,
 the data row (with ``"answer"``) and the function's config instance. Every config has
-``weight: float = 1.0``, the function's weight in the sum over ``rewards``.
+``weight: float = 1.0``, the function's weight in the sum over ``rewards``. ``exact_match``,
+``numeric`` and ``overlong_penalty`` cannot hang and run inline in the trainer; ``math_verify`` and
+``python`` run in the reward runner's worker processes, killed and replaced at the deadline.
 
 * ``exact_match``: 1.0 when the completion, cut at the first end-of-turn text and stripped of
   whitespace, equals ``str(answer)``; else 0.0.
@@ -162,8 +164,7 @@ def math_verify(completion: str, sample: dict, cfg: MathVerifyConfig) -> float:
 
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(_NOTICE_FILTER)  # idempotent: a filter is added once
-    # math-verify's own timeouts use SIGALRM, which only works on the main thread; the runner's
-    # per-call timeout covers them.
+    # the reward runner's deadline (a worker process killed) covers math-verify's own timeouts
     answer = str(sample["answer"])
     gold = parse(answer, parsing_timeout=None)
     if not gold:
@@ -256,8 +257,9 @@ def overlong_penalty(completion: str, sample: dict, cfg: OverlongPenaltyConfig) 
 
 @hookimpl
 def register_reward_functions(register) -> None:
-    register("exact_match", exact_match, ExactMatchConfig)
-    register("numeric", numeric, NumericConfig)
-    register("math_verify", math_verify, MathVerifyConfig)
-    register("python", python, PythonRewardConfig)
-    register("overlong_penalty", overlong_penalty, OverlongPenaltyConfig)
+    # pure functions that cannot hang run inline; what may take unbounded time runs in worker processes
+    register("exact_match", exact_match, ExactMatchConfig, isolation="inline")
+    register("numeric", numeric, NumericConfig, isolation="inline")
+    register("math_verify", math_verify, MathVerifyConfig, isolation="process")
+    register("python", python, PythonRewardConfig, isolation="process")
+    register("overlong_penalty", overlong_penalty, OverlongPenaltyConfig, isolation="inline")

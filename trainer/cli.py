@@ -1,7 +1,8 @@
 """The ``rlite`` command: ``train``, ``config`` and ``plugins``.
 
 Also runs as ``python -m rlite ...`` and ``torchrun --nproc_per_node N -m rlite train ...``.
-Configuration and plugin problems print one line on stderr and exit with status 2; nothing heavy
+Configuration and plugin problems print one line on stderr and exit with status 2; a run stopped
+by failing reward functions prints their traceback and exits with status 3; nothing heavy
 (transformers, datasets) is imported before ``train`` needs it.
 """
 
@@ -24,8 +25,11 @@ from rlite.plugin_manager import (
     RlitePluginManager,
     build_plugin_manager,
 )
+from rlite.rewards import RewardFailureError
 
 EXIT_USAGE = 2
+EXIT_REWARDS_FAILED = 3
+"""Exit status of a run stopped because its reward functions failed or timed out too often."""
 
 OVERRIDES_HELP = "key.path=value overrides applied on top of the YAML file, e.g. training.steps=10"
 
@@ -79,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, PluginError) as exc:  # problems the user fixes: one line, no traceback
         print(f"rlite {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RewardFailureError as exc:  # the message carries the reward function's own traceback
+        print(f"rlite {args.command}: stopped: {exc}", file=sys.stderr)
+        return EXIT_REWARDS_FAILED
     except KeyboardInterrupt:
         print("rlite: interrupted", file=sys.stderr)
         return 130

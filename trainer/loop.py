@@ -146,6 +146,7 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[s
         finally:
             run.engine.shutdown()
             run.backend.close()
+            run.rollouts.rewards.close()
         finished = True
         return summary
     finally:

@@ -23,7 +23,7 @@ from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
-from rlite.rewards import build_reward_runner
+from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner
 from rlite.run.lifecycle import maybe_resume
 from rlite.stages.collect import Rollouts
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
@@ -91,6 +91,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
     except (FileNotFoundError, ValueError, KeyError) as exc:  # bad data files: the messages name the key
         raise ConfigError(str(exc).strip("'\"")) from exc
+    rewards = build_rewards(cfg, pm, train_prompts)  # before any model loads: a bad reward fails fast
     algo = cfg.algorithm
     total_opt_steps = cfg.training.steps * algo.minibatches_per_step * algo.epochs_per_step
     make_backend, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
@@ -143,7 +144,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
     if cfg.rollout.quantization.name != "none":
         quantizer = resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization)
     kl_controller = build_kl_controller(algo.kl)
-    rewards = build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s)
+    if layout.leader:  # the replica's leader scores its batches
+        rewards.start()
     draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
     start_step = maybe_resume(
         cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
@@ -198,8 +200,20 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager) -> Run:
         run.sync_weights(version=start_step)
     except BaseException:
         engine.shutdown()
+        rewards.close()
         raise
     return run
+
+
+def build_rewards(cfg: RunConfig, pm: RlitePluginManager, train_prompts) -> RewardRunner:
+    """The reward runner of ``cfg.rewards``, each function checked against the first training row as
+    the functions will see it."""
+    example = None
+    if len(train_prompts):
+        example = dict(train_prompts.items[0].row, response_length=1, finish_reason="stop")
+    limits = FailureLimits(cfg.reward_max_failure_fraction, cfg.reward_max_timeout_fraction)
+    return build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s,
+                               workers=cfg.reward_workers, limits=limits, example_sample=example)
 
 
 def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,

@@ -20,7 +20,7 @@ from rlite.distributed import DataLayout, all_reduce_sum, broadcast_object
 from rlite.drafts import SpeculativeDraft
 from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
-from rlite.rewards import RewardRunner
+from rlite.rewards import RewardFailureError, RewardRunner, RewardScores
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
 
 
@@ -132,7 +132,8 @@ class Rollouts:
         groups = (kept + spare)[:per_rank]
         batch = concat_batches(groups, self.tokenizer.pad_token_id)
         batch.group_ids = self.layout.rank * per_rank + torch.arange(len(batch)) // self.rollout.samples_per_prompt
-        stats = {key: value / rounds for key, value in stats_sum.items()}
+        stats = {key: value if key in ("reward/failures", "reward/timeouts") else value / rounds
+                 for key, value in stats_sum.items()}
         stats["dynamic_sampling/rounds"] = float(rounds)
         stats["dynamic_sampling/dropped_groups"] = float(dropped)
         stats["dynamic_sampling/kept_fraction"] = min(len(kept), per_rank) / per_rank
@@ -177,9 +178,17 @@ class Rollouts:
             for sample, length, reason in zip(batch.samples, batch.response_lengths.tolist(), batch.finish_reasons)
         ]
         # the leader scores (a reward that times out on one rank must not split the replica)
-        scores, stats = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
-        batch.scores = torch.tensor(scores, dtype=torch.float32)
-        return stats
+        result = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
+        self.stop_on_reward_error(result)
+        batch.scores = torch.tensor(result.scores, dtype=torch.float32)
+        return result.stats
+
+    def stop_on_reward_error(self, result: RewardScores) -> None:
+        """Raise :class:`RewardFailureError` on every rank when any rank's rewards passed their
+        failure bound (one collective, so that no rank goes on alone)."""
+        failed = float(all_reduce_sum(torch.tensor([float(result.error is not None)]), self.layout.group)[0])
+        if failed:
+            raise RewardFailureError(result.error or "the reward functions failed on another rank; see its log")
 
     @torch.no_grad()
     def evaluate(self, eval_prompts, step: int, max_prompts: int) -> dict[str, float]:
@@ -189,22 +198,31 @@ class Rollouts:
         layout = self.layout
         items = list(eval_prompts)[:max_prompts][layout.rank :: layout.size]
         out = {}
+        failures = timeouts = 0.0
         for mode, greedy in (("greedy", True), ("sampled", False)):
             params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, layout.rank, 7), n=1, greedy=greedy)
 
-            def score_items(params=params) -> list[float]:
+            def score_items(params=params) -> RewardScores:
                 # called with no items too: an engine serving several ranks samples them all in one call
                 completions = self.engine.generate([p.prompt_ids for p in items], params)
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-                return self.rewards.score(texts, [p.row for p in items])[0] if items else []
+                samples = [dict(p.row, response_length=len(c.token_ids), finish_reason=c.finish_reason)
+                           for p, c in zip(items, completions)]
+                return self.rewards.score(texts, samples)
 
-            scores = self._from_leader(score_items)
+            result = self._from_leader(score_items)
+            self.stop_on_reward_error(result)
+            scores = result.scores
             totals = all_reduce_sum(
-                torch.tensor([float(sum(s > 0 for s in scores)), float(sum(scores)), float(len(scores))]), layout.group
+                torch.tensor([float(sum(s > 0 for s in scores)), float(sum(scores)), float(len(scores)),
+                              result.stats["reward/failures"], result.stats["reward/timeouts"]]), layout.group
             )
             n = max(float(totals[2]), 1.0)
             out[f"eval/{mode}_accuracy"] = float(totals[0]) / n
             out[f"eval/{mode}_reward"] = float(totals[1]) / n
+            failures += float(totals[3])
+            timeouts += float(totals[4])
+        out["eval/reward_failures"], out["eval/reward_timeouts"] = failures, timeouts
         return out
 
 
