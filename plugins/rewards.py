@@ -12,14 +12,19 @@ the data row (with ``"answer"``) and the function's config instance. Every confi
   answer read as a number; else 0.0.
 * ``math_verify``: 1.0 when the ``math-verify`` package judges the completion's final expression
   equal to the answer (LaTeX or plain); needs ``pip install rlite[math]``.
-* ``python``: any function ``package.module:attr`` called as ``fn(completion, sample, **kwargs)``.
+* ``python``: your function, ``path/to/file.py:fn`` or ``package.module:fn``, called as
+  ``fn(completion, sample, **kwargs) -> float``, or with ``batched: true`` as
+  ``fn(completions, **columns, **kwargs) -> list[float]`` (TRL's form); its signature is checked
+  against the first data row before training starts.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,15 +185,41 @@ def math_verify(completion: str, sample: dict, cfg: MathVerifyConfig) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def resolve_function(path: str) -> Callable[..., Any]:
-    """Import ``package.module:attr`` (``attr`` may be dotted) and check that it is callable."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"function: {path!r} must look like 'package.module:function'")
+_FILE_MODULES: dict[str, Any] = {}
+"""Modules loaded from a file path, by absolute path: each file is executed once per process."""
+
+
+def _load_file(file: str, path: str) -> Any:
+    location = os.path.abspath(file)
+    if location in _FILE_MODULES:
+        return _FILE_MODULES[location]
+    if not os.path.isfile(location):
+        raise ConfigError(f"function: {path!r}: the file {location} does not exist (a relative path is read from "
+                          f"the working folder, {os.getcwd()})")
+    name = "rlite_user_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(location))[0])
+    spec = importlib.util.spec_from_file_location(name, location)
+    module = importlib.util.module_from_spec(spec)
     try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"function: cannot import module {module_name!r} of {path!r}: {exc}") from None
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - anything the user's file raises on import
+        raise ConfigError(f"function: {path!r}: loading {location} failed: {type(exc).__name__}: {exc}") from None
+    _FILE_MODULES[location] = module
+    return module
+
+
+def resolve_function(path: str) -> Callable[..., Any]:
+    """The function of ``path/to/file.py:attr`` or ``package.module:attr`` (``attr`` may be dotted),
+    checked to be callable. A file is loaded once per process; a module is imported."""
+    module_name, sep, attr = path.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"function: {path!r} must look like 'path/to/file.py:function' or 'package.module:function'")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        target: Any = _load_file(module_name, path)
+    else:
+        try:
+            target = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"function: cannot import module {module_name!r} of {path!r}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(target, part):
             raise ConfigError(f"function: {path!r}: {module_name!r} has no attribute {attr!r}")
@@ -200,10 +231,16 @@ def resolve_function(path: str) -> Callable[..., Any]:
 
 @dataclass
 class PythonRewardConfig:
-    """Options of ``python``: a reward function of your own, imported by path."""
+    """Options of ``python``: a reward function of your own, by file path or module."""
 
     function: str = ""
-    """``package.module:function``, called as ``function(completion, sample, **kwargs)`` and returning a float."""
+    """``path/to/file.py:function`` (a relative path is read from the working folder) or
+    ``package.module:function``."""
+    batched: bool = False
+    """False: called once per completion as ``function(completion, sample, **kwargs) -> float``, with
+    the data row as ``sample``. True: called once per batch as ``function(completions, **columns,
+    **kwargs) -> list[float]``, every column of the data rows a keyword argument holding a list
+    (``prompt``, ``answer``, ..., ``response_length``, ``finish_reason``; ``prompts`` too, TRL's name)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the function."""
     weight: float = 1.0
@@ -211,13 +248,68 @@ class PythonRewardConfig:
 
     def __post_init__(self) -> None:
         if not self.function:
-            raise ConfigError("function: set it to 'package.module:function'")
+            raise ConfigError("function: set it to 'path/to/file.py:function' or 'package.module:function'")
         resolve_function(self.function)
 
 
-def python(completion: str, sample: dict, cfg: PythonRewardConfig) -> float:
-    """Call the configured function."""
-    return resolve_function(cfg.function)(completion, sample, **cfg.kwargs)
+def _columns(samples: list[dict]) -> dict[str, list[Any]]:
+    """The data rows as columns (a key missing from a row gives None there), with TRL's ``prompts``."""
+    keys = list(dict.fromkeys(key for sample in samples for key in sample))
+    columns = {key: [sample.get(key) for sample in samples] for key in keys}
+    if "prompt" in columns and "prompts" not in columns:
+        columns["prompts"] = columns["prompt"]
+    return columns
+
+
+def python(completion: str | list[str], sample: dict | list[dict], cfg: PythonRewardConfig) -> Any:
+    """Call the configured function on one completion, or with ``batched`` on the whole batch."""
+    fn = resolve_function(cfg.function)
+    if cfg.batched:
+        return fn(completion, **_columns(sample), **cfg.kwargs)
+    return fn(completion, sample, **cfg.kwargs)
+
+
+def _where(fn: Callable[..., Any]) -> str:
+    try:
+        return f"{inspect.getsourcefile(fn)}, line {inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError):
+        return repr(fn)
+
+
+def check_python_reward(cfg: PythonRewardConfig, sample: dict) -> None:
+    """Check, before training starts, that the function can be called the way ``cfg`` says on
+    ``sample`` (a data row as the function will see it); raise ConfigError naming the function, its
+    file and the signature it needs."""
+    fn = resolve_function(cfg.function)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or extension callable: nothing to check
+    columns = _columns([sample])
+    clash = sorted(set(cfg.kwargs) & set(columns)) if cfg.batched else []
+    if clash:
+        raise ConfigError(f"args.kwargs: {', '.join(clash)} also name data columns, which a batched function "
+                          "receives as keyword arguments; rename the kwargs")
+    try:
+        if cfg.batched:
+            signature.bind(["completion"], **columns, **cfg.kwargs)
+        else:
+            signature.bind("completion", sample, **cfg.kwargs)
+    except TypeError as exc:
+        names = list(signature.parameters)
+        if cfg.batched:
+            expected = (f"{fn.__name__}(completions: list[str], **columns) -> list[float], the columns being "
+                        f"{', '.join(columns)}" + (f", plus the kwargs {', '.join(cfg.kwargs)}" if cfg.kwargs else ""))
+            hint = " It looks like a per-completion function: drop args.batched." if names[:2] == ["completion", "sample"] else ""
+        else:
+            expected = f"{fn.__name__}(completion: str, sample: dict" + "".join(
+                f", {key}=..." for key in cfg.kwargs) + ") -> float"
+            hint = (" It looks like a batched function: set args.batched: true."
+                    if names and names[0] in ("completions", "prompts") else "")
+        raise ConfigError(
+            f"args.function: {cfg.function!r} ({fn.__qualname__} in {_where(fn)}) cannot be called as {expected} "
+            f"on a data row: {exc}.{hint}"
+        ) from None
 
 
 @dataclass
@@ -255,11 +347,15 @@ def overlong_penalty(completion: str, sample: dict, cfg: OverlongPenaltyConfig) 
     return -1.0
 
 
+def _batched(cfg: PythonRewardConfig) -> bool:
+    return cfg.batched
+
+
 @hookimpl
 def register_reward_functions(register) -> None:
     # pure functions that cannot hang run inline; what may take unbounded time runs in worker processes
     register("exact_match", exact_match, ExactMatchConfig, isolation="inline")
     register("numeric", numeric, NumericConfig, isolation="inline")
     register("math_verify", math_verify, MathVerifyConfig, isolation="process")
-    register("python", python, PythonRewardConfig, isolation="process")
+    register("python", python, PythonRewardConfig, isolation="process", batched=_batched, check=check_python_reward)
     register("overlong_penalty", overlong_penalty, OverlongPenaltyConfig, isolation="inline")

@@ -520,8 +520,9 @@ class RewardRunner:
                 calls.append(_Call(j, list(range(n))))
             else:
                 calls.extend(_Call(j, [i]) for i in range(n))
-        if self.processes is not None:
-            self._started()  # the workers' start is not the functions' time
+        if self.processes is not None:  # the workers' start is not the functions' time
+            self.start()
+            self._started()
         deadline = time.monotonic() + self.timeout_s
 
         def payload(call: _Call) -> tuple:

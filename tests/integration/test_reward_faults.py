@@ -77,10 +77,11 @@ def write_config(tmp_path, model_dir, rewards: list[str], extra: str = "") -> st
 
 
 def test_a_reward_failing_on_every_call_stops_the_run_with_its_traceback(tmp_path, model_dir, user_rewards):
-    config = write_config(tmp_path, model_dir, ['{name: python, args: {function: "my_rewards:always_fails"}}'])
+    # the function by a file path relative to the working folder, as a user writes it
+    config = write_config(tmp_path, model_dir, ['{name: python, args: {function: "user/my_rewards.py:always_fails"}}'])
     done = subprocess.run(
         [sys.executable, "-m", "rlite", "train", config], capture_output=True, text=True, timeout=600,
-        env=run_in_subprocess_env(PYTHONPATH=str(user_rewards)),
+        env=run_in_subprocess_env(), cwd=tmp_path,
     )
     assert done.returncode == EXIT_REWARDS_FAILED
     stderr = done.stderr
@@ -132,3 +133,17 @@ def test_hanging_and_rarely_failing_rewards_are_bounded_counted_and_tolerated(
     summary = capsys.readouterr().out
     assert re.search(rf"reward_failures\s*│\s*{failures}\s*│", summary)
     assert re.search(rf"reward_timeouts\s*│\s*{2 * 8 + 4 * 16}\s*│", summary)
+
+
+def test_a_wrong_signature_is_refused_before_any_model_loads(tmp_path, model_dir, user_rewards):
+    config = write_config(tmp_path, model_dir, ['{name: python, args: {function: "user/my_rewards.py:hangs"}}'])
+    done = subprocess.run(
+        [sys.executable, "-m", "rlite", "train", config], capture_output=True, text=True, timeout=600,
+        env=run_in_subprocess_env(), cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "Loading weights" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("rlite train: error: rewards[0]: args.function: 'user/my_rewards.py:hangs' (hangs in ")
+    assert f"{user_rewards / 'my_rewards.py'}, line 12) cannot be called as hangs(completion: str, sample: dict) -> float" in line
+    assert "missing a required argument: 'markers'" in line

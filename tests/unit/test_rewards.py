@@ -175,8 +175,9 @@ def test_python_reward_from_yaml_choice(registry, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "function, message",
     [
-        ("", "set it to 'package.module:function'"),
-        ("my_rewards.length_reward", "must look like 'package.module:function'"),
+        ("", "set it to 'path/to/file.py:function' or 'package.module:function'"),
+        ("my_rewards.length_reward", "must look like 'path/to/file.py:function' or 'package.module:function'"),
+        ("no/such/file.py:f", "the file /"),
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
         ("os.path:no_such_attr", "'os.path:no_such_attr': 'os.path' has no attribute"),
         ("os:sep", "'os:sep' is a str, not a callable"),
@@ -187,6 +188,89 @@ def test_python_reward_bad_function_fails_at_config_load(registry, function, mes
         builtin.PythonRewardConfig(function=function)
     with pytest.raises(ValueError, match=r"rewards\[0\]\.args: function"):
         build_reward_runner([Choice("python", {"function": function})], registry)
+
+
+def _python_runner(registry, *choices, **kwargs):
+    return build_reward_runner([Choice("python", args) for args in choices], registry, **kwargs)
+
+
+def test_python_reward_by_file_path_relative_or_absolute(registry, tmp_path, monkeypatch):
+    (tmp_path / "rewards_here.py").write_text("def length(completion, sample):\n    return float(len(completion))\n")
+    monkeypatch.chdir(tmp_path)
+    runner = _python_runner(registry, {"function": "rewards_here.py:length"},
+                            {"function": f"{tmp_path}/rewards_here.py:length", "weight": 10.0})
+    try:
+        result = runner.score(["ab", "abcd"], [{}, {}])
+    finally:
+        runner.close()
+    assert result.scores == [2.0 + 20.0, 4.0 + 40.0] and result.error is None
+
+
+def test_python_reward_file_that_fails_to_load(tmp_path):
+    (tmp_path / "broken.py").write_text("def f(completion, sample):\n    return 1\nraise ImportError('no sympy here')\n")
+    with pytest.raises(ConfigError, match=r"loading .*broken.py failed: ImportError: no sympy here"):
+        builtin.PythonRewardConfig(function=f"{tmp_path}/broken.py:f")
+
+
+def test_batched_python_reward_gets_the_columns_like_trl(registry, tmp_path):
+    (tmp_path / "batched.py").write_text(
+        "def matches(completions, answer, prompts, response_length, scale=1.0, **kwargs):\n"
+        "    assert len(prompts) == len(completions) == len(response_length)\n"
+        "    return [scale * (c.strip() == str(a)) for c, a in zip(completions, answer)]\n"
+    )
+    runner = _python_runner(registry, {"function": f"{tmp_path}/batched.py:matches", "batched": True,
+                                       "kwargs": {"scale": 2.0}},
+                            example_sample={"prompt": "1+1=", "answer": "2", "response_length": 1})
+    assert runner.entries[0].batched and runner.entries[0].isolation == "process"
+    rows = [{"prompt": "1+1=", "answer": "2", "response_length": 1}, {"prompt": "2+2=", "answer": "4", "response_length": 2}]
+    try:
+        result = runner.score([" 2", "5"], rows)
+    finally:
+        runner.close()
+    assert result.scores == [2.0, 0.0] and result.error is None
+
+
+SIGNATURES = """
+def per_sample(completion, sample):
+    return 1.0
+
+
+def batched(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def needs_column(completions, ground_truth, **kwargs):
+    return [1.0] * len(completions)
+
+
+def three_args(completion, sample, scale):
+    return scale
+"""
+
+
+@pytest.mark.parametrize(
+    "function, args, message",
+    [
+        ("batched", {}, r"\(batched in .*signatures.py, line 6\) cannot be called as batched\(completion: str, sample: dict\) "
+                        r"-> float on a data row: too many positional arguments\. It looks like a batched function: "
+                        r"set args\.batched: true"),
+        ("per_sample", {"batched": True}, r"per_sample\(completions: list\[str\], \*\*columns\) -> list\[float\], the "
+                                          r"columns being prompt, answer, prompts on a data row: missing a required argument: 'sample'\. "
+                                          r"It looks like a per-completion function: drop args\.batched"),
+        ("needs_column", {"batched": True}, r"missing a required argument: 'ground_truth'"),
+        ("three_args", {}, r"three_args\(completion: str, sample: dict\) -> float on a data row: missing a required "
+                           r"argument: 'scale'"),
+        ("three_args", {"kwargs": {"scale": 1, "bonus": 2}}, r"got an unexpected keyword argument 'bonus'"),
+        ("batched", {"batched": True, "kwargs": {"answer": 1}}, r"answer also name data columns"),
+    ],
+)
+def test_python_reward_signature_is_checked_against_a_data_row(registry, tmp_path, function, args, message):
+    (tmp_path / "signatures.py").write_text(SIGNATURES)
+    path = f"{tmp_path}/signatures.py:{function}"
+    clash = "data columns" in message
+    prefix = r"^rewards\[0\]: args\.kwargs: " if clash else r"^rewards\[0\]: args\.function: " + re.escape(repr(path))
+    with pytest.raises(ConfigError, match=prefix + ".*" + message):
+        _python_runner(registry, {"function": path, **args}, example_sample={"prompt": "1+1=", "answer": "2"})
 
 
 def test_build_reward_runner_errors_and_duplicates(registry):
