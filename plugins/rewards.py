@@ -12,6 +12,8 @@ the data row (with ``"answer"``) and the function's config instance. Every confi
   answer read as a number; else 0.0.
 * ``math_verify``: 1.0 when the ``math-verify`` package judges the completion's final expression
   equal to the answer (LaTeX or plain); needs ``pip install rlite[math]``.
+* ``reward_model``: a Hugging Face sequence-classification model (a local folder) scores each
+  prompt + completion, batched, in the trainer's process.
 * ``python``: your function, ``path/to/file.py:fn`` or ``package.module:fn``, called as
   ``fn(completion, sample, **kwargs) -> float``, or with ``batched: true`` as
   ``fn(completions, **columns, **kwargs) -> list[float]`` (TRL's form); its signature is checked
@@ -347,6 +349,111 @@ def overlong_penalty(completion: str, sample: dict, cfg: OverlongPenaltyConfig) 
     return -1.0
 
 
+# --------------------------------------------------------------------------------------------------
+# reward_model
+# --------------------------------------------------------------------------------------------------
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class RewardModelConfig:
+    """Options of ``reward_model``: a Hugging Face sequence-classification model scores prompt + completion."""
+
+    path: str = ""
+    """Local folder of an ``AutoModelForSequenceClassification`` and its tokenizer."""
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+    label: int = 0
+    """With one output (a reward model), the reward is its logit; with several (a classifier), the
+    softmax probability of this label."""
+    batch_size: int = 16
+    """Prompt + completion texts scored per forward pass."""
+    max_length: int = 1024
+    """Tokens of prompt + completion kept (the start is cut when longer, so the completion stays)."""
+    device: str = "auto"
+    """``auto``: the trainer's current CUDA device when there is one, else ``cpu``; or a torch device."""
+    dtype: str = "float32"
+    """The model's dtype: float32, bfloat16 or float16."""
+    chat_template: bool = True
+    """Format the prompt (text or chat messages) and the completion as a user and an assistant turn
+    with the reward model's chat template, when its tokenizer has one; else prompt + completion."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("path: set it to the local folder of a sequence-classification model")
+        if not os.path.isdir(self.path):
+            raise ConfigError(f"path: the folder {os.path.abspath(self.path)} does not exist")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: invalid value {self.dtype!r}. Valid choices: {', '.join(DTYPES)}.")
+        if self.batch_size < 1 or self.max_length < 2:
+            raise ConfigError(f"need batch_size >= 1 and max_length >= 2, got {self.batch_size} and {self.max_length}")
+
+
+_REWARD_MODELS: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
+"""Loaded reward models, by (folder, device, dtype): each loads once per process."""
+
+
+def _reward_model(cfg: RewardModelConfig) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, device)`` of ``cfg``, loaded on first use."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if cfg.device == "auto":
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = torch.device(cfg.device)
+    key = (os.path.abspath(cfg.path), str(device), cfg.dtype)
+    if key not in _REWARD_MODELS:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+        model = AutoModelForSequenceClassification.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.config.pad_token_id is None:  # the model finds each row's last token through it
+            model.config.pad_token_id = tokenizer.pad_token_id
+        tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
+        _REWARD_MODELS[key] = (model.to(device).eval(), tokenizer, device)
+    return _REWARD_MODELS[key]
+
+
+def _reward_model_text(tokenizer, prompt: Any, completion: str, chat_template: bool) -> str:
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": "" if prompt is None else str(prompt)}]
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": completion}], tokenize=False)
+    return "\n".join(str(m.get("content", "")) for m in messages) + completion
+
+
+def reward_model(completions: list[str], samples: list[dict], cfg: RewardModelConfig) -> list[float]:
+    """The reward model's score of each prompt + completion (batched): the logit of a one-output
+    model, else the softmax probability of ``label``."""
+    import torch
+
+    model, tokenizer, device = _reward_model(cfg)
+    texts = [_reward_model_text(tokenizer, s.get("prompt"), c, cfg.chat_template) for c, s in zip(completions, samples)]
+    scores: list[float] = []
+    with torch.no_grad():
+        for start in range(0, len(texts), cfg.batch_size):
+            batch = tokenizer(texts[start : start + cfg.batch_size], padding=True, truncation=True,
+                              max_length=cfg.max_length, return_tensors="pt").to(device)
+            logits = model(**batch).logits.float()
+            values = logits[:, 0] if logits.shape[-1] == 1 else logits.softmax(-1)[:, cfg.label]
+            scores.extend(values.tolist())
+    return scores
+
+
+def check_reward_model(cfg: RewardModelConfig, sample: dict) -> None:
+    """Load the model before training starts and score ``sample`` once."""
+    try:
+        model, _, _ = _reward_model(cfg)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers says about the folder
+        raise ConfigError(f"args.path: {cfg.path} does not load as a sequence-classification model: "
+                          f"{type(exc).__name__}: {exc}") from None
+    labels = model.config.num_labels
+    if labels > 1 and not 0 <= cfg.label < labels:
+        raise ConfigError(f"args.label: {cfg.label} is not a label of {cfg.path} (it has {labels})")
+    reward_model([""], [sample], cfg)
+
+
 def _batched(cfg: PythonRewardConfig) -> bool:
     return cfg.batched
 
@@ -359,3 +466,5 @@ def register_reward_functions(register) -> None:
     register("math_verify", math_verify, MathVerifyConfig, isolation="process")
     register("python", python, PythonRewardConfig, isolation="process", batched=_batched, check=check_python_reward)
     register("overlong_penalty", overlong_penalty, OverlongPenaltyConfig, isolation="inline")
+    # a fixed model's forward pass cannot hang, and the model stays loaded in the trainer's process
+    register("reward_model", reward_model, RewardModelConfig, isolation="inline", batched=True, check=check_reward_model)

@@ -28,7 +28,7 @@ def registry():
 
 
 def test_registered_names_and_config_classes(registry):
-    assert registry.names() == ["exact_match", "math_verify", "numeric", "overlong_penalty", "python"]
+    assert registry.names() == ["exact_match", "math_verify", "numeric", "overlong_penalty", "python", "reward_model"]
     for name in registry.names():
         config_cls = registry.get(name).config_cls
         assert "weight" in config_cls.__dataclass_fields__
@@ -39,7 +39,7 @@ def test_where_the_built_in_rewards_run(registry):
     """Pure functions that cannot hang run inline; a user's function and sympy run in processes."""
     isolation = {name: registry.get(name).metadata["isolation"] for name in registry.names()}
     assert isolation == {"exact_match": "inline", "numeric": "inline", "overlong_penalty": "inline",
-                         "math_verify": "process", "python": "process"}
+                         "math_verify": "process", "python": "process", "reward_model": "inline"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def test_python_reward_signature_is_checked_against_a_data_row(registry, tmp_pat
 
 
 def test_build_reward_runner_errors_and_duplicates(registry):
-    with pytest.raises(UnknownChoiceError, match="Valid choices: exact_match, math_verify, numeric, overlong_penalty, python"):
+    with pytest.raises(UnknownChoiceError, match="Valid choices: exact_match, math_verify, numeric, overlong_penalty, python, reward_model"):
         build_reward_runner([Choice("exact_matc")], registry)
     with pytest.raises(ValueError, match=r"rewards\[1\]\.args: .*no option\(s\) tol\b.*tolerance"):
         build_reward_runner([Choice("exact_match"), Choice("numeric", {"tol": 1})], registry)
