@@ -1,7 +1,8 @@
 """The ``rlite`` command: ``train``, ``eval``, ``config``, ``plugins``, ``info`` and ``audit``.
 
 Also runs as ``python -m rlite ...`` and ``torchrun --nproc_per_node N -m rlite train ...``.
-Configuration and plugin problems print one line on stderr and exit with status 2; nothing heavy
+Configuration and plugin problems print one line on stderr and exit with status 2; a run stopped
+by failing reward functions prints their traceback and exits with status 3; nothing heavy
 (transformers, datasets) is imported before ``train`` needs it.
 """
 
@@ -24,9 +25,12 @@ from rlite.plugin_manager import (
     RlitePluginManager,
     build_plugin_manager,
 )
+from rlite.rewards import RewardFailureError
 from rlite.run.faults import RunStopped
 
 EXIT_USAGE = 2
+EXIT_REWARDS_FAILED = 3
+"""Exit status of a run stopped because its reward functions failed or timed out too often."""
 
 OVERRIDES_HELP = "key.path=value overrides applied on top of the YAML file, e.g. training.steps=10"
 
@@ -122,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunStopped as exc:  # a fault the run could not get past, or a preemption: a message, no traceback
         print(f"rlite {args.command}: stopped: {exc}", file=sys.stderr)
         return exc.exit_code
+    except RewardFailureError as exc:  # the message carries the reward function's own traceback
+        print(f"rlite {args.command}: stopped: {exc}", file=sys.stderr)
+        return EXIT_REWARDS_FAILED
     except KeyboardInterrupt:
         print("rlite: interrupted", file=sys.stderr)
         return 130

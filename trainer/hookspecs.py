@@ -194,7 +194,11 @@ def register_reward_functions(register: Register) -> None:
 
     :param register: call ``register(name, fn, config_cls)``. ``fn(completion, sample, cfg)``
         receives the decoded completion text and the data row (a dict with at least ``prompt``
-        and, for verifiable tasks, ``answer``) and returns a float.
+        and, for verifiable tasks, ``answer``) and returns a float. Keywords say how the reward
+        runner calls it: ``isolation="thread"`` (default), ``"process"`` (worker processes killed
+        at the deadline; module-level function and config) or ``"inline"`` (cannot hang);
+        ``batched=True`` for ``fn(completions, samples, cfg) -> list[float]``; ``check=fn(cfg,
+        sample)``, called with the first data row before training, raising ConfigError to refuse.
     """
 
 

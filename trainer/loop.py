@@ -178,6 +178,7 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[s
             run.rollouts.close()
             run.engine.shutdown()
             run.backend.close()
+            run.rollouts.rewards.close()
         finished = True
         return summary
     finally:

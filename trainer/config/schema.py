@@ -529,7 +529,19 @@ class RunConfig:
     rewards: list[Choice] = field(default_factory=lambda: [Choice("exact_match")])
     """Reward functions; a sample's reward is the weighted sum (weight in ``args.weight``, default 1)."""
     reward_timeout_s: float = 10.0
-    """Timeout of one reward-function call; a call that times out or raises scores 0 and is counted."""
+    """Deadline of one batch of reward calls (a step's rollouts, one evaluation pass), counted from the
+    batch's start: the calls run concurrently on the reward workers, and those unfinished then (their
+    worker processes killed and replaced) score 0 and count in ``reward/timeouts``."""
+    reward_workers: int = 4
+    """Worker processes per reward function that runs in processes (``python``, ``math_verify``) and
+    worker threads for rewards registered without isolation; built-in pure rewards run inline."""
+    reward_max_failure_fraction: float = 0.01
+    """Stop the run, with the first failure's traceback, when a reward function's failed calls (it
+    raised, or returned NaN, inf or something that is not a number) pass this fraction of its calls
+    so far, or when all its calls of one batch fail. 1 never stops: failures score 0 and are counted."""
+    reward_max_timeout_fraction: float = 0.01
+    """The same bound for timed-out calls (counted apart from failures): stop when they pass this
+    fraction of a function's calls, or when all its calls of one batch time out; 1 never stops."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -547,6 +559,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.rewards), "rewards: list at least one reward function")
+        _check(self.reward_timeout_s > 0, f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        _check(self.reward_workers >= 1, f"reward_workers must be >= 1, got {self.reward_workers}")
+        for key in ("reward_max_failure_fraction", "reward_max_timeout_fraction"):
+            _check(0.0 <= getattr(self, key) <= 1.0, f"{key} must be in [0, 1], got {getattr(self, key)}")
         _check(
             self.rollout.lora_sync == "merged" or self.model.lora.enabled,
             "rollout.lora_sync=adapter needs model.lora.enabled=true (there is no adapter to send otherwise)",

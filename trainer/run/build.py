@@ -29,7 +29,7 @@ from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.provenance import append_metrics_record
-from rlite.rewards import build_reward_runner
+from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner
 from rlite.run.faults import Preemption
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.samples import SampleWriter
@@ -118,6 +118,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
     except (FileNotFoundError, ValueError, KeyError) as exc:  # bad data files: the messages name the key
         raise ConfigError(str(exc).strip("'\"")) from exc
+    rewards = build_rewards(cfg, pm, train_prompts)  # before any model loads: a bad reward fails fast
     algo = cfg.algorithm
     total_opt_steps = cfg.training.steps * algo.minibatches_per_step * algo.epochs_per_step
     make_backend, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
@@ -171,7 +172,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     if cfg.rollout.quantization.name != "none":
         quantizer = resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization)
     kl_controller = build_kl_controller(algo.kl)
-    rewards = build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s)
+    if layout.leader:  # the replica's leader scores its batches
+        rewards.start()
     targets.reward_weights = tuple(rewards.weights)
     draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
     start_step = maybe_resume(
@@ -254,6 +256,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         run.sync_weights(version=start_step)
     except BaseException:
         engine.shutdown()
+        rewards.close()
         raise
     return run
 
@@ -355,6 +358,17 @@ def build_turn_runner(cfg: RunConfig, pm: RlitePluginManager, tokenizer) -> Turn
         raise ConfigError(str(exc)) from None
     return TurnRunner(lambda: factory(workflow_cfg, tokenizer), tokenizer, fmt, max_turns=cfg.rollout.max_turns,
                       max_response_tokens=cfg.rollout.max_response_tokens, workflow=entry.name)
+
+
+def build_rewards(cfg: RunConfig, pm: RlitePluginManager, train_prompts) -> RewardRunner:
+    """The reward runner of ``cfg.rewards``, each function checked against the first training row as
+    the functions will see it."""
+    example = None
+    if len(train_prompts):
+        example = dict(train_prompts.items[0].row, response_length=1, finish_reason="stop")
+    limits = FailureLimits(cfg.reward_max_failure_fraction, cfg.reward_max_timeout_fraction)
+    return build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s,
+                               workers=cfg.reward_workers, limits=limits, example_sample=example)
 
 
 def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch.device,

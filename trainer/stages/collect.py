@@ -24,7 +24,7 @@ from rlite.distributed import DataLayout, all_reduce_sum, broadcast_object
 from rlite.drafts import SpeculativeDraft
 from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
-from rlite.rewards import RewardRunner
+from rlite.rewards import RewardFailureError, RewardRunner, RewardScores
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
 from rlite.samples import eval_sample_rows
 from rlite.tasks import DEFAULT_ACCURACY_THRESHOLD, is_correct
@@ -171,7 +171,8 @@ class Rollouts:
         groups = (kept + spare)[:per_rank]
         batch = concat_batches(groups, self.tokenizer.pad_token_id)
         batch.group_ids = self.layout.rank * per_rank + torch.arange(len(batch)) // self.rollout.samples_per_prompt
-        stats = {key: value / rounds for key, value in stats_sum.items()}
+        stats = {key: value if key in ("reward/failures", "reward/timeouts") else value / rounds
+                 for key, value in stats_sum.items()}
         stats["dynamic_sampling/rounds"] = float(rounds)
         stats["dynamic_sampling/dropped_groups"] = float(dropped)
         stats["dynamic_sampling/kept_fraction"] = min(len(kept), per_rank) / per_rank
@@ -267,18 +268,19 @@ class Rollouts:
             for sample, length, reason in zip(batch.samples, batch.response_lengths.tolist(), batch.finish_reasons)
         ]
         # the leader scores (a reward that times out on one rank must not split the replica)
-        scores, components, stats = self._from_leader(
-            lambda: self.rewards.score_components(batch.completion_texts, batch.samples))
+        result = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
+        self.stop_on_reward_error(result)
+        scores, stats = result.scores, result.stats
         batch.scores = torch.tensor(scores, dtype=torch.float32)
-        batch.reward_components = torch.tensor(components, dtype=torch.float32).reshape(len(scores), -1)
+        batch.reward_components = torch.tensor(result.components, dtype=torch.float32).reshape(len(scores), -1)
         if batch.baseline_texts:  # one call per prompt: the first row of each group
             ids = batch.group_ids.tolist()
             firsts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
-            baseline, _ = self._from_leader(lambda: self.rewards.score(
+            baseline = self._from_leader(lambda: self.rewards.score(
                 [batch.baseline_texts[i] for i in firsts], [batch.samples[i] for i in firsts]))
-            per_group = dict(zip((ids[i] for i in firsts), baseline))
+            self.stop_on_reward_error(baseline)
+            per_group = dict(zip((ids[i] for i in firsts), baseline.scores))
             batch.baseline_scores = torch.tensor([per_group[g] for g in ids], dtype=torch.float32)
-            stats["reward/greedy_baseline"] = sum(baseline) / max(len(baseline), 1)
         batch.correct = torch.tensor([
             is_correct(text, sample, score, self.accuracy_threshold)
             for text, sample, score in zip(batch.completion_texts, batch.samples, scores)
@@ -288,10 +290,25 @@ class Rollouts:
             stats["rollout/env_reward"] = sum(s["env_reward"] for s in batch.samples) / max(len(batch), 1)
             stats["rollout/observation_tokens"] = float(
                 (batch.response_present - batch.response_mask).sum() / max(len(batch), 1))
-
         if batch.baseline_scores is not None:
             stats["reward/greedy_baseline"] = float(batch.baseline_scores.mean()) if len(batch) else 0.0
         return stats
+
+    def stop_on_reward_error(self, result: RewardScores) -> None:
+        """Raise :class:`RewardFailureError` on every rank when any rank's rewards passed their
+        failure bound (one collective, so that no rank goes on alone)."""
+        failed = float(all_reduce_sum(torch.tensor([float(result.error is not None)]), self.layout.group)[0])
+        if failed:
+            raise RewardFailureError(result.error or "the reward functions failed on another rank; see its log")
+
+    def score_eval(self, step: int, mode: str, items: list, texts: list[str], samples: list[dict],
+                   ) -> tuple[RewardScores, list[bool]]:  # fmt: skip
+        """Score held-out generations, keep the first ones as sample rows, and say which answers are right."""
+        result = self.rewards.score(texts, samples)
+        self.eval_samples += eval_sample_rows(step, mode, items, texts, result.scores, self.eval_sample_count)
+        correct = [is_correct(text, sample, reward, self.accuracy_threshold)
+                   for text, sample, reward in zip(texts, samples, result.scores)]  # fmt: skip
+        return result, correct
 
     @torch.no_grad()
     def evaluate(self, eval_prompts, step: int, max_prompts: int) -> dict[str, float]:
@@ -302,38 +319,36 @@ class Rollouts:
         items = list(eval_prompts)[:max_prompts][layout.rank :: layout.size]
         out = {}
         self.eval_samples = []
+        failures = timeouts = 0.0
         for mode, greedy in (("greedy", True), ("sampled", False)):
             params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, layout.rank, 7), n=1, greedy=greedy)
 
-            def score_items(params=params, mode=mode) -> list[tuple[float, bool]]:
+            def score_items(params=params, mode=mode) -> tuple[RewardScores, list[bool]]:
                 # called with no items too: an engine serving several ranks samples them all in one call
                 if self.turns is not None:  # each held-out prompt played through its environment
                     trajectories = self.run_turns(items, params, lambda turn: hash_seed(params.seed, turn))
                     texts = self.tokenizer.batch_decode([t.token_ids for t in trajectories], skip_special_tokens=True)
                     rows = [dict(p.row, env_reward=t.reward, turns=t.turns) for p, t in zip(items, trajectories)]
-                    if not items:
-                        return []
-                    rewards = self.rewards.score(texts, rows)[0]
-                    self.eval_samples += eval_sample_rows(step, mode, items, texts, rewards, self.eval_sample_count)
-                    return [(reward, is_correct(text, row, reward, self.accuracy_threshold))
-                            for reward, text, row in zip(rewards, texts, rows)]  # fmt: skip
+                    return self.score_eval(step, mode, items, texts, rows)
                 completions = self.engine.generate([p.prompt_ids for p in items], params)
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-                if not items:
-                    return []
-                rewards = self.rewards.score(texts, [p.row for p in items])[0]
-                self.eval_samples += eval_sample_rows(step, mode, items, texts, rewards, self.eval_sample_count)
-                return [(reward, is_correct(text, item.row, reward, self.accuracy_threshold))
-                        for reward, text, item in zip(rewards, texts, items)]  # fmt: skip
+                samples = [dict(p.row, response_length=len(c.token_ids), finish_reason=c.finish_reason)
+                           for p, c in zip(items, completions)]
+                return self.score_eval(step, mode, items, texts, samples)
 
-            scored = self._from_leader(score_items)
+            result, correct = self._from_leader(score_items)
+            self.stop_on_reward_error(result)
+            scores = result.scores
             totals = all_reduce_sum(
-                torch.tensor([float(sum(c for _, c in scored)), float(sum(r for r, _ in scored)), float(len(scored))]),
-                layout.group,
+                torch.tensor([float(sum(correct)), float(sum(scores)), float(len(scores)),
+                              result.stats["reward/failures"], result.stats["reward/timeouts"]]), layout.group
             )
             n = max(float(totals[2]), 1.0)
             out[f"eval/{mode}_accuracy"] = float(totals[0]) / n
             out[f"eval/{mode}_reward"] = float(totals[1]) / n
+            failures += float(totals[3])
+            timeouts += float(totals[4])
+        out["eval/reward_failures"], out["eval/reward_timeouts"] = failures, timeouts
         return out
 
 

@@ -104,6 +104,9 @@ def summarize_metrics(metrics_file: Path, last: dict[str, float]) -> dict[str, f
     trained = [r for r in rows if "reward/mean" in r] or [last]
     evals = [r for r in rows if "eval/greedy_accuracy" in r]
     out = {"final_reward": trained[-1].get("reward/mean", math.nan)}
+    # every reward call that failed or timed out, in training steps and evaluations
+    out["reward_failures"] = int(sum(r.get("reward/failures", 0) + r.get("eval/reward_failures", 0) for r in rows))
+    out["reward_timeouts"] = int(sum(r.get("reward/timeouts", 0) + r.get("eval/reward_timeouts", 0) for r in rows))
     for mode in ("greedy", "sampled"):
         key = f"eval/{mode}_accuracy"
         if evals:
