@@ -23,6 +23,20 @@ BOUNDED_ELSEWHERE = {
     ("engines/transformers/process.py", "conn.recv()"):
         "the engine process's idle loop: it ends with EOF when the trainer goes, and the trainer's side "
         "of every exchange has a timeout",
+    ("rewards.py", "self._jobs.get()"):
+        "a reward worker thread's idle loop: close() puts one None per thread, and every batch's wait on the "
+        "threads has the batch's deadline",
+    ("rewards.py", "conn.recv()"):
+        "a reward worker process's idle loop: it ends with EOF when the trainer goes, and the trainer kills a "
+        "worker that passes the batch's deadline",
+    ("rewards.py", "worker.conn.recv()"):
+        "read only after multiprocessing.connection.wait(..., timeout) reported the worker's pipe readable",
+    ("rewards.py", "self._starting.join()"):
+        "the thread only starts the worker processes (Process.start returns once each is forked); it waits on "
+        "nothing they do",
+    ("stages/async_rollout.py", "self.engine_lock.acquire()"):
+        "taken back from the trainer's weight sync, which holds it only for the sync, itself bounded by the "
+        "engine's timeouts",
 }  # fmt: skip
 
 
