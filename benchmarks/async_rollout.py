@@ -106,7 +106,7 @@ def main() -> None:
     lines = [
         f"### async_rollout.py: quickstart job, {args.steps} steps, {args.repeats} round(s) ({started}, {cpu_model()})",
         "",
-        "| mode | steps/s | rollout wait (s/step) | staleness mean / max | mismatch KL | reward by quarter of the run |",
+        f"| mode | steps/s | rollout wait (s/step) | staleness mean / max | mismatch KL | mean reward over {args.windows} windows of the run |",
         "|---|---|---|---|---|---|",
     ]
     for mode, runs in results.items():
