@@ -63,6 +63,8 @@ from rlite.config import Choice, ConfigError
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Any]
+START_TIMEOUT_S = 600.0
+"""How long the worker processes may take to start (the fork server imports the functions' modules)."""
 ISOLATIONS = ("inline", "thread", "process")
 
 
@@ -498,7 +500,9 @@ class RewardRunner:
 
     def _started(self) -> None:
         if self._starting is not None:
-            self._starting.join()
+            self._starting.join(START_TIMEOUT_S)
+            if self._starting.is_alive():
+                raise RuntimeError(f"the reward worker processes did not start within {START_TIMEOUT_S:g}s")
             self._starting = None
 
     def close(self) -> None:
