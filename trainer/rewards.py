@@ -462,7 +462,7 @@ class RewardRunner:
     :param limits: how many failures and timeouts the run tolerates.
     """
 
-    def __init__(self, entries: Sequence[RewardEntry], timeout_s: float = 10.0, workers: int = 4,
+    def __init__(self, entries: Sequence[RewardEntry], timeout_s: float = 60.0, workers: int = 4,
                  limits: FailureLimits | None = None) -> None:
         if not entries:
             raise ValueError("rewards: list at least one reward function")
@@ -634,7 +634,7 @@ def _metadata(value: Any, cfg: Any) -> Any:
 
 
 def build_reward_runner(
-    choices: Sequence[Choice], registry, timeout_s: float = 10.0, workers: int = 4,
+    choices: Sequence[Choice], registry, timeout_s: float = 60.0, workers: int = 4,
     limits: FailureLimits | None = None, example_sample: dict | None = None,
 ) -> RewardRunner:
     """Build a :class:`RewardRunner` from ``rewards`` choices and the ``reward_function`` registry.
