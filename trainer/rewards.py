@@ -63,6 +63,8 @@ from rlite.config import Choice, ConfigError
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Any]
+START_TIMEOUT_S = 600.0
+"""How long the worker processes may take to start (the fork server imports the functions' modules)."""
 ISOLATIONS = ("inline", "thread", "process")
 
 
@@ -463,7 +465,7 @@ class RewardRunner:
     :param limits: how many failures and timeouts the run tolerates.
     """
 
-    def __init__(self, entries: Sequence[RewardEntry], timeout_s: float = 10.0, workers: int = 4,
+    def __init__(self, entries: Sequence[RewardEntry], timeout_s: float = 60.0, workers: int = 4,
                  limits: FailureLimits | None = None) -> None:
         if not entries:
             raise ValueError("rewards: list at least one reward function")
@@ -505,7 +507,9 @@ class RewardRunner:
 
     def _started(self) -> None:
         if self._starting is not None:
-            self._starting.join()
+            self._starting.join(START_TIMEOUT_S)
+            if self._starting.is_alive():
+                raise RuntimeError(f"the reward worker processes did not start within {START_TIMEOUT_S:g}s")
             self._starting = None
 
     def close(self) -> None:
@@ -637,7 +641,7 @@ def _metadata(value: Any, cfg: Any) -> Any:
 
 
 def build_reward_runner(
-    choices: Sequence[Choice], registry, timeout_s: float = 10.0, workers: int = 4,
+    choices: Sequence[Choice], registry, timeout_s: float = 60.0, workers: int = 4,
     limits: FailureLimits | None = None, example_sample: dict | None = None,
 ) -> RewardRunner:
     """Build a :class:`RewardRunner` from ``rewards`` choices and the ``reward_function`` registry.

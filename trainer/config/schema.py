@@ -528,7 +528,7 @@ class RunConfig:
     """Prompts and answers."""
     rewards: list[Choice] = field(default_factory=lambda: [Choice("exact_match")])
     """Reward functions; a sample's reward is the weighted sum (weight in ``args.weight``, default 1)."""
-    reward_timeout_s: float = 10.0
+    reward_timeout_s: float = 60.0
     """Deadline of one batch of reward calls (a step's rollouts, one evaluation pass), counted from the
     batch's start: the calls run concurrently on the reward workers, and those unfinished then (their
     worker processes killed and replaced) score 0 and count in ``reward/timeouts``."""
