@@ -10,8 +10,10 @@ isolation=...)``):
 * ``"inline"``: called directly in the trainer's thread, with no deadline. For functions that cannot
   hang: the built-in ``exact_match``, ``numeric`` and ``overlong_penalty`` (a regular expression or a
   comparison, linear in the completion) and ``reward_model`` (a forward pass of a fixed model).
-* ``"process"``: in the runner's pool of worker processes (``workers`` of them, started once and
-  reused). A call still running at the deadline has its worker killed and replaced. The ``python``
+* ``"process"``: in the runner's pool of worker processes (``workers`` per function, started once and
+  reused; calls are sent in chunks and answered one by one). A call still running at the deadline
+  has its worker killed and replaced; a worker that dies fails the call it was running and the rest
+  of its chunk goes to its replacement. The ``python``
   reward (a user's function) and ``math_verify`` (sympy can take unbounded time) run here. The
   function and its config must be picklable (module-level), and the pool is forked from a
   ``multiprocessing`` fork server into which the functions' modules are imported once.
@@ -63,6 +65,8 @@ from rlite.config import Choice, ConfigError
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Any]
+MAX_CHUNK = 16
+"""Most calls sent to a worker process in one message."""
 START_TIMEOUT_S = 600.0
 """How long the worker processes may take to start (the fork server imports the functions' modules)."""
 ISOLATIONS = ("inline", "thread", "process")
@@ -306,7 +310,8 @@ class _ThreadPool:
 
 
 def _worker_main(conn, pickled_entries: bytes, sys_path: list[str], cwd: str) -> None:
-    """A reward worker process: answer ``(call_id, entry, completions, samples)`` until told to stop.
+    """A reward worker process: answer each ``(call_id, entry, completions, samples)`` of the chunks it
+    receives, one message per call as soon as it is done, until told to stop.
 
     The entries arrive pickled, to be loaded once the trainer's ``sys.path`` and working folder are
     in place (the fork server keeps those of the moment it started)."""
@@ -321,12 +326,12 @@ def _worker_main(conn, pickled_entries: bytes, sys_path: list[str], cwd: str) ->
             return
         if message is None:
             return
-        call_id, j, completions, samples = message
-        outcome = _call(entries[j], completions, samples)
-        try:
-            conn.send((call_id, outcome))
-        except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle
-            conn.send((call_id, [_Failure(f"result could not be sent back: {exc}", repr(exc))] * len(completions)))
+        for call_id, j, completions, samples in message:  # a chunk of calls; each answered when done
+            outcome = _call(entries[j], completions, samples)
+            try:
+                conn.send((call_id, outcome))
+            except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle
+                conn.send((call_id, [_Failure(f"result could not be sent back: {exc}", repr(exc))] * len(completions)))
 
 
 class _Worker:
@@ -339,7 +344,8 @@ class _Worker:
         )
         self.process.start()
         child.close()
-        self.call: int | None = None
+        self.calls: list[int] = []
+        """The calls sent and not answered yet, in the order the worker runs them."""
 
     def kill(self) -> None:
         self.process.kill()
@@ -383,6 +389,9 @@ class _ProcessPool:
         return [w.process.pid for workers in self._workers.values() for w in workers]
 
     def run(self, calls: list[_Call], payload: Callable[[_Call], tuple], deadline: float) -> None:
+        """Run ``calls`` until they are done or ``deadline``. Calls go to a function's idle workers in
+        chunks (fewer round trips for quick functions; smaller as the queue drains, so that the
+        workers finish together); a worker answers each call as it finishes it."""
         if not calls:
             return
         self.start()
@@ -392,7 +401,9 @@ class _ProcessPool:
         while any(waiting.values()) or busy:
             for j in waiting:
                 while waiting[j] and idle[j]:
-                    self._dispatch(idle[j].pop(), waiting[j].pop(), calls, payload, idle, busy)
+                    chunk = min(MAX_CHUNK, max(1, len(waiting[j]) // (2 * self.size)))
+                    self._dispatch(idle[j].pop(), [waiting[j].pop() for _ in range(chunk)], calls, payload,
+                                   idle, busy, waiting[j])
             if not busy:
                 continue
             ready = multiprocessing.connection.wait(list(busy), timeout=max(0.0, deadline - time.monotonic()))
@@ -402,38 +413,50 @@ class _ProcessPool:
                 worker = busy.get(handle)
                 if worker is None:
                     continue
-                del busy[worker.conn], busy[worker.process.sentinel]
-                call = calls[worker.call]
-                worker.call = None
                 try:
-                    _, call.outcome = worker.conn.recv()
-                    idle[worker.entry].append(worker)
+                    while worker.calls and worker.conn.poll():
+                        k, outcome = worker.conn.recv()
+                        calls[k].outcome = outcome
+                        worker.calls.remove(k)
+                    if worker.calls and worker.process.is_alive():
+                        continue  # still working on its chunk
+                    if worker.calls:
+                        raise EOFError
                 except (EOFError, OSError):
                     worker.process.join(timeout=5)
                     code = worker.process.exitcode
-                    call.outcome = [_Failure(f"the worker process died (exit code {code})", "")] * len(call.items)
+                    k = worker.calls.pop(0)  # the call it died on; the rest of its chunk goes back
+                    calls[k].outcome = [_Failure(f"the worker process died (exit code {code})", "")] * len(calls[k].items)
+                    waiting[worker.entry].extend(reversed(worker.calls))
+                    worker.calls = []
+                    del busy[worker.conn], busy[worker.process.sentinel]
                     idle[worker.entry].append(self._replace(worker))
+                    continue
+                del busy[worker.conn], busy[worker.process.sentinel]
+                idle[worker.entry].append(worker)
         for worker in {id(w): w for w in busy.values()}.values():  # still running at the deadline
-            calls[worker.call].outcome = _TIMED_OUT
-            worker.call = None
+            for k in worker.calls:
+                calls[k].outcome = _TIMED_OUT
+            worker.calls = []
             self._replace(worker)
         for call in calls:
             if call.outcome is None:
                 call.outcome = _TIMED_OUT
 
-    def _dispatch(self, worker: _Worker, k: int, calls: list[_Call], payload, idle, busy) -> None:
-        call = calls[k]
+    def _dispatch(self, worker: _Worker, ks: list[int], calls: list[_Call], payload, idle, busy, waiting) -> None:
         try:
-            worker.conn.send((k, *payload(call)))
-        except (OSError, ValueError) as exc:  # the worker died between calls
-            call.outcome = [_Failure(f"the worker process died: {exc}", repr(exc))] * len(call.items)
+            worker.conn.send([(k, *payload(calls[k])) for k in ks])
+        except (OSError, ValueError) as exc:  # the worker died between batches: a fresh one takes the rest
+            calls[ks[0]].outcome = [_Failure(f"the worker process died: {exc}", repr(exc))] * len(calls[ks[0]].items)
+            waiting.extend(reversed(ks[1:]))
             idle[worker.entry].append(self._replace(worker))
             return
-        except Exception as exc:  # noqa: BLE001 - the sample does not pickle
-            call.outcome = [_Failure(f"the sample could not be sent to a worker: {exc}", repr(exc))] * len(call.items)
+        except Exception as exc:  # noqa: BLE001 - a sample does not pickle
+            for k in ks:
+                calls[k].outcome = [_Failure(f"the sample could not be sent to a worker: {exc}", repr(exc))] * len(calls[k].items)
             idle[worker.entry].append(worker)
             return
-        worker.call = k
+        worker.calls = list(ks)
         busy[worker.conn] = busy[worker.process.sentinel] = worker
 
     def _replace(self, worker: _Worker) -> _Worker:

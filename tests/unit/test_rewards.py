@@ -473,6 +473,12 @@ def raise_value_error(completion, sample, cfg):
 
 def die(completion, sample, cfg):
     os._exit(7)
+
+
+def die_on_die(completion, sample, cfg):
+    if completion == "die":
+        os._exit(7)
+    return len(completion)
 '''
 
 
@@ -515,7 +521,9 @@ def test_hung_process_calls_time_out_together_and_their_workers_are_replaced(wor
         assert not any(_alive(pid) for pid in first_pids)
         new_pids = runner.processes.pids
         assert len(new_pids) == 2 and not set(new_pids) & set(first_pids)
-        # a batch with one hanging call: the other calls finish on the other worker
+        # a batch with one hanging call: the other calls finish on the other worker (a longer
+        # deadline, so that a loaded machine finishes them in time)
+        runner.timeout_s = 5.0
         result = runner.score(["hang", "ab", "abc", "a"], [{"markers": markers}] * 4)
         assert result.scores == [0.0, 2.0, 3.0, 1.0] and result.stats["reward/timeouts"] == 1.0
         assert runner.processes.replaced == 3
@@ -547,3 +555,19 @@ def test_unpicklable_process_reward_fails_at_build(registry, monkeypatch):
     monkeypatch.setitem(registry.entries, "local", local)
     with pytest.raises(ConfigError, match=r"rewards\[0\]: reward function 'local' runs in worker processes"):
         build_reward_runner([Choice("local")], registry)
+
+
+def test_a_worker_dying_mid_chunk_fails_one_call_and_the_rest_run_elsewhere(worker_functions):
+    """Calls reach a worker in chunks (16 calls on 1 worker: 8 at once); when it dies on one, that
+    call fails and the rest of its chunk runs on the fresh worker that replaces it."""
+    module, _ = worker_functions
+    runner = RewardRunner([_entry("d", module.die_on_die, isolation="process")], timeout_s=60, workers=1,
+                          limits=TOLERANT)
+    completions = ["a", "die"] + ["x" * n for n in range(2, 16)]
+    try:
+        result = runner.score(completions, [{}] * 16)
+    finally:
+        runner.close()
+    assert result.stats["reward/failures"] == 1.0 and result.stats["reward/timeouts"] == 0.0
+    assert result.scores == [1.0, 0.0] + [float(n) for n in range(2, 16)]
+    assert runner.processes.replaced == 1
