@@ -1,6 +1,6 @@
 """Fault campaign: inject each kind of fault at random over N trials of a tiny run and count what held.
 
-Fault kinds (each trial a few seconds on a ~0.2M-parameter model, 6 steps):
+Fault kinds (each trial a few seconds on a ~0.2M-parameter model, 4 steps):
 
 * ``sigkill``: ``rlite train`` in a subprocess, SIGKILLed at a random moment, then the same command
   again (``checkpoint.every=1``, ``resume: auto``).
@@ -38,7 +38,7 @@ import torch
 
 from rlite import hookimpl
 
-STEPS = 6
+STEPS = 4
 KINDS = ("sigkill", "sigterm", "nan", "engine_kill", "corrupt_latest")
 
 
