@@ -31,9 +31,6 @@ BOUNDED_ELSEWHERE = {
         "worker that passes the batch's deadline",
     ("rewards.py", "worker.conn.recv()"):
         "read only after multiprocessing.connection.wait(..., timeout) reported the worker's pipe readable",
-    ("rewards.py", "self._starting.join()"):
-        "the thread only starts the worker processes (Process.start returns once each is forked); it waits on "
-        "nothing they do",
     ("stages/async_rollout.py", "self.engine_lock.acquire()"):
         "taken back from the trainer's weight sync, which holds it only for the sync, itself bounded by the "
         "engine's timeouts",
