@@ -164,7 +164,8 @@ ENGINE = ("rollout.engine.args.process=true", "rollout.timeout_s=120", "checkpoi
 def engine_trial(rng, work, config, model_dir, reference, duration):
     run_dir = work / "run"
     after_sync = rng.random() < 0.5
-    killer = EngineKiller(rng.randint(1, STEPS - 1), after_sync)
+    # after a rollout: from step 2, once a sync has shown the hook the engine
+    killer = EngineKiller(rng.randint(1 if after_sync else 2, STEPS - 1), after_sync)
     try:
         in_process(model_dir, run_dir, killer, *ENGINE)
         survived = True
