@@ -77,7 +77,8 @@ def rows_exact(run_dir: Path) -> bool:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return False
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [row["step"] for row in rows if "provenance" not in row]  # each session's provenance record is not a step
     return steps == list(range(STEPS + 1))
 
 

@@ -226,6 +226,23 @@ def verify_checkpoint(path: Path) -> str:
     return ""
 
 
+_VERIFIED: dict[tuple[str, int], str] = {}
+"""What :func:`verify_checkpoint` found, by checkpoint folder and its manifest's modification time: a
+run looks for its resume checkpoint several times, and hashing it costs seconds per GB."""
+
+
+def _verified(path: Path) -> tuple[str, bool]:
+    """``(damage, first time asked)`` of :func:`verify_checkpoint` for ``path``."""
+    try:
+        key = (str(path.resolve()), (path / MANIFEST).stat().st_mtime_ns)
+    except OSError:  # no manifest: nothing to remember it by
+        return verify_checkpoint(path), True
+    if key in _VERIFIED:
+        return _VERIFIED[key], False
+    _VERIFIED[key] = verify_checkpoint(path)
+    return _VERIFIED[key], True
+
+
 def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
     """``auto``: the newest intact checkpoint of the run, or None when there is none; ``never``: None;
     else that path (refused if incomplete or damaged). ``auto`` logs every newer checkpoint it skipped
@@ -238,10 +255,11 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
         root = checkpoint_root(run_dir)
         skipped = []
         for path in reversed(list_checkpoints(root)):
-            damage = verify_checkpoint(path)
+            damage, first_time = _verified(path)
             if not damage:
                 return path
-            log.warning("checkpoint %s is damaged and skipped: %s", path.name, damage)
+            if first_time:  # a run asks several times (config check, provenance, resume): say it once
+                log.warning("checkpoint %s is damaged and skipped: %s", path.name, damage)
             skipped.append(f"{path.name}: {damage}")
         if skipped:
             raise ConfigError(

@@ -75,6 +75,8 @@ class Rollouts:
         """Generations per mode an evaluation keeps in :attr:`eval_samples` (``logging.samples_per_step``)."""
         self.eval_samples: list[dict] = []
         """The last evaluation's first generations as sample rows (:mod:`rlite.samples`; the replica leader's)."""
+        self.baseline_reward_error: str | None = None
+        """What went wrong scoring the greedy baselines of the batch being collected (:meth:`score` raises it)."""
         self.greedy_baseline = False
         """Also generate one greedy completion per prompt and score it (``batch.baseline_scores``): the
         advantage estimator registered with ``needs_greedy_baseline=True`` (ReMax)."""
@@ -257,9 +259,10 @@ class Rollouts:
         texts = self.tokenizer.batch_decode([c.token_ids for c in ordered], skip_special_tokens=True)
         rows = [dict(p.row, response_length=len(c.token_ids), finish_reason=c.finish_reason)
                 for p, c in zip(prompts, ordered)]
-        rewards, _ = self.rewards.score(texts, rows)  # timed with the generation
+        result = self.rewards.score(texts, rows)  # timed with the generation
+        self.baseline_reward_error = result.error  # raised on every rank by score(), a collective
         batch.baseline_texts = [texts[c.prompt_index] for c in completions]
-        batch.baseline_scores = torch.tensor([rewards[c.prompt_index] for c in completions], dtype=torch.float32)
+        batch.baseline_scores = torch.tensor([result.scores[c.prompt_index] for c in completions], dtype=torch.float32)
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         # each sample gets its own copy of the data row plus what length-aware rewards need
@@ -269,18 +272,11 @@ class Rollouts:
         ]
         # the leader scores (a reward that times out on one rank must not split the replica)
         result = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
-        self.stop_on_reward_error(result)
+        baseline_error, self.baseline_reward_error = self.baseline_reward_error, None
+        self.stop_on_reward_error(result.error or baseline_error)
         scores, stats = result.scores, result.stats
         batch.scores = torch.tensor(scores, dtype=torch.float32)
         batch.reward_components = torch.tensor(result.components, dtype=torch.float32).reshape(len(scores), -1)
-        if batch.baseline_texts:  # one call per prompt: the first row of each group
-            ids = batch.group_ids.tolist()
-            firsts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
-            baseline = self._from_leader(lambda: self.rewards.score(
-                [batch.baseline_texts[i] for i in firsts], [batch.samples[i] for i in firsts]))
-            self.stop_on_reward_error(baseline)
-            per_group = dict(zip((ids[i] for i in firsts), baseline.scores))
-            batch.baseline_scores = torch.tensor([per_group[g] for g in ids], dtype=torch.float32)
         batch.correct = torch.tensor([
             is_correct(text, sample, score, self.accuracy_threshold)
             for text, sample, score in zip(batch.completion_texts, batch.samples, scores)
@@ -294,12 +290,13 @@ class Rollouts:
             stats["reward/greedy_baseline"] = float(batch.baseline_scores.mean()) if len(batch) else 0.0
         return stats
 
-    def stop_on_reward_error(self, result: RewardScores) -> None:
+    def stop_on_reward_error(self, error: str | None) -> None:
         """Raise :class:`RewardFailureError` on every rank when any rank's rewards passed their
-        failure bound (one collective, so that no rank goes on alone)."""
-        failed = float(all_reduce_sum(torch.tensor([float(result.error is not None)]), self.layout.group)[0])
+        failure bound (``error``: this rank's :attr:`RewardScores.error`; one collective, so that no
+        rank goes on alone)."""
+        failed = float(all_reduce_sum(torch.tensor([float(error is not None)]), self.layout.group)[0])
         if failed:
-            raise RewardFailureError(result.error or "the reward functions failed on another rank; see its log")
+            raise RewardFailureError(error or "the reward functions failed on another rank; see its log")
 
     def score_eval(self, step: int, mode: str, items: list, texts: list[str], samples: list[dict],
                    ) -> tuple[RewardScores, list[bool]]:  # fmt: skip
@@ -337,7 +334,7 @@ class Rollouts:
                 return self.score_eval(step, mode, items, texts, samples)
 
             result, correct = self._from_leader(score_items)
-            self.stop_on_reward_error(result)
+            self.stop_on_reward_error(result.error)
             scores = result.scores
             totals = all_reduce_sum(
                 torch.tensor([float(sum(correct)), float(sum(scores)), float(len(scores)),
