@@ -226,16 +226,18 @@ def verify_checkpoint(path: Path) -> str:
     return ""
 
 
-_VERIFIED: dict[tuple[str, int], str] = {}
-"""What :func:`verify_checkpoint` found, by checkpoint folder and its manifest's modification time: a
-run looks for its resume checkpoint several times, and hashing it costs seconds per GB."""
+_VERIFIED: dict[tuple, str] = {}
+"""What :func:`verify_checkpoint` found, by checkpoint folder and the name, size and modification time
+of each of its files: a run looks for its resume checkpoint several times, and hashing it costs seconds
+per GB; a file written since is hashed again."""
 
 
 def _verified(path: Path) -> tuple[str, bool]:
     """``(damage, first time asked)`` of :func:`verify_checkpoint` for ``path``."""
     try:
-        key = (str(path.resolve()), (path / MANIFEST).stat().st_mtime_ns)
-    except OSError:  # no manifest: nothing to remember it by
+        files = sorted(f for f in path.rglob("*") if f.is_file())
+        key = (str(path.resolve()), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    except OSError:  # a file vanished while listed: verify without remembering
         return verify_checkpoint(path), True
     if key in _VERIFIED:
         return _VERIFIED[key], False
