@@ -145,6 +145,8 @@ def _attempt(write) -> str:
         write()
     except CheckpointException as exc:  # the first rank's own error
         rank, (error, _) = next(iter(exc.failures.items()))
+        if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C during the save: stop now, not a write failure
+            raise KeyboardInterrupt from None
         return f"rank {rank}: {type(error).__name__}: {error}"
     except (OSError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
