@@ -160,14 +160,25 @@ def build_manager(autoload: bool | None = None, only: list[str] | None = None) -
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg, pm = load_run_config(args.config, args.overrides)
-    for broken in pm.failed:  # the run goes on without it, but never silently
-        print(f"rlite train: warning: plugin {broken.name!r} ({broken.distribution}) is skipped: {broken.error}",
-              file=sys.stderr)
-    from rlite.loop import run_training  # heavy (torch, transformers): only when training
+    from rlite.config.schema import CheckpointConfig
+    from rlite.run.faults import Preemption
 
-    run_training(cfg, pm)
-    return 0
+    # first thing: a SIGTERM (a scheduler's preemption) while the config loads, torch imports or the
+    # model is built stops the run cleanly (exit 75) instead of killing it; the handlers stay installed
+    # until the command returns, so one during the final export does not kill the process either
+    preemption = Preemption(CheckpointConfig.preempt_timeout_s)
+    preemption.install()
+    try:
+        cfg, pm = load_run_config(args.config, args.overrides)
+        for broken in pm.failed:  # the run goes on without it, but never silently
+            print(f"rlite train: warning: plugin {broken.name!r} ({broken.distribution}) is skipped: {broken.error}",
+                  file=sys.stderr)
+        from rlite.loop import run_training  # heavy (torch, transformers): only when training
+
+        run_training(cfg, pm, preemption)
+        return 0
+    finally:
+        preemption.uninstall()
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -43,6 +43,8 @@ def train(run: Run) -> dict[str, Any]:
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
     nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_in_a_row, run.run_dir)
+    if run.preemption.requested():  # signalled while the run was being built
+        raise run.preemption.stop_before_training(run.run_dir, run.start_step)
     if run.start_step == 0 and run.eval_prompts:
         with timer.phase("eval"):
             log_metrics(run, 0, evaluate(run, 0))  # the baseline the run is measured against
@@ -159,14 +161,24 @@ def update_critic(run: Run, batch) -> dict[str, float]:
     )
 
 
-def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[str, Any]:
+def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
+                 preemption: Preemption | None = None) -> dict[str, Any]:
     """Build everything from the config (with the plugins of ``pm``, by default the process-wide
-    manager), train, and tear down."""
+    manager), train, and tear down.
+
+    ``preemption``: handlers the caller installed already (``rlite train`` does, before it reads the
+    config, so that a SIGTERM during start-up is caught too); the caller uninstalls them. Without it
+    the handlers are installed here for the run's duration.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ctx = init_distributed()
     finished = False
-    preemption = Preemption(cfg.checkpoint.preempt_timeout_s)
-    preemption.install()  # from here a SIGTERM waits for the next step boundary
+    owned = preemption is None
+    if owned:
+        preemption = Preemption(cfg.checkpoint.preempt_timeout_s)
+        preemption.install()  # from here a SIGTERM waits for the next step boundary
+    else:
+        preemption.set_timeout(cfg.checkpoint.preempt_timeout_s)
     try:
         run = build_run(cfg, pm if pm is not None else get_plugin_manager())
         run.preemption = preemption
@@ -182,5 +194,6 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[s
         finished = True
         return summary
     finally:
-        preemption.uninstall()
+        if owned:
+            preemption.uninstall()
         shutdown_distributed(ctx, finished=finished)

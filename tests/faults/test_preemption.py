@@ -96,3 +96,38 @@ def test_a_second_ctrl_c_stops_at_once_without_a_new_checkpoint(tmp_path, model_
     assert proc.returncode == 130, stderr[-3000:]
     assert "press Ctrl-C again to stop now" in stderr and "rlite: interrupted" in stderr
     assert list_checkpoints(run_dir / "checkpoints") == []  # the interrupted save never became a checkpoint
+
+
+def test_sigterm_while_the_run_starts_stops_cleanly_before_the_first_step(tmp_path, model_dir):
+    """`rlite train` installs its handlers before it reads the config: a SIGTERM during start-up (here
+    while a reward file is imported, which the config check does) is not a kill (-15) but a clean stop
+    with status 75 and nothing to save; the same command then runs the whole job."""
+    marker, steps = tmp_path / "importing", 2
+    (tmp_path / "slow_reward.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(marker)!r}).touch()\n"
+        "time.sleep(2)\n"
+        "def digits(completion, sample):\n"
+        "    return float(sum(c.isdigit() for c in completion))\n"
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text("training:\n  seed: 0\nrewards:\n  - {name: python, args: {function: slow_reward.py:digits}}\n")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rlite", "train", str(config), *_args(model_dir, run_dir, steps)]
+    proc = subprocess.Popen(cmd, env=run_in_subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the reward file was never imported"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert "SIGTERM received before the first step: nothing new to save; a re-run starts from the beginning" in stderr
+    assert not (run_dir / "checkpoints").exists() or list_checkpoints(run_dir / "checkpoints") == []
+    marker.unlink()
+
+    done = subprocess.run(cmd, env=run_in_subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(steps + 1))

@@ -30,6 +30,7 @@ from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.provenance import append_metrics_record
 from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner
+from rlite.run.checkpoint import find_resume_checkpoint
 from rlite.run.faults import Preemption
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.samples import SampleWriter
@@ -86,6 +87,8 @@ class Run:
     """The preemption signals' flag (:func:`rlite.loop.run_training` installs its handlers)."""
     provenance: dict = field(default_factory=dict)
     """What produced this run (:mod:`rlite.provenance`), written into every checkpoint."""
+    resumed_from: Path | None = None
+    """The checkpoint the run resumed from (``None``: a fresh run)."""
 
     def sync_weights(self, version: int) -> None:
         sync_weights_to_engine(
@@ -108,7 +111,9 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         keep_freed_memory()
     torch.manual_seed(cfg.training.seed)
     run_dir = Path(cfg.logging.run_dir)
-    check_resume_config(cfg)  # before this run's config.yaml replaces the one the check reads
+    # found (and its checksums verified) once; the config check, the load and the provenance use it
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    check_resume_config(cfg, resume_from)  # before this run's config.yaml replaces the one the check reads
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.is_main and not evaluation_only:
@@ -176,10 +181,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         rewards.start()
     targets.reward_weights = tuple(rewards.weights)
     draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
-    start_step = maybe_resume(
-        cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
-    )
-    provenance = run_provenance(cfg, pm, ctx, run_dir, start_step)
+    start_step = maybe_resume(resume_from, backend, critic, sampler, kl_controller, ctx, pm, draft=draft)
+    provenance = run_provenance(cfg, pm, ctx, resume_from, start_step)
     loggers = []
     if ctx.is_main and not evaluation_only:
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -233,6 +236,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         loggers=loggers,
         timer=timer,
         start_step=start_step,
+        resumed_from=resume_from,
         draft=draft,
         started=started,
         samples=SampleWriter(run_dir / "samples.jsonl", loggers) if ctx.is_main and cfg.logging.samples_every else None,
@@ -312,17 +316,14 @@ def check_input_paths(cfg: RunConfig) -> None:
                     raise ConfigError(str(exc).strip("'\"")) from None
 
 
-def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, run_dir: Path,
+def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, resume_from: Path | None,
                    start_step: int) -> dict:
-    """This run's record; a resumed run's names the checkpoint's record it continues."""
+    """This run's record; a resumed run's names the record of the checkpoint it loaded (``resume_from``)."""
     from rlite.provenance import collect_provenance, read_checkpoint_record
-    from rlite.run.checkpoint import find_resume_checkpoint
 
     record = collect_provenance(cfg, pm, world_size=ctx.world_size, device=ctx.device, weight_version=start_step)
-    if start_step:
-        loaded = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)  # the one maybe_resume loaded
-        record["resumed_from"] = {"step": start_step,
-                                  "provenance": read_checkpoint_record(loaded) if loaded is not None else None}
+    if resume_from is not None:
+        record["resumed_from"] = {"step": start_step, "provenance": read_checkpoint_record(resume_from)}
     return record
 
 

@@ -228,25 +228,6 @@ def verify_checkpoint(path: Path) -> str:
     return ""
 
 
-_VERIFIED: dict[tuple, str] = {}
-"""What :func:`verify_checkpoint` found, by checkpoint folder and the name, size and modification time
-of each of its files: a run looks for its resume checkpoint several times, and hashing it costs seconds
-per GB; a file written since is hashed again."""
-
-
-def _verified(path: Path) -> tuple[str, bool]:
-    """``(damage, first time asked)`` of :func:`verify_checkpoint` for ``path``."""
-    try:
-        files = sorted(f for f in path.rglob("*") if f.is_file())
-        key = (str(path.resolve()), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    except OSError:  # a file vanished while listed: verify without remembering
-        return verify_checkpoint(path), True
-    if key in _VERIFIED:
-        return _VERIFIED[key], False
-    _VERIFIED[key] = verify_checkpoint(path)
-    return _VERIFIED[key], True
-
-
 def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
     """``auto``: the newest intact checkpoint of the run, or None when there is none; ``never``: None;
     else that path (refused if incomplete or damaged). ``auto`` logs every newer checkpoint it skipped
@@ -259,11 +240,10 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
         root = checkpoint_root(run_dir)
         skipped = []
         for path in reversed(list_checkpoints(root)):
-            damage, first_time = _verified(path)
+            damage = verify_checkpoint(path)
             if not damage:
                 return path
-            if first_time:  # a run asks several times (config check, provenance, resume): say it once
-                log.warning("checkpoint %s is damaged and skipped: %s", path.name, damage)
+            log.warning("checkpoint %s is damaged and skipped: %s", path.name, damage)
             skipped.append(f"{path.name}: {damage}")
         if skipped:
             raise ConfigError(

@@ -51,6 +51,4 @@ def evaluated_model(cfg: RunConfig, run: Run) -> str:
     """The checkpoint folder the run resumed from, or ``model.path``."""
     if run.start_step == 0:
         return cfg.model.path
-    from rlite.run.checkpoint import find_resume_checkpoint
-
-    return str(find_resume_checkpoint(run.run_dir, cfg.checkpoint.resume))
+    return str(run.resumed_from)

@@ -109,8 +109,22 @@ class Preemption:
         self.timeout_s = timeout_s
         self.group = group
         self.signal_name: str | None = None
+        self._signalled_at = 0.0
         self._previous: dict[int, object] = {}
         self._watchdog = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """The configured timeout, known only once the config is read (``rlite train`` installs the
+        handlers before that); a signal already received keeps its time of arrival."""
+        import time
+
+        self.timeout_s = timeout_s
+        if self.signal_name is not None:
+            self._start_watchdog(max(0.0, timeout_s - (time.monotonic() - self._signalled_at)) if timeout_s else 0.0)
 
     def install(self) -> None:
         import signal
@@ -133,7 +147,7 @@ class Preemption:
     def _on_signal(self, signum, frame) -> None:
         import logging
         import signal
-        import threading
+        import time
 
         name = signal.Signals(signum).name
         if self.signal_name is not None:
@@ -141,13 +155,23 @@ class Preemption:
                 raise KeyboardInterrupt
             return
         self.signal_name = name
+        self._signalled_at = time.monotonic()
         logging.getLogger("rlite").warning(
             "%s received: saving a checkpoint at the next step boundary, then exiting with status %d "
             "(within checkpoint.preempt_timeout_s=%g s)%s", name, EXIT_PREEMPTED, self.timeout_s,
             "; press Ctrl-C again to stop now without saving" if signum == signal.SIGINT else "",
         )  # fmt: skip
         if self.timeout_s > 0:
-            self._watchdog = threading.Timer(self.timeout_s, self._give_up)
+            self._start_watchdog(self.timeout_s)
+
+    def _start_watchdog(self, seconds: float) -> None:
+        import threading
+
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self.timeout_s > 0:
+            self._watchdog = threading.Timer(seconds, self._give_up)
             self._watchdog.daemon = True
             self._watchdog.start()
 
@@ -169,6 +193,17 @@ class Preemption:
         from rlite.distributed import all_reduce_sum
 
         return bool(all_reduce_sum(torch.tensor([1.0 if self.signal_name else 0.0]), self.group)[0] > 0)
+
+    def stop_before_training(self, run_dir: str | Path, start_step: int) -> RunStopped:
+        """The stop of a run signalled while it was being built: no step ran, so nothing is saved."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        where = (f"a re-run resumes from the checkpoint of step {start_step} ({latest_checkpoint_text(run_dir)})"
+                 if start_step else "a re-run starts from the beginning")
+        return RunStopped(
+            f"{self.signal_name or 'a signal'} received before the first step: nothing new to save; {where}",
+            exit_code=EXIT_PREEMPTED,
+        )
 
     def stop(self, step: int, checkpoint: Path, resume: str) -> RunStopped:
         if self._watchdog is not None:

@@ -74,18 +74,15 @@ def _differences(saved: Any, current: Any, prefix: str) -> list[tuple[str, Any, 
     return [] if saved == current else [(prefix, saved, current)]
 
 
-def check_resume_config(cfg: RunConfig) -> None:
-    """Refuse to resume a checkpoint whose run had another model or algorithm (unless
-    ``checkpoint.resume_mismatch=allow``); run before this run writes its own ``config.yaml``.
+def check_resume_config(cfg: RunConfig, path: Path | None) -> None:
+    """Refuse to resume the checkpoint ``path`` (``None``: a fresh run) if its run had another model or
+    algorithm (unless ``checkpoint.resume_mismatch=allow``); run before this run writes its own ``config.yaml``.
 
     The checkpoint's run is described by the ``config.yaml`` of its run folder
     (``<run_dir>/checkpoints/step_X`` -> ``<run_dir>/config.yaml``).
     """
     from omegaconf import OmegaConf
 
-    from rlite.run.checkpoint import find_resume_checkpoint
-
-    path = find_resume_checkpoint(cfg.logging.run_dir, cfg.checkpoint.resume)
     if path is None:
         return
     saved_file = path.parent.parent / "config.yaml"
@@ -159,8 +156,7 @@ def stop_after_engine_failure(run: Run, failure: Exception):
 
 
 def maybe_resume(
-    resume: str,
-    run_dir: Path,
+    path: Path | None,
     backend: TrainingBackend,
     critic: CriticModel | None,
     sampler: PromptSampler,
@@ -169,10 +165,10 @@ def maybe_resume(
     pm,
     draft: SpeculativeDraft | None = None,
 ) -> int:
-    """Load the checkpoint that ``checkpoint.resume`` names, if any; return the step it holds (0: none)."""
-    from rlite.run.checkpoint import find_resume_checkpoint, load_checkpoint
+    """Load the checkpoint ``path`` (:func:`~rlite.run.checkpoint.find_resume_checkpoint`'s choice), if
+    any; return the step it holds (0: none)."""
+    from rlite.run.checkpoint import load_checkpoint
 
-    path = find_resume_checkpoint(run_dir, resume)
     if path is None:
         return 0
     state = model_state(backend, critic)
