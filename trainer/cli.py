@@ -2,7 +2,8 @@
 
 Also runs as ``python -m rlite ...`` and ``torchrun --nproc_per_node N -m rlite train ...``.
 Configuration and plugin problems print one line on stderr and exit with status 2; a run stopped
-by failing reward functions prints their traceback and exits with status 3; nothing heavy
+by failing reward functions prints their traceback and exits with status 3; one stopped on a fault
+(non-finite updates, a dying engine, a full disk) exits with 4 and a preempted one with 75; nothing heavy
 (transformers, datasets) is imported before ``train`` needs it.
 """
 

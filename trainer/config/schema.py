@@ -199,7 +199,7 @@ class RolloutConfig:
     engine_restarts: int = 2
     """How many times a rollout engine whose process died (or hung past ``timeout_s`` and was killed) is restarted
     with the trainer's current weights, the failed call made again; one more death stops the run with a checkpoint
-    to resume from (exit status 3). Restarts need a single trainer process; with several, a death stops the run."""
+    to resume from (exit status 4). Restarts need a single trainer process; with several, a death stops the run."""
     lora_sync: str = "merged"
     """With LoRA: ``merged`` sends W + scale * B @ A to the engine; ``adapter`` sends only the adapter (engines that serve adapters, e.g. sglang)."""
     true_on_policy: bool = False
@@ -381,7 +381,7 @@ class TrainingConfig:
     (``rlite.tasks.TASK_CHECKS``); rows of data files, which have none, when their total reward is >= this."""
     max_nonfinite_in_a_row: int = 3
     """An optimizer update whose loss or gradient norm is NaN/inf is skipped (counted in ``train/skipped_nonfinite``);
-    after this many skipped in a row the run stops with a message naming the step and the likely cause (exit status 3)."""
+    after this many skipped in a row the run stops with a message naming the step and the likely cause (exit status 4)."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "training.steps must be >= 0")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-EXIT_STOPPED = 3
+EXIT_STOPPED = 4
 """Exit status of a run that stopped on a fault it cannot get past (too many non-finite updates in a
 row, an engine that keeps dying, a full disk). The message names the cause and the checkpoint to
-resume from."""
+resume from. (3 is a reward function failing past its bound, :data:`rlite.cli.EXIT_REWARDS_FAILED`: a
+bug in user code, where this is the run's own state or machine.)"""
 
 EXIT_PREEMPTED = 75
 """Exit status of a run stopped by SIGTERM (or Ctrl-C) after it saved a checkpoint at a step boundary
