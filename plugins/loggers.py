@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlite.api import hookimpl
@@ -109,18 +109,65 @@ class WandbConfig:
     """W&B project."""
     mode: str = "offline"
     """W&B mode: online, offline or disabled."""
+    entity: str | None = None
+    """W&B entity (team or user); None: the account's default."""
+    name: str | None = None
+    """The run's display name; None: the run folder's name (``logging.run_dir``)."""
+    group: str | None = None
+    """W&B group, to show several runs (seeds, ablations) together."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags."""
 
 
 class WandbLogger:
+    """Metrics and sample tables in one W&B run per rlite run: the W&B run's id is kept in
+    ``<run_dir>/wandb/rlite_run_id``, and a resumed rlite run continues that W&B run
+    (``resume="allow"``) instead of starting a second one. W&B keeps steps increasing, so the steps an
+    interrupted run logged after its checkpoint keep their first values (a resumed run repeats them
+    bitwise, timings aside); the resumed run logs from the step after the last one W&B holds."""
+
+    ID_FILE = "rlite_run_id"
+
     def __init__(self, run_dir, config, cfg: WandbConfig) -> None:
+        self.run_dir, self.config, self.cfg = Path(run_dir), config, cfg
+        self.run = None
+        self.resumed_from: int | None = None
+        self.first_due = 0
+        """The first step W&B does not hold yet (steps are increasing there)."""
+
+    def resume(self, step: int) -> None:
+        self.resumed_from = step
+
+    def _start(self):
+        if self.run is not None:
+            return self.run
         import dataclasses
+        import uuid
 
         import wandb
 
-        self.run = wandb.init(project=cfg.project, mode=cfg.mode, dir=str(run_dir), config=dataclasses.asdict(config))
+        folder = self.run_dir / "wandb"
+        folder.mkdir(parents=True, exist_ok=True)
+        id_file = folder / self.ID_FILE
+        if self.resumed_from is not None and id_file.is_file():  # the same W&B run, continued
+            run_id, resume = id_file.read_text().strip(), "allow"
+        else:  # a fresh run (also a fresh start in an old folder: checkpoint.resume=never)
+            run_id, resume = uuid.uuid4().hex[:8], None
+            id_file.write_text(run_id + "\n")
+        cfg = self.cfg
+        self.run = wandb.init(
+            project=cfg.project, entity=cfg.entity, name=cfg.name or self.run_dir.resolve().name, group=cfg.group,
+            tags=list(cfg.tags) or None, mode=cfg.mode, dir=str(self.run_dir), id=run_id, resume=resume,
+            config=dataclasses.asdict(self.config),
+        )  # fmt: skip
+        if resume:  # online, W&B knows where the run got to; offline it starts at 0
+            self.first_due = self.run.step
+        return self.run
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
+        run = self._start()
+        if step >= self.first_due:
+            run.log(metrics, step=step)
 
     def log_samples(self, step: int, kind: str, rows: list[dict]) -> None:
         """A ``wandb.Table`` under ``samples/<kind>``, one row per rollout."""
@@ -128,13 +175,17 @@ class WandbLogger:
 
         import wandb
 
+        run = self._start()
+        if step < self.first_due:
+            return
         columns = sorted({key for row in rows for key in row})
         data = [[v if isinstance(v, (int, float, str, type(None))) else json.dumps(v, default=str)
                  for v in (row.get(c) for c in columns)] for row in rows]  # fmt: skip
-        self.run.log({f"samples/{kind}": wandb.Table(columns=columns, data=data)}, step=step)
+        run.log({f"samples/{kind}": wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
 
 
 def make_wandb(run_dir, config, cfg: WandbConfig):
