@@ -27,7 +27,7 @@ for dense models (MoE with TP needs sequence parallelism, which needs Transforme
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,9 @@ from rlite.api import (
     model_inputs,
     optimizer_state_bytes_to_come,
     pad_to_width,
+    skeleton_causal_lm,
 )
+from rlite.plugins.megatron.checkpoint_state import open_checkpoint_state
 from rlite.plugins.megatron.convert import (
     ModelShape,
     expert_index,
@@ -257,6 +259,33 @@ class MegatronReference:
         return gpt_logprobs(self.model, batch, spec, self.vocab_size, with_entropy=with_entropy)
 
 
+def hf_weights(model_cfg) -> tuple[Any, Mapping[str, Any], Mapping[str, torch.Tensor]]:
+    """``(Hugging Face config, weights, the model's parameter names and shapes)`` of ``model.path``.
+
+    A safetensors folder is read lazily (:mod:`.checkpoint_state`): each rank reads only the tensors of
+    its own shard, one at a time; names, shapes and the config come from the transformers model built
+    on the meta device (nothing read but config.json). Other checkpoints (GGUF, ``.bin``), or one whose
+    tensors do not answer to the model's parameter names, are loaded whole through transformers.
+    """
+    import logging
+
+    lazy = open_checkpoint_state(model_cfg.path, getattr(torch, model_cfg.dtype), model_cfg.gguf_file)
+    if lazy is not None:
+        skeleton = skeleton_causal_lm(model_cfg.path, model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
+        names = dict(skeleton.state_dict())
+        tied = getattr(skeleton.config, "tie_word_embeddings", False)
+        missing = [name for name in names if not lazy.resolves(name) and not (tied and name == "lm_head.weight")]
+        if not missing:
+            return skeleton.config, lazy, names
+        logging.getLogger(__name__).info(
+            "%s: its safetensors files have no tensor %s under the model's names; loading the whole model "
+            "through transformers", model_cfg.path, missing[0],
+        )  # fmt: skip
+    hf = load_causal_lm(model_cfg)
+    state = {name: t.detach() for name, t in hf.state_dict().items()}
+    return hf.config, state, state
+
+
 class MegatronBackend:
     """A megatron-core ``GPTModel`` with AdamW and rlite's LR schedule."""
 
@@ -273,11 +302,9 @@ class MegatronBackend:
         seed_model_parallel_rng(config.training.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
-        hf = load_causal_lm(config.model)
-        self._hf_config = hf.config
-        hf_state = {name: t.detach() for name, t in hf.state_dict().items()}
-        fused = any(name.endswith("experts.gate_up_proj") for name in hf_state)
-        self.shape = model_shape(hf.config, fused_experts=fused)
+        self._hf_config, hf_state, names = hf_weights(config.model)
+        fused = any(name.endswith("experts.gate_up_proj") for name in names)
+        self.shape = model_shape(self._hf_config, fused_experts=fused)
         if self.shape.is_moe and cfg.tensor_parallel > 1:
             raise ConfigError(
                 "parallelism.backend.args.tensor_parallel > 1 with a Mixture-of-Experts model needs sequence "
@@ -288,9 +315,9 @@ class MegatronBackend:
                 f"parallelism.backend.args.expert_parallel={cfg.expert_parallel} must divide the "
                 f"{self.shape.num_experts} experts"
             )
-        self.full_names = [name for name, _ in hf_to_megatron_full(hf_state, self.shape, tp_size=cfg.tensor_parallel)]
+        self.full_names = [name for name, _ in hf_to_megatron_full(names, self.shape, tp_size=cfg.tensor_parallel)]
         self.model = self._build_model(hf_state)
-        del hf, hf_state  # the megatron model holds this rank's part; the full copy goes
+        del hf_state, names  # the megatron model holds this rank's part
         train = config.training
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -481,9 +508,7 @@ class MegatronBackend:
     # -- other models -----------------------------------------------------------------------------
     def build_reference(self) -> MegatronReference:
         """The initial policy, loaded again from its Hugging Face folder."""
-        hf = load_causal_lm(self.config.model)
-        model = self._build_model({name: t.detach() for name, t in hf.state_dict().items()})
-        del hf
+        model = self._build_model(hf_weights(self.config.model)[1])
         model.requires_grad_(False)
         return MegatronReference(model, self.shape.vocab_size)
 

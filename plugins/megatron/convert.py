@@ -34,7 +34,7 @@ Everything here is pure tensor bookkeeping (no process group): the round trip
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -219,8 +219,11 @@ def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
 
 
-def hf_to_megatron_full(hf: dict[str, torch.Tensor], shape: ModelShape, *, tp_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full (unsplit) megatron tensors, experts under their global index, from a Hugging Face state."""
+def hf_to_megatron_full(
+    hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_size: int = 1, experts: range | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full (unsplit) megatron tensors, experts under their global index, from a Hugging Face state;
+    ``experts``: only these experts' tensors (the others are never read from ``hf``)."""
     padded = padded_vocab_size(shape.vocab_size, tp_size)
     yield "embedding.word_embeddings.weight", _pad_vocab(hf["model.embed_tokens.weight"], padded)
     for layer in range(shape.num_layers):
@@ -245,7 +248,7 @@ def hf_to_megatron_full(hf: dict[str, torch.Tensor], shape: ModelShape, *, tp_si
             yield m + "mlp.linear_fc2.weight", hf[mlp + "down_proj.weight"]
             continue
         yield m + "mlp.router.weight", hf[mlp + "gate.weight"]
-        for expert in range(shape.num_experts):
+        for expert in range(shape.num_experts) if experts is None else experts:
             e = f"{m}mlp.experts.local_experts.{expert}."
             if shape.fused_experts:
                 yield e + "linear_fc1.weight", hf[mlp + "experts.gate_up_proj"][expert]
@@ -265,12 +268,12 @@ def hf_to_megatron_full(hf: dict[str, torch.Tensor], shape: ModelShape, *, tp_si
 
 
 def hf_to_megatron_local(
-    hf: dict[str, torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int, ep_rank: int, ep_size: int
+    hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int, ep_rank: int, ep_size: int
 ) -> dict[str, torch.Tensor]:
     """This rank's megatron state (local expert indices, TP shards), ready for ``load_state_dict``."""
     mine = local_expert_range(shape, ep_rank, ep_size) if shape.is_moe else range(0)
     local = {}
-    for name, full in hf_to_megatron_full(hf, shape, tp_size=tp_size):
+    for name, full in hf_to_megatron_full(hf, shape, tp_size=tp_size, experts=mine if shape.is_moe else None):
         parts = expert_index(name)
         if parts is not None:
             prefix, expert, suffix = parts

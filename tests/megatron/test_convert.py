@@ -103,3 +103,52 @@ def test_unsupported_models_are_refused_with_what_to_use() -> None:
 
     with pytest.raises(ConfigError, match="model type 'gpt2' is not supported.*fsdp2"):
         model_shape(GPT2Config())
+
+
+@pytest.mark.parametrize("kind", ["qwen2-tied", "llama", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 2)])
+def test_each_rank_reads_only_its_shard_of_a_safetensors_checkpoint_and_gets_the_same_weights(tmp_path, kind, tp, ep):
+    """The lazy checkpoint (what the megatron backend builds a rank's model from) gives every rank the
+    same tensors as the whole model loaded through transformers, reading one tensor at a time and
+    none of another rank's experts; Qwen3-MoE checkpoints store experts one by one, which
+    transformers fuses on load: the lazy state answers to the fused names."""
+    from transformers import AutoModelForCausalLM
+
+    from rlite.config import ModelConfig
+    from rlite.plugins.megatron.backend import hf_weights
+    from rlite.plugins.megatron.checkpoint_state import CheckpointState
+
+    tiny(kind).save_pretrained(tmp_path)
+    eager_model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    eager = {name: t.detach() for name, t in eager_model.state_dict().items()}
+    shape = model_shape(eager_model.config, fused_experts=any(n.endswith("experts.gate_up_proj") for n in eager))
+    if not shape.is_moe and ep > 1:
+        ep = 1
+    for t in range(tp):
+        for e in range(ep):
+            config, lazy, names = hf_weights(ModelConfig(path=str(tmp_path)))
+            assert isinstance(lazy, CheckpointState) and names.keys() == eager.keys()
+            assert model_shape(config, fused_experts=shape.fused_experts) == shape
+            mine = hf_to_megatron_local(lazy, shape, tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep)
+            want = hf_to_megatron_local(eager, shape, tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep)
+            assert mine.keys() == want.keys()
+            assert all(torch.equal(mine[k], want[k]) for k in want)
+            if shape.is_moe:
+                own = range(e * shape.num_experts // ep, (e + 1) * shape.num_experts // ep)
+                read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in lazy.reads if ".experts." in n}
+                assert read_experts == set(own), (e, read_experts)
+            assert len(lazy.reads) == len(set(lazy.reads))  # each tensor read once
+
+
+def test_a_checkpoint_without_the_models_names_is_loaded_whole(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from rlite.config import ModelConfig
+    from rlite.plugins.megatron.backend import hf_weights
+
+    tiny("llama").save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    save_file({k.replace("model.norm.", "model.final_norm."): v for k, v in state.items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    _, weights, _ = hf_weights(ModelConfig(path=str(tmp_path)))
+    assert isinstance(weights, dict)  # not the lazy state: transformers loaded (and warned about) it
