@@ -68,8 +68,12 @@ def tiny_qwen2(vocab_size: int = 96, *, tie: bool = False, seed: int = 0, hidden
     return model_cls(cfg).eval()
 
 
-def fixed_batch(num_prompts: int, samples: int, prompt_len: int, max_len: int, vocab: int, seed: int = 0):
-    """A deterministic RolloutBatch with ragged prompts and responses and scores with spread."""
+def fixed_batch(num_prompts: int, samples: int, prompt_len: int, max_len: int, vocab: int, seed: int = 0,
+                routing: tuple[int, int, int] | None = None):
+    """A deterministic RolloutBatch with ragged prompts and responses and scores with spread.
+
+    ``routing = (layers, experts, top_k)``: every completion also carries an engine's routing (``top_k``
+    distinct experts per token and MoE layer, drawn at random), as an MoE engine reports it."""
     from rlite.engines.base import Completion
     from rlite.rollout import build_rollout_batch
 
@@ -83,7 +87,13 @@ def fixed_batch(num_prompts: int, samples: int, prompt_len: int, max_len: int, v
         for _ in range(samples):
             length = int(torch.randint(1, max_len + 1, (1,), generator=g))
             ids = torch.randint(3, vocab - 3, (length,), generator=g).tolist()
-            completions.append(Completion(p, ids, [0.0] * length, "length", 0))
+            routed = None
+            if routing is not None:
+                layers, experts, top_k = routing
+                tokens = len(prompts[p]) + length - 1
+                routed = torch.stack([torch.randperm(experts, generator=g)[:top_k]
+                                      for _ in range(tokens * layers)]).reshape(tokens, layers, top_k)
+            completions.append(Completion(p, ids, [0.0] * length, "length", 0, routed_experts=routed))
     batch = build_rollout_batch(prompts, completions, [{"answer": ""}] * num_prompts, 0, pad_token_id=0)
     batch.scores = torch.randint(0, 3, (len(completions),), generator=g).float()
     return batch
@@ -102,6 +112,7 @@ def fixed_batch_update(
     optimizer_offload: str = "none",
     plain: bool = False,
     backend_choice: str = "",
+    routing_replay: bool = False,
 ) -> None:
     """One optimizer step of the real FSDP2 backend on a fixed global batch; rank r takes slice r.
 
@@ -112,7 +123,8 @@ def fixed_batch_update(
     lr * sign(grad), which would turn rounding noise in near-zero gradients into full-size weight
     differences. ``backend_choice`` (a ``parallelism.backend`` value such as
     ``{name: megatron, args: {expert_parallel: 2}}``) builds that backend through the plugin registry
-    instead of FSDP2.
+    instead of FSDP2. ``routing_replay`` (an MoE model): the batch carries an engine's routing, which
+    the forward replays.
     """
     import torch.distributed as dist
 
@@ -156,7 +168,16 @@ def fixed_batch_update(
                 total_optimizer_steps=minibatches,
                 offload_dir=Path(init_file).parent / f"{Path(out_file).stem}-moments-rank{rank}",
             )
-        batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
+        routing = plan = None
+        if routing_replay:
+            from transformers import AutoConfig
+
+            from rlite.moe_routing import RoutingPlan
+
+            hf = AutoConfig.from_pretrained(model_dir)
+            routing = (hf.num_hidden_layers, hf.num_experts, hf.num_experts_per_tok)
+            plan = RoutingPlan(replay=True)
+        batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250, routing=routing)
         advantages, returns = grpo.implementation(
             AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), grpo.config_cls()
         )
@@ -168,7 +189,7 @@ def fixed_batch_update(
             backend,
             local,
             ForwardSpec(micro_batch_size=micro_batch_size, temperature=1.0, chunk_size=16, exact_layout=False,
-                        share_prompts=share_prompts),
+                        share_prompts=share_prompts, routing=plan),
             LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), agg_mode, 7.0, None, 0.0, 0.01),
             minibatches=minibatches,
             epochs=1,
