@@ -342,7 +342,7 @@ def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: 
             "weights; set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true)"
         )
     return AsyncRollouts(*args, mode=mode, max_staleness=cfg.rollout.max_staleness, last_step=cfg.training.steps,
-                         wait_timeout_s=cfg.rollout.timeout_s)
+                         wait_timeout_s=cfg.rollout.timeout_s, partial_segment_tokens=cfg.rollout.partial_segment_tokens)
 
 
 def build_turn_runner(cfg: RunConfig, pm: RlitePluginManager, tokenizer) -> TurnRunner | None:

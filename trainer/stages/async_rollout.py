@@ -33,6 +33,7 @@ import threading
 from rlite.metrics import StepTimer
 from rlite.rollout import RolloutBatch
 from rlite.stages.collect import Rollouts
+from rlite.stages.partial import SegmentedGeneration
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -46,7 +47,8 @@ def staleness_metrics(batch: RolloutBatch, step: int) -> dict[str, float]:
 class AsyncRollouts(Rollouts):
     """:class:`Rollouts` whose batches come from a producer thread, ahead of the trainer."""
 
-    def __init__(self, *args, mode: str, max_staleness: int, last_step: int, wait_timeout_s: float, **kwargs) -> None:
+    def __init__(self, *args, mode: str, max_staleness: int, last_step: int, wait_timeout_s: float,
+                 partial_segment_tokens: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if mode not in MODES[1:]:
             raise ValueError(f"rollout.mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -63,6 +65,8 @@ class AsyncRollouts(Rollouts):
         self.sync_pending = threading.Event()
         if mode == "async" and self.max_staleness > 0:
             self.between_turns = self._let_sync_in
+            if partial_segment_tokens:  # and between the segments of one generation (rlite.stages.partial)
+                self.partial = SegmentedGeneration(self.engine, partial_segment_tokens, self._let_sync_in)
 
     def _let_sync_in(self) -> None:
         """Between two turns of the producer's multi-turn rollout: a waiting weight sync goes first."""
