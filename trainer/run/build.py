@@ -176,8 +176,10 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         rewards.start()
     targets.reward_weights = tuple(rewards.weights)
     draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
+    rollouts_ahead: dict = {}
     start_step = maybe_resume(
-        cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft
+        cfg.checkpoint.resume, run_dir, backend, critic, sampler, kl_controller, ctx, pm, draft=draft,
+        rollouts_ahead=rollouts_ahead,
     )
     provenance = run_provenance(cfg, pm, ctx, run_dir, start_step)
     loggers = []
@@ -208,6 +210,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     timer = StepTimer()
     try:
         rollouts = build_rollouts(cfg, engine, sampler, rewards, tokenizer, layout, pm.hook, timer)
+        rollouts.resume_ahead(rollouts_ahead, start_step)
     except BaseException:
         engine.shutdown()
         raise

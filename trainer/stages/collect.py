@@ -137,6 +137,15 @@ class Rollouts:
     def close(self) -> None:
         """Stop whatever samples in the background (asynchronous rollouts)."""
 
+    def checkpoint_state(self, step: int) -> dict:
+        """What a checkpoint of ``step`` keeps of the sampling: the prompt sampler's position after the
+        batches trained so far (``sampler``); asynchronous rollouts add the batches sampled beyond it."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def resume_ahead(self, ahead: dict, step: int) -> None:
+        """Batches that an asynchronous run's checkpoint of ``step`` kept for the steps after it: a
+        synchronous run samples those steps again, from the position the checkpoint's ``sampler`` holds."""
+
     def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's batch of the step (:meth:`sample`), then the engine releases its memory: the
         log-probs and the update that follow get it, and the weight sync takes it back."""
