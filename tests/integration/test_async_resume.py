@@ -114,3 +114,17 @@ def test_a_synchronous_run_resumes_an_async_checkpoint_at_its_trained_position(t
     run(model_dir, tmp_path / "resumed", "rollout.mode=sync", "checkpoint.resume_mismatch=allow", resume="auto")
     assert train_prompts(tmp_path / "resumed") == train_prompts(tmp_path / "straight")
     assert [r["step"] for r in metrics(tmp_path / "resumed")] == list(range(1, 7))
+
+
+def test_one_step_off_resumes_a_checkpoint_without_a_batch_ahead(tmp_path, model_dir):
+    """A synchronous run's checkpoint (or one written after the producer failed) keeps no batch for the
+    next step, and its weights are the only ones left: that step samples with them (lag 0, like step 1)."""
+    with pytest.raises(SimulatedCrash):
+        run(model_dir, tmp_path / "run", "rollout.mode=sync", crash_at=3)
+    run(model_dir, tmp_path / "run", "rollout.mode=one_step_off", resume="auto")
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["rollout/staleness_max"] for r in rows[3:]] == [0.0, 1.0, 1.0]
+    straight = tmp_path / "straight"
+    run(model_dir, straight, "rollout.mode=sync")
+    assert train_prompts(tmp_path / "run") == train_prompts(straight)  # the same prompts, step by step

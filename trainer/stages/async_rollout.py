@@ -70,6 +70,9 @@ class AsyncRollouts(Rollouts):
         self.sampler = copy.copy(self.sampler)
         self.ready: dict[int, tuple[RolloutBatch, dict[str, float]]] = {}
         self.sampler_at: dict[int, dict] = {}
+        self.resumed_version = 0
+        """The weights a resumed run starts with: nothing older samples again (its first fresh batch, when
+        the checkpoint did not keep the batch of the step after it, lags none, like step 1's)."""
         if mode == "async" and self.max_staleness > 0:
             self.between_turns = self._let_sync_in
             if partial_segment_tokens:  # and between the segments of one generation (rlite.stages.partial)
@@ -96,8 +99,8 @@ class AsyncRollouts(Rollouts):
 
     def _oldest_version(self, step: int) -> int:
         if self.mode == "one_step_off":
-            return max(0, step - 2)
-        return max(0, step - 1 - self.max_staleness)
+            return max(self.resumed_version, step - 2)
+        return max(self.resumed_version, step - 1 - self.max_staleness)
 
     def _produce(self, first_step: int) -> None:
         for step in range(first_step, self.last_step + 1):
@@ -199,6 +202,7 @@ class AsyncRollouts(Rollouts):
         if after in positions:
             self.sampler.load_state_dict(positions[after])
         self.sampler_at.update({k: v for k, v in positions.items() if k <= after})
+        self.resumed_version = step
 
     def _fits(self, step: int, versions: list[int]) -> bool:
         oldest = self._oldest_version(step)
