@@ -191,3 +191,12 @@ def test_sglang_engine_continues_each_sequence_from_its_exact_input_ids():
     assert [c.token_ids for c in pieces] == [expected, expected]
     assert all(c.finish_reason == "length" and c.token_weight_versions == [0] * 8 for c in pieces)
     assert [c for c in fake.calls if c[0] == "generate"] == [("generate", 2)] * 3
+
+
+def test_what_is_recorded_per_engine_call_is_refused(model_dir, tokenizer):
+    segmented = SegmentedGeneration(make_engine(model_dir, tokenizer), 3, lambda: None)
+    for params in (SamplingParams(return_routed_experts=True), SamplingParams(top_logprobs=2)):
+        with pytest.raises(RuntimeError, match="rollout.partial_segment_tokens=0"):
+            segmented.generate(PROMPTS, params)
+    with pytest.raises(ValueError, match="partial_segment_tokens"):
+        SegmentedGeneration(segmented.engine, 0, lambda: None)

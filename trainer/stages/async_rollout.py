@@ -19,9 +19,15 @@ The engine is used by one thread at a time (a lock): a weight sync or an evaluat
 generation in flight to finish. In ``async`` mode a multi-turn rollout lets a pending weight sync in
 between two turns (a partial rollout): its later turns sample with the new weights, and every token's
 version is recorded (``RolloutBatch.token_weight_versions``); a sample's version is its oldest token's,
-so the bound holds for every token. A single engine call is never interrupted. Every sample keeps the version it was drawn with
-(``RolloutBatch.weight_versions``); its log-probs are the behaviour policy's, which is what the
-mismatch corrections compare the trainer's log-probs against (``docs/multiturn.md``).
+so the bound holds for every token. With ``rollout.partial_segment_tokens`` a sync also gets in
+between two segments of one generation (:mod:`rlite.stages.partial`), for single-turn rollouts too.
+Every sample keeps the version it was drawn with (``RolloutBatch.weight_versions``); its log-probs are
+the behaviour policy's, which is what the mismatch corrections compare the trainer's log-probs against
+(``docs/multiturn.md``).
+
+Checkpoints (:meth:`AsyncRollouts.checkpoint_state`) keep the data position of the batches the
+trainer has consumed and the batches already sampled for the steps after it, so a resumed run trains
+the same prompts at every step; ``one_step_off`` resumes bitwise.
 """
 
 from __future__ import annotations
