@@ -128,3 +128,42 @@ def test_one_step_off_resumes_a_checkpoint_without_a_batch_ahead(tmp_path, model
     straight = tmp_path / "straight"
     run(model_dir, straight, "rollout.mode=sync")
     assert train_prompts(tmp_path / "run") == train_prompts(straight)  # the same prompts, step by step
+
+
+def test_a_stop_after_the_next_batch_was_handed_out_keeps_it_and_resumes_bitwise(tmp_path, model_dir, monkeypatch):
+    """A SIGTERM seen right after step 4 took its batch (before its update) saves the checkpoint of step 3
+    with that batch kept ahead; the resumed one_step_off run is the uninterrupted one bitwise."""
+    from rlite.run.faults import Preemption, RunStopped
+    from rlite.stages.async_rollout import AsyncRollouts
+
+    signalled = []
+
+    class SignalAfterCollect(AsyncRollouts):
+        def collect(self, step):
+            out = super().collect(step)
+            if step == 4:
+                signalled.append(step)
+            return out
+
+    class FlaggedPreemption(Preemption):
+        def requested(self) -> bool:
+            if signalled and self.signal_name is None:
+                self.signal_name = "SIGTERM"
+            return super().requested()
+
+    mode = ("rollout.mode=one_step_off", "checkpoint.every=0")
+    run(model_dir, tmp_path / "straight", *mode)
+    monkeypatch.setattr("rlite.run.build.AsyncRollouts", SignalAfterCollect)
+    monkeypatch.setattr("rlite.loop.Preemption", FlaggedPreemption)
+    with pytest.raises(RunStopped, match="checkpoint of step 3"):
+        run(model_dir, tmp_path / "resumed", *mode)
+    monkeypatch.undo()
+    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_00000003" / "trainer_state_rank0.pt",
+                       weights_only=False)  # fmt: skip
+    assert saved["rollouts_ahead"]["batches"][4][0].weight_versions == [2] * 8
+    run(model_dir, tmp_path / "resumed", *mode, resume="auto")
+    a = load_file(tmp_path / "straight" / "hf_model" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "hf_model" / "model.safetensors")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert metrics(tmp_path / "straight") == metrics(tmp_path / "resumed")
+    assert train_prompts(tmp_path / "straight") == train_prompts(tmp_path / "resumed")
