@@ -5,6 +5,8 @@ counts them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rlite import hookimpl
@@ -105,3 +107,29 @@ def test_segments_need_async_with_staleness(tmp_path, model_dir):
             tiny_config(model_dir, tmp_path, *overrides, pm=pm)
     with pytest.raises(ConfigError, match="rollout.partial_segment_tokens must be >= 0"):
         tiny_config(model_dir, tmp_path, "rollout.partial_segment_tokens=-1", pm=pm)
+
+
+def test_the_cli_trains_with_segments_and_resumes(tmp_path, model_dir, capsys):
+    """``rlite train CONFIG k=v`` as a user runs it: 2 steps with partial segments, then the same command
+    with more steps resumes from the checkpoint; a segment size without async mode is one clear line."""
+    from rlite.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("training:\n  seed: 0\n")
+    args = [f"model.path={model_dir}", "data.task=addition", "data.num_train=64", "data.num_eval=8",
+            "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
+            f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false", "logging.plot=false",
+            "logging.loggers=[jsonl]", "training.eval_every=0", "checkpoint.every=1", "checkpoint.export_hf=false",
+            "rollout.mode=async", "rollout.max_staleness=1", "rollout.engine.args.share_weights=false",
+            "rollout.partial_segment_tokens=2"]  # fmt: skip
+    assert main(["train", str(config), *args, "training.steps=2"]) == 0
+    assert main(["train", str(config), *args, "training.steps=4"]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r["provenance"]["resumed_from"]["step"] for r in lines if "resumed_from" in r.get("provenance", {})]
+    assert resumed == [2]  # the second command resumed from the step-2 checkpoint
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(0.0 <= r["rollout/partial_fraction"] <= 1.0 and r["rollout/staleness_max"] <= 1 for r in rows)
+    capsys.readouterr()
+    assert main(["train", str(config), *args[:-4], "rollout.partial_segment_tokens=2"]) == 2
+    assert "rollout.partial_segment_tokens" in capsys.readouterr().err
