@@ -91,7 +91,7 @@ class RolloutBatch:
     ``None``: every response token is sampled, and this equals ``response_mask``."""
     token_weight_versions: torch.Tensor | None = None
     """[B, T] the weight version that sampled each response token (-1 on observations and padding), for
-    multi-turn rollouts, whose later turns may be sampled after a weight sync (asynchronous rollouts);
+    rollouts whose later turns or segments may be sampled after a weight sync (asynchronous rollouts);
     ``None``: every token has its sample's ``weight_versions`` entry."""
 
     def __len__(self) -> int:
@@ -163,6 +163,12 @@ def build_rollout_batch(
             response_ids[row, :n] = torch.tensor(comp.token_ids, dtype=torch.long)
             response_mask[row, :n] = 1.0
             rollout_logprobs[row, :n] = torch.tensor(comp.logprobs, dtype=torch.float32)
+    token_versions = None
+    if any(c.token_weight_versions is not None for c in completions):  # a weight sync came mid-generation
+        token_versions = torch.full((len(completions), width), -1, dtype=torch.long)
+        for row, comp in enumerate(completions):
+            versions = comp.token_weight_versions or [comp.weight_version] * len(comp.token_ids)
+            token_versions[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
     attention = None
     if loss_masks is not None:
         attention = response_mask
@@ -183,6 +189,7 @@ def build_rollout_batch(
         weight_versions=[c.weight_version for c in completions],
         routed_experts=routing_grid(completions, [len(r) for r in prompt_rows], prompt_ids.shape[1], width),
         response_attention_mask=attention,
+        token_weight_versions=token_versions,
         **top_logprobs_grid(completions, width),
     )
 

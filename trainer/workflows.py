@@ -144,7 +144,7 @@ class Trajectory:
         self.token_ids += list(completion.token_ids)
         self.loss_mask += [1] * n
         self.logprobs += [float(x) for x in completion.logprobs]
-        self.weight_versions += [int(completion.weight_version)] * n
+        self.weight_versions += list(completion.token_weight_versions or [int(completion.weight_version)] * n)
 
     def add_observed(self, tokens: list[int]) -> None:
         self.token_ids += tokens

@@ -219,6 +219,11 @@ class RolloutConfig:
     versions behind (``docs/multiturn.md``)."""
     max_staleness: int = 1
     """``rollout.mode=async``: the most weight versions a sample may lag the weights it trains (0: none)."""
+    partial_segment_tokens: int = 0
+    """``rollout.mode=async``: sample each generation in segments of at most this many new tokens per sequence,
+    and let a waiting weight sync in between two segments; the rest of an unfinished sequence then samples with
+    the new weights from its exact tokens, each token recording its version (a partial rollout within a turn).
+    0: an engine call is never interrupted (a multi-turn rollout still lets a sync in between turns)."""
 
     def __post_init__(self) -> None:
         for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "sync_bucket_mb", "max_turns",
@@ -230,6 +235,16 @@ class RolloutConfig:
         _check(self.engine_restarts >= 0, f"rollout.engine_restarts must be >= 0, got {self.engine_restarts}")
         _check_choice("rollout.mode", self.mode, ("sync", "one_step_off", "async"))
         _check(self.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        _check(self.partial_segment_tokens >= 0,
+               f"rollout.partial_segment_tokens must be >= 0, got {self.partial_segment_tokens}")
+        if self.partial_segment_tokens:
+            _check(self.mode == "async" and self.max_staleness > 0,
+                   "rollout.partial_segment_tokens: segments let a weight sync into a generation, which only "
+                   "rollout.mode=async with rollout.max_staleness > 0 does; set rollout.partial_segment_tokens=0")
+            for on, key in ((self.true_on_policy, "rollout.true_on_policy=false"),
+                            (self.draft.name != "none", "rollout.draft=none")):  # fmt: skip
+                _check(not on, f"rollout.partial_segment_tokens: segments are not joined for this setting yet; set {key} "
+                               "or rollout.partial_segment_tokens=0")
 
 
 # --------------------------------------------------------------------------------------------------

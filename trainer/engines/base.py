@@ -71,6 +71,10 @@ class Completion:
     likely tokens of the policy at each generated position (most likely first)."""
     top_logprobs: Any = None
     """Their log-probs, float32 ``[len(token_ids), k]``, from ``log_softmax(logits / temperature)``."""
+    token_weight_versions: list[int] | None = None
+    """Per generated token, the weight version that sampled it, for a generation that a weight sync
+    interrupted and that went on with the new weights (``rollout.partial_segment_tokens``); then
+    ``weight_version`` is the oldest. ``None``: every token was sampled with ``weight_version``."""
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,9 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         rewards.start()
     targets.reward_weights = tuple(rewards.weights)
     draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
-    start_step = maybe_resume(resume_from, backend, critic, sampler, kl_controller, ctx, pm, draft=draft)
+    rollouts_ahead: dict = {}
+    start_step = maybe_resume(resume_from, backend, critic, sampler, kl_controller, ctx, pm, draft=draft,
+                              rollouts_ahead=rollouts_ahead)
     provenance = run_provenance(cfg, pm, ctx, resume_from, start_step)
     loggers = []
     if ctx.is_main and not evaluation_only:
@@ -211,6 +213,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     timer = StepTimer()
     try:
         rollouts = build_rollouts(cfg, engine, sampler, rewards, tokenizer, layout, pm.hook, timer)
+        rollouts.resume_ahead(rollouts_ahead, start_step)
     except BaseException:
         engine.shutdown()
         raise
@@ -343,7 +346,7 @@ def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: 
             "weights; set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true)"
         )
     return AsyncRollouts(*args, mode=mode, max_staleness=cfg.rollout.max_staleness, last_step=cfg.training.steps,
-                         wait_timeout_s=cfg.rollout.timeout_s)
+                         wait_timeout_s=cfg.rollout.timeout_s, partial_segment_tokens=cfg.rollout.partial_segment_tokens)
 
 
 def build_turn_runner(cfg: RunConfig, pm: RlitePluginManager, tokenizer) -> TurnRunner | None:

@@ -38,7 +38,7 @@ def save_run_checkpoint(run: Run, step: int) -> Path:
 
     trainer_state = {
         "scheduler": run.backend.lr_scheduler_state(),
-        "sampler": run.sampler.state_dict(),
+        **run.rollouts.checkpoint_state(step),  # the prompt position (and batches sampled ahead: async)
         "kl_controller": run.kl_controller.state_dict(),
     }
     if run.draft is not None:
@@ -164,9 +164,11 @@ def maybe_resume(
     ctx: DistContext,
     pm,
     draft: SpeculativeDraft | None = None,
+    rollouts_ahead: dict | None = None,
 ) -> int:
     """Load the checkpoint ``path`` (:func:`~rlite.run.checkpoint.find_resume_checkpoint`'s choice), if
-    any; return the step it holds (0: none)."""
+    any; return the step it holds (0: none). ``rollouts_ahead`` receives the batches an asynchronous
+    run had sampled beyond it (if any)."""
     from rlite.run.checkpoint import load_checkpoint
 
     if path is None:
@@ -181,6 +183,8 @@ def maybe_resume(
     kl_controller.load_state_dict(trainer_state["kl_controller"])
     if draft is not None and trainer_state.get("draft"):  # a run that had no draft before starts it afresh
         draft.load_state_dict(trainer_state["draft"])
+    if rollouts_ahead is not None:
+        rollouts_ahead.update(trainer_state.get("rollouts_ahead") or {})
     step = int(trainer_state["step"])
     if ctx.is_main:
         log.info("resumed from %s (step %d)", path, step)

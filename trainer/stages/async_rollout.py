@@ -19,20 +19,28 @@ The engine is used by one thread at a time (a lock): a weight sync or an evaluat
 generation in flight to finish. In ``async`` mode a multi-turn rollout lets a pending weight sync in
 between two turns (a partial rollout): its later turns sample with the new weights, and every token's
 version is recorded (``RolloutBatch.token_weight_versions``); a sample's version is its oldest token's,
-so the bound holds for every token. A single engine call is never interrupted. Every sample keeps the version it was drawn with
-(``RolloutBatch.weight_versions``); its log-probs are the behaviour policy's, which is what the
-mismatch corrections compare the trainer's log-probs against (``docs/multiturn.md``).
+so the bound holds for every token. With ``rollout.partial_segment_tokens`` a sync also gets in
+between two segments of one generation (:mod:`rlite.stages.partial`), for single-turn rollouts too.
+Every sample keeps the version it was drawn with (``RolloutBatch.weight_versions``); its log-probs are
+the behaviour policy's, which is what the mismatch corrections compare the trainer's log-probs against
+(``docs/multiturn.md``).
+
+Checkpoints (:meth:`AsyncRollouts.checkpoint_state`) keep the data position of the batches the
+trainer has consumed and the batches already sampled for the steps after it, so a resumed run trains
+the same prompts at every step; ``one_step_off`` resumes bitwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import queue
 import threading
 
 from rlite.metrics import StepTimer
 from rlite.rollout import RolloutBatch
 from rlite.stages.collect import Rollouts
+from rlite.stages.partial import SegmentedGeneration
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -46,7 +54,8 @@ def staleness_metrics(batch: RolloutBatch, step: int) -> dict[str, float]:
 class AsyncRollouts(Rollouts):
     """:class:`Rollouts` whose batches come from a producer thread, ahead of the trainer."""
 
-    def __init__(self, *args, mode: str, max_staleness: int, last_step: int, wait_timeout_s: float, **kwargs) -> None:
+    def __init__(self, *args, mode: str, max_staleness: int, last_step: int, wait_timeout_s: float,
+                 partial_segment_tokens: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if mode not in MODES[1:]:
             raise ValueError(f"rollout.mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -61,8 +70,19 @@ class AsyncRollouts(Rollouts):
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.sync_pending = threading.Event()
+        # what a checkpoint keeps (under ``versions``): the batches sampled for steps the trainer has not
+        # finished, and the prompt sampler's position before each step's batch. The producer draws from
+        # its own copy of the sampler, so the run's sampler stays where the checkpoint put it.
+        self.sampler = copy.copy(self.sampler)
+        self.ready: dict[int, tuple[RolloutBatch, dict[str, float]]] = {}
+        self.sampler_at: dict[int, dict] = {}
+        self.resumed_version = 0
+        """The weights a resumed run starts with: nothing older samples again (its first fresh batch, when
+        the checkpoint did not keep the batch of the step after it, lags none, like step 1's)."""
         if mode == "async" and self.max_staleness > 0:
             self.between_turns = self._let_sync_in
+            if partial_segment_tokens:  # and between the segments of one generation (rlite.stages.partial)
+                self.partial = SegmentedGeneration(self.engine, partial_segment_tokens, self._let_sync_in)
 
     def _let_sync_in(self) -> None:
         """Between two turns of the producer's multi-turn rollout: a waiting weight sync goes first."""
@@ -85,20 +105,29 @@ class AsyncRollouts(Rollouts):
 
     def _oldest_version(self, step: int) -> int:
         if self.mode == "one_step_off":
-            return max(0, step - 2)
-        return max(0, step - 1 - self.max_staleness)
+            return max(self.resumed_version, step - 2)
+        return max(self.resumed_version, step - 1 - self.max_staleness)
 
     def _produce(self, first_step: int) -> None:
         for step in range(first_step, self.last_step + 1):
-            if not self._wait_for(lambda step=step: self.engine.weight_version >= self._oldest_version(step)):
-                return
-            try:
-                with self.engine_lock:
-                    batch, stats = self.sample(step)
-                stats.update({f"rollout/producer_{k}": v for k, v in self.timer.step_metrics().items()})
-            except BaseException as exc:  # the trainer re-raises it at its next collect
-                self.batches.put((step, exc, None))
-                return
+            with self.versions:
+                restored = self.ready.get(step)  # sampled before the checkpoint this run resumed from
+                if restored is None:
+                    self.sampler_at[step] = self.sampler.state_dict()
+            if restored is not None:
+                batch, stats = copy.copy(restored[0]), dict(restored[1])
+            else:
+                if not self._wait_for(lambda step=step: self.engine.weight_version >= self._oldest_version(step)):
+                    return
+                try:
+                    with self.engine_lock:
+                        batch, stats = self.sample(step)
+                    stats.update({f"rollout/producer_{k}": v for k, v in self.timer.step_metrics().items()})
+                except BaseException as exc:  # the trainer re-raises it at its next collect
+                    self.batches.put((step, exc, None))
+                    return
+            with self.versions:  # the trainer attaches its targets to its own copy, never to this one
+                self.ready[step] = (copy.copy(batch), dict(stats))
             self.batches.put((step, batch, stats))
             with self.versions:
                 self.produced = step
@@ -120,6 +149,11 @@ class AsyncRollouts(Rollouts):
             raise batch
         if produced != step:
             raise RuntimeError(f"step {step}: the producer delivered the batch of step {produced}")
+        with self.versions:  # a checkpoint from now on is of step - 1 or later
+            for done in [k for k in self.ready if k < step]:
+                del self.ready[done]
+            for done in [k for k in self.sampler_at if k < step]:
+                del self.sampler_at[done]
         metrics = staleness_metrics(batch, step)
         if batch.token_weight_versions is not None:  # samples whose turns span a weight sync
             mixed = [len(set(row[row >= 0].tolist())) > 1 for row in batch.token_weight_versions]
@@ -143,6 +177,44 @@ class AsyncRollouts(Rollouts):
                 f"step {step}: the engine sampled with weight version(s) {sorted(versions)}, expected "
                 f"{oldest if exact else f'{oldest}..{step - 1}'} ({self.mode}): a weight sync was lost"
             )
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def checkpoint_state(self, step: int) -> dict:
+        """The trained data position of a checkpoint of ``step`` (``sampler``: before step ``step + 1``'s
+        batch), and what the producer has sampled beyond it (``rollouts_ahead``: the finished batches
+        of the following steps and the sampler's position before each and after the last). The batch
+        the producer is drawing is left out: a resumed run draws it again from the same position."""
+        with self.versions:
+            batches = {}
+            while step + 1 + len(batches) in self.ready:
+                after = step + 1 + len(batches)
+                batches[after] = self.ready[after]
+            positions = {k: self.sampler_at[k] for k in range(step + 1, step + 2 + len(batches)) if k in self.sampler_at}
+            last = step + 1 + len(batches)
+            if last not in positions:  # the producer has not begun that step: it is where its sampler stands
+                positions[last] = self.sampler.state_dict()
+        return {"sampler": positions[step + 1],
+                "rollouts_ahead": {"batches": batches, "sampler_at": positions}}  # fmt: skip
+
+    def resume_ahead(self, ahead: dict, step: int) -> None:
+        """Take the batches a checkpoint of ``step`` kept (:meth:`checkpoint_state`) that this run's
+        staleness rule accepts (``one_step_off``: exactly its version; ``async``: within the bound; in
+        order, up to the first that is not), and sample on from the position after them."""
+        batches, positions = ahead.get("batches", {}), ahead.get("sampler_at", {})
+        after = step + 1
+        while after in batches and self._fits(after, batches[after][0].weight_versions):
+            self.ready[after] = batches[after]
+            after += 1
+        if after in positions:
+            self.sampler.load_state_dict(positions[after])
+        self.sampler_at.update({k: v for k, v in positions.items() if k <= after})
+        self.resumed_version = step
+
+    def _fits(self, step: int, versions: list[int]) -> bool:
+        oldest = self._oldest_version(step)
+        if self.mode == "one_step_off":
+            return all(v == oldest for v in versions)
+        return all(oldest <= v <= step - 1 for v in versions)
 
     # -- the trainer's side -------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -27,6 +27,7 @@ from rlite.metrics import StepTimer
 from rlite.rewards import RewardFailureError, RewardRunner, RewardScores
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
 from rlite.samples import eval_sample_rows
+from rlite.stages.partial import SegmentedGeneration
 from rlite.tasks import DEFAULT_ACCURACY_THRESHOLD, is_correct
 from rlite.workflows import TurnRunner, trajectories_to_completions
 
@@ -84,6 +85,9 @@ class Rollouts:
         """A multi-turn workflow's runner (:mod:`rlite.workflows`); ``None``: one completion per sample."""
         self.between_turns = None
         """Called between the turns of a multi-turn rollout (asynchronous rollouts let a weight sync in)."""
+        self.partial: SegmentedGeneration | None = None
+        """Samples the training rollouts in segments that a weight sync may come between (partial rollouts,
+        ``rollout.partial_segment_tokens``); ``None``: each engine call is sampled whole."""
 
     def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
         """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
@@ -132,6 +136,15 @@ class Rollouts:
 
     def close(self) -> None:
         """Stop whatever samples in the background (asynchronous rollouts)."""
+
+    def checkpoint_state(self, step: int) -> dict:
+        """What a checkpoint of ``step`` keeps of the sampling: the prompt sampler's position after the
+        batches trained so far (``sampler``); asynchronous rollouts add the batches sampled beyond it."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def resume_ahead(self, ahead: dict, step: int) -> None:
+        """Batches that an asynchronous run's checkpoint of ``step`` kept for the steps after it: a
+        synchronous run samples those steps again, from the position the checkpoint's ``sampler`` holds."""
 
     def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's batch of the step (:meth:`sample`), then the engine releases its memory: the
@@ -192,7 +205,7 @@ class Rollouts:
         engine = self.engine
         if self.turns is not None:
             return self._generate_turns(prompts, params, step, extra_round)
-        completions = engine.generate([p.prompt_ids for p in prompts], params)
+        completions = (self.partial or engine).generate([p.prompt_ids for p in prompts], params)
         if self.speculating:
             self.speculation += engine.speculation_stats()
         self.check_versions(completions, step)
@@ -224,14 +237,14 @@ class Rollouts:
         """A multi-turn rollout: the trajectories' tokens, sampled (in the loss) and observed (not)."""
         trajectories = self.run_turns(prompts, params, lambda turn: hash_seed(self.seed, step, self.layout.rank,
                                                                              *extra_round, 1 << 20 | turn),
-                                      self.between_turns)
+                                      self.between_turns, self.partial)
         completions, loss_masks = trajectories_to_completions(trajectories)
         self.check_versions(completions, step)
         return self.trajectory_batch(trajectories, prompts, completions, loss_masks)
 
-    def run_turns(self, prompts: list, params: SamplingParams, later_seed, between_turns=None):
+    def run_turns(self, prompts: list, params: SamplingParams, later_seed, between_turns=None, engine=None):
         first_seed = params.seed  # the first turn samples as a single-turn rollout would
-        return self.turns.run(self.engine, [p.prompt_ids for p in prompts], [p.row for p in prompts], params,
+        return self.turns.run(engine or self.engine, [p.prompt_ids for p in prompts], [p.row for p in prompts], params,
                               lambda turn: first_seed if turn == 0 else later_seed(turn), between_turns)
 
     def trajectory_batch(self, trajectories, prompts: list, completions, loss_masks) -> RolloutBatch:
