@@ -143,7 +143,7 @@ class AsyncRollouts(Rollouts):
         agreed = int(all_reduce_max(torch.tensor([asked]), self.group)[0])
         while self.granted < agreed:
             n = self.granted + 1
-            if not self._wait_for(lambda: len(self.requests) >= n, self.wait_timeout_s,
+            if not self._wait_for(lambda n=n: len(self.requests) >= n, self.wait_timeout_s,
                                   f"the trainer's request {n} for the engine (made on another rank)"):
                 return
             if self.requests[n - 1] > limit:  # the same version on every rank: the same decision
@@ -151,7 +151,7 @@ class AsyncRollouts(Rollouts):
             with self.versions:
                 self.granted = n
                 self.versions.notify_all()
-            if not self._wait_for(lambda: self.released >= n, self.wait_timeout_s,
+            if not self._wait_for(lambda n=n: self.released >= n, self.wait_timeout_s,
                                   f"the trainer's use of the engine (request {n})"):
                 return
 
