@@ -108,6 +108,23 @@ def all_reduce_sum(values: torch.Tensor, group: Any = None) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(values: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The elementwise maximum of a small int64 tensor over the ranks of ``group`` (a copy in a world of one)."""
+    out = values.detach().to(torch.int64).clone()
+    if dist.is_initialized() and _group_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
+def new_side_group() -> Any:
+    """A process group of every rank, of the default group's backend and timeout, for collectives that
+    a second thread issues while the main thread uses the default group (with NCCL: a communicator of
+    its own); ``None`` in a world of one. A collective: every rank calls it, in the same order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend=dist.get_backend())
+
+
 def all_gather_objects(obj, group: Any = None):
     """Gather one picklable object per rank of ``group`` (default: all) into a list ordered by rank."""
     if not dist.is_initialized() or _group_size(group) == 1:

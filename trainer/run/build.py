@@ -19,7 +19,7 @@ import torch
 
 from rlite.config import ConfigError, RunConfig, config_to_yaml
 from rlite.data import PromptSampler, PromptSet, load_prompt_splits
-from rlite.distributed import DataLayout, DistContext, init_distributed
+from rlite.distributed import DataLayout, DistContext, init_distributed, new_side_group
 from rlite.drafts import DraftContext, SpeculativeDraft
 from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
@@ -337,16 +337,22 @@ def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: 
     mode = cfg.rollout.mode
     if mode == "sync":
         return Rollouts(*args)
-    if layout.size > 1 or layout.replica_size > 1:
-        raise ConfigError(f"rollout.mode={mode}: asynchronous rollouts run in one process only so far; use rollout.mode=sync")
+    if layout.replica_size > 1:
+        raise ConfigError(
+            f"rollout.mode={mode}: asynchronous rollouts need every rank to sample its own batch, and this backend "
+            f"lays out replicas of {layout.replica_size} ranks whose leader samples for them (tensor parallelism); "
+            "use rollout.mode=sync, or a backend without tensor parallelism (fsdp2)"
+        )
     overlaps = mode == "one_step_off" or cfg.rollout.max_staleness > 0
     if overlaps and engine.capabilities.shares_weights:
         raise ConfigError(
             f"rollout.mode={mode}: the engine samples while the trainer updates, so it needs its own copy of the "
             "weights; set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true)"
         )
+    # the producer thread's collectives get a process group of their own (every rank creates it, here)
     return AsyncRollouts(*args, mode=mode, max_staleness=cfg.rollout.max_staleness, last_step=cfg.training.steps,
-                         wait_timeout_s=cfg.rollout.timeout_s, partial_segment_tokens=cfg.rollout.partial_segment_tokens)
+                         wait_timeout_s=cfg.rollout.timeout_s, partial_segment_tokens=cfg.rollout.partial_segment_tokens,
+                         group=new_side_group())
 
 
 def build_turn_runner(cfg: RunConfig, pm: RlitePluginManager, tokenizer) -> TurnRunner | None:

@@ -88,6 +88,9 @@ class Rollouts:
         self.partial: SegmentedGeneration | None = None
         """Samples the training rollouts in segments that a weight sync may come between (partial rollouts,
         ``rollout.partial_segment_tokens``); ``None``: each engine call is sampled whole."""
+        self.sample_group = layout.group
+        """The process group of :meth:`sample`'s collectives: the data-parallel group, or, when a producer
+        thread samples (asynchronous rollouts), a group of its own beside the trainer's."""
 
     def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
         """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
@@ -179,7 +182,7 @@ class Rollouts:
             for group in split_groups(batch):
                 (kept if float(group.scores.max() - group.scores.min()) > 0 else spare).append(group)
             short = float(len(kept) < per_rank)
-            still_short = float(all_reduce_sum(torch.tensor([short]), self.layout.group)[0]) > 0
+            still_short = float(all_reduce_sum(torch.tensor([short]), self.sample_group)[0]) > 0
             if not still_short or rounds >= algo.dynamic_sampling_max_rounds:
                 break
         dropped = len(spare)
@@ -286,7 +289,7 @@ class Rollouts:
         # the leader scores (a reward that times out on one rank must not split the replica)
         result = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
         baseline_error, self.baseline_reward_error = self.baseline_reward_error, None
-        self.stop_on_reward_error(result.error or baseline_error)
+        self.stop_on_reward_error(result.error or baseline_error, self.sample_group)
         scores, stats = result.scores, result.stats
         batch.scores = torch.tensor(scores, dtype=torch.float32)
         batch.reward_components = torch.tensor(result.components, dtype=torch.float32).reshape(len(scores), -1)
@@ -303,11 +306,12 @@ class Rollouts:
             stats["reward/greedy_baseline"] = float(batch.baseline_scores.mean()) if len(batch) else 0.0
         return stats
 
-    def stop_on_reward_error(self, error: str | None) -> None:
+    def stop_on_reward_error(self, error: str | None, group=None) -> None:
         """Raise :class:`RewardFailureError` on every rank when any rank's rewards passed their
-        failure bound (``error``: this rank's :attr:`RewardScores.error`; one collective, so that no
-        rank goes on alone)."""
-        failed = float(all_reduce_sum(torch.tensor([float(error is not None)]), self.layout.group)[0])
+        failure bound (``error``: this rank's :attr:`RewardScores.error`; one collective over ``group``,
+        by default the data-parallel group, so that no rank goes on alone)."""
+        group = self.layout.group if group is None else group
+        failed = float(all_reduce_sum(torch.tensor([float(error is not None)]), group)[0])
         if failed:
             raise RewardFailureError(error or "the reward functions failed on another rank; see its log")
 
