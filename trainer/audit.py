@@ -18,8 +18,9 @@ prints what it measured:
   k3 KL at most 1e-3 (5e-2 with a rollout quantizer); bitwise equal with ``rollout.true_on_policy``.
 * ``advantage formula`` and ``loss formula``: the configured estimator and loss against rlite's
   documented formulas (docs/algorithms.md), written here again as plain float64 loops, on a random batch
-  with a singleton group, a constant group, a masked row and extreme ratios (skipped for plugins without
-  a documented formula).
+  with a singleton group, a constant group, a masked row, masked tokens inside responses, per-token
+  rewards, critic values and extreme ratios (the return-based estimators' returns are checked too;
+  skipped for plugins without a documented formula).
 * ``resume == uninterrupted``: 2 steps, checkpoint, resume for the 3rd gives metrics identical to 3
   steps straight (evaluations aside: the shorter run evaluates at its last step).
 
@@ -361,8 +362,6 @@ def reference_advantage(name: str, cfg: Any, scores, groups, lengths, baseline) 
         elif name == "gpg":
             alpha = n / max(sum(1 for s in scores if s != 0), 1)
             a = alpha * ((scores[i] if raw else 0.0) if single else scores[i] - mu) / cfg.f_norm
-        elif name == "remax":
-            a = scores[i] - baseline[i]
         elif name == "gdpo":  # one reward function: its GRPO advantage, whitened over tokens below
             a = 0.0 if single and not raw else (scores[i] / (1 + cfg.epsilon) if single else
                                                 (0.0 if scores[i] == mu else (scores[i] - mu) / (sd + cfg.epsilon)))
@@ -370,6 +369,59 @@ def reference_advantage(name: str, cfg: Any, scores, groups, lengths, baseline) 
             return None
         out.append(a)
     return out
+
+
+RETURN_BASED = ("reinforce_pp", "reinforce_pp_baseline", "gae", "remax")
+"""Estimators whose advantage varies over a response's tokens (per-token rewards, values)."""
+
+
+def _whiten(rows: list[list[float]], mask) -> list[list[float]]:
+    """``(x - mean) / sqrt(var + 1e-8)`` over the mask-1 entries of the batch (Bessel variance; fewer
+    than two entries give 0)."""
+    kept = [x for row, m in zip(rows, mask) for x, keep in zip(row, m) if keep]
+    if len(kept) < 2:
+        return [[0.0] * len(row) for row in rows]
+    mean = sum(kept) / len(kept)
+    scale = math.sqrt(sum((x - mean) ** 2 for x in kept) / (len(kept) - 1) + 1e-8)
+    return [[(x - mean) / scale if keep else 0.0 for x, keep in zip(row, m)] for row, m in zip(rows, mask)]
+
+
+def reference_return_advantage(name: str, cfg: Any, scores, groups, mask, token_rewards, values,
+                               baseline) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-token (advantages, returns) of the return-based estimators (docs/algorithms.md §1).
+
+    Per-token reward: ``token_rewards`` on mask-1 tokens plus the outcome on the row's last mask-1 token;
+    masked tokens are transparent (the running return and the next value pass through them, output 0);
+    no value after the last token. ``reinforce_pp``: G_t = r_t + gamma G_next; ``reinforce_pp_baseline``
+    the same with the outcome R_i - mu_g; ``gae``: delta_t = r_t + gamma V_next - V_t, A_t = delta_t +
+    gamma lam A_next, returns A + V; ``remax``: G_t - b_i. Whitened over the batch where configured."""
+    n, width = len(scores), len(mask[0])
+    advantages, returns = [], []
+    for i in range(n):
+        outcome = scores[i]
+        if name == "reinforce_pp_baseline":
+            rs = [scores[j] for j in range(n) if groups[j] == groups[i]]
+            outcome = (scores[i] if cfg.singleton == "raw" else 0.0) if len(rs) == 1 else scores[i] - sum(rs) / len(rs)
+        tokens = [t for t in range(width) if mask[i][t]]
+        reward = {t: token_rewards[i][t] + (outcome if t == tokens[-1] else 0.0) for t in tokens}
+        gamma = 1.0 if name == "remax" else cfg.gamma
+        adv, ret = [0.0] * width, [0.0] * width
+        later_return = later_value = later_advantage = 0.0
+        for t in reversed(tokens):
+            if name == "gae":
+                delta = reward[t] + gamma * later_value - values[i][t]
+                later_advantage = delta + gamma * cfg.lam * later_advantage
+                later_value = values[i][t]
+                adv[t], ret[t] = later_advantage, later_advantage + values[i][t]
+            else:
+                later_return = reward[t] + gamma * later_return
+                ret[t] = later_return
+                adv[t] = later_return - baseline[i] if name == "remax" else later_return
+        advantages.append(adv)
+        returns.append(ret)
+    if name != "remax" and cfg.whiten:
+        advantages = _whiten(advantages, mask)
+    return advantages, returns
 
 
 def reference_loss(name: str, cfg: Any, x: float, adv: float, lp: float, seq_log_ratio: float) -> float | None:
@@ -425,15 +477,17 @@ def sequence_reference(name: str, cfg: Any, log_ratio, advantages, mask) -> torc
 
 
 def random_batch(seed: int = 0):
-    """12 responses: groups of 4, 3, 3, a singleton and a constant group; one fully masked row; log-ratios
-    up to +-30."""
+    """12 responses: groups of 4, 3, 3, a singleton and a constant group; one fully masked row, two rows with
+    a masked token inside the response (a tool span); log-ratios up to +-30."""
     g = torch.Generator().manual_seed(seed)
     groups = [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 4]
     scores = torch.randint(0, 3, (12,), generator=g).double() / 2
     scores[7:10] = 0.5  # constant group
     lengths = torch.randint(1, 7, (12,), generator=g)
     lengths[5] = 0  # fully masked row
+    lengths[0], lengths[3] = 6, 5
     mask = (torch.arange(6)[None, :] < lengths[:, None]).double()
+    mask[0, 2] = mask[3, 1] = 0.0  # interior masked tokens: transparent to returns and values
     old = -torch.rand(12, 6, generator=g, dtype=torch.float64) * 4
     log_ratio = torch.randn(12, 6, generator=g, dtype=torch.float64) * 0.3
     log_ratio[0, 0], log_ratio[1, 1] = 30.0, -30.0  # extreme ratios
@@ -449,10 +503,27 @@ def check_formulas(cfg: RunConfig, pm) -> list[Check]:
     checks = []
     name = cfg.algorithm.advantage.name
     estimator, estimator_cfg = resolve_choice(pm.registry("advantage_estimator"), cfg.algorithm.advantage)
-    want = reference_advantage(name, estimator_cfg, scores.tolist(), groups.tolist(), lengths.tolist(), baseline.tolist())
-    if want is None:
-        checks.append(Check(f"advantage formula ({name})", SKIP, "no documented reference formula in the audit"))
+    g = torch.Generator().manual_seed(5)
+    token_rewards = torch.randn(12, 6, generator=g, dtype=torch.float64) * 0.1
+    values = torch.randn(12, 6, generator=g, dtype=torch.float64)
+    if name in RETURN_BASED:
+        want_adv, want_ret = reference_return_advantage(
+            name, estimator_cfg, scores.tolist(), groups.tolist(), mask.bool().tolist(), token_rewards.tolist(),
+            values.tolist(), baseline.tolist())
+        got, got_returns = estimator(AdvantageInput(scores, groups, mask, token_rewards=token_rewards, values=values,
+                                                    baseline_scores=baseline), estimator_cfg)
+        error = max(float((got.double() - torch.tensor(want_adv, dtype=torch.float64)).abs().max()),
+                    float((got_returns.double() - torch.tensor(want_ret, dtype=torch.float64)).abs().max()))
+        checks.append(Check(f"advantage formula ({name})", PASS if error <= 1e-9 else FAIL,
+                            f"max |plugin - formula| = {error:.2e} over advantages and returns of 12 responses "
+                            "(per-token rewards, masked tokens inside responses, singleton, empty row)"))
+        want = None
     else:
+        want = reference_advantage(name, estimator_cfg, scores.tolist(), groups.tolist(), lengths.tolist(),
+                                   baseline.tolist())
+        if want is None:
+            checks.append(Check(f"advantage formula ({name})", SKIP, "no documented reference formula in the audit"))
+    if want is not None:
         got, _ = estimator(AdvantageInput(scores, groups, mask, baseline_scores=baseline,
                                           reward_components=scores[:, None]), estimator_cfg)
         expected = torch.tensor(want, dtype=torch.float64)[:, None] * mask
