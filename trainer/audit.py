@@ -1,9 +1,11 @@
 """``rlite audit CONFIG [overrides]``: prove a config's invariants on a tiny replica before the real run.
 
 The replica keeps the config's plugins, algorithm settings, backend, engine and quantizer, and swaps
-the model for a tiny random one of the same architecture family (Qwen2, or Qwen3-MoE for MoE models;
-other families are replaced by Qwen2 and the table says so), a few prompts and 3 steps. Each check
-prints what it measured:
+the model for a tiny random one of the same architecture family (Qwen2, Llama, or Qwen3-MoE for MoE
+models; other families are replaced by Qwen2), a few prompts and 3 steps. What it cannot keep on this
+machine it replaces and the table's title says so: data files that are not here (synthetic data with
+the same keys), an engine that cannot start here (the transformers engine; the mismatch row is then
+n/a), model-parallel sizes (1). Each check prints what it measured:
 
 * ``on-policy ratio``: in the first micro-batch of every step's first optimizer step the PPO ratio
   exp(lp − old) is exactly 1 (max |lp − old| = 0; not applicable in bypass mode without true on-policy).
