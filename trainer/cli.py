@@ -207,7 +207,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    _, pm = load_run_config(args.config, args.overrides)  # validates the config as train would
+    try:
+        _, pm = load_run_config(args.config, args.overrides)  # validates the config as train would
+    except ConfigError as exc:
+        if not str(exc).startswith("model.path: missing value"):
+            raise
+        raise ConfigError(missing_model_message(args.config, args.overrides)) from None
     from rlite.audit import FAIL, print_table, run_audit
 
     checks, note = run_audit(args.config, list(args.overrides), pm, args.workdir)
@@ -217,6 +222,24 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(f"rlite audit: FAILED: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
+
+
+def missing_model_message(config: str, overrides: Sequence[str]) -> str:
+    """The audit's error for a config that leaves ``model.path`` to be given: the replica is a tiny model
+    of the configured model's architecture family, so the audit needs the model too. Gives the command
+    with the path, and the config's own comment lines that say how to get the model."""
+    from pathlib import Path
+
+    given = " ".join([config, *overrides])
+    text = (f"model.path: missing value. The audit builds a tiny replica of the model's architecture family, so it "
+            f"needs the model as the run does: rlite audit {given} model.path=PATH")
+    try:
+        comments = [line.lstrip("#").strip() for line in Path(config).read_text().splitlines() if line.startswith("#")]
+    except OSError:
+        comments = []
+    hints = [line.replace("rlite train", "rlite audit", 1) for line in comments
+             if "pip install" in line or "model.path=" in line]
+    return text + (". The config's comments say how to get it: " + "; then ".join(hints) if hints else "")
 
 
 def cmd_info(args: argparse.Namespace) -> int:

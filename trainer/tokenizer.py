@@ -97,10 +97,12 @@ def build_tiny_model_dir(
     num_experts: int | None = None,
     experts_per_token: int = 2,
     expert_intermediate: int | None = None,
+    family: str = "qwen2",
 ) -> Path:
     """Save a tiny randomly initialised ``Qwen2ForCausalLM`` plus the byte tokenizer into ``path``;
-    with ``num_experts`` a ``Qwen3MoeForCausalLM`` instead (every layer a top-``experts_per_token``
-    Mixture-of-Experts MLP, router weights drawn so that routing has no ties).
+    ``family="llama"`` gives a ``LlamaForCausalLM``; with ``num_experts`` a ``Qwen3MoeForCausalLM``
+    instead (every layer a top-``experts_per_token`` Mixture-of-Experts MLP, router weights drawn so
+    that routing has no ties).
 
     ``vocab_size`` defaults to the tokenizer's length (259). With the defaults the model has about
     0.1M parameters and loads with plain ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained``.
@@ -108,6 +110,8 @@ def build_tiny_model_dir(
     import torch
     from transformers import (
         GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3MoeConfig,
@@ -131,7 +135,11 @@ def build_tiny_model_dir(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if num_experts is None:
+    if family not in ("qwen2", "llama"):
+        raise ValueError(f"family must be qwen2 or llama, got {family!r}")
+    if num_experts is None and family == "llama":
+        config, model_cls = LlamaConfig(**common), LlamaForCausalLM
+    elif num_experts is None:
         config, model_cls = Qwen2Config(**common), Qwen2ForCausalLM
     else:
         config = Qwen3MoeConfig(

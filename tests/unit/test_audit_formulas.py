@@ -3,6 +3,8 @@ on the audit's random batch (with options that change the formula), and a wrong 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,3 +60,82 @@ def test_a_wrong_formula_fails_and_an_unknown_one_is_not_claimed():
     finally:
         registry.entries["grpo"] = original
     assert checks[0].result == FAIL and torch.isfinite(torch.tensor(float(checks[0].measured.split("= ")[1].split()[0])))
+
+
+RETURN_ESTIMATORS = ["reinforce_pp", "{name: reinforce_pp, args: {gamma: 0.9, whiten: false}}", "reinforce_pp_baseline",
+                     "{name: reinforce_pp_baseline, args: {singleton: raw, gamma: 0.8}}", "gae",
+                     "{name: gae, args: {gamma: 0.9, lam: 0.95}}", "{name: gae, args: {gamma: 0.95, lam: 0.7, whiten: false}}",
+                     "remax"]
+
+
+def return_config(pm, advantage: str):
+    critic = ["algorithm.critic.enabled=true"] if "gae" in advantage else []
+    return config(pm, advantage, "ppo_clip") if not critic else load_config(
+        None, ["model.path=m", "data.task=addition", f"algorithm.advantage={advantage}", *critic], pm=pm)
+
+
+@pytest.mark.parametrize("advantage", RETURN_ESTIMATORS)
+def test_return_based_estimators_match_their_loop_formulas(advantage):
+    pm = build_plugin_manager(autoload=False)
+    checks = check_formulas(return_config(pm, advantage), pm)
+    assert checks[0].result == PASS and "advantages and returns" in checks[0].measured, checks
+
+
+def test_every_builtin_estimator_and_loss_has_a_formula_row():
+    pm = build_plugin_manager(autoload=False)
+    for advantage in pm.registry("advantage_estimator").entries:
+        assert check_formulas(return_config(pm, advantage), pm)[0].result == PASS, advantage
+    for loss in pm.registry("policy_loss").entries:
+        assert check_formulas(config(pm, "grpo", loss), pm)[1].result == PASS, loss
+
+
+def swapped(pm, name: str, implementation):
+    """The registry entry ``name`` with another implementation (same config class), restored on exit."""
+    registry = pm.registry("advantage_estimator")
+    original = registry.entries[name]
+    registry.entries[name] = dataclasses.replace(original, implementation=implementation)
+    return original
+
+
+def drift_advantages(fn):
+    return lambda batch, cfg: (lambda out: (out[0] * 1.01, out[1]))(fn(batch, cfg))
+
+
+def drift_returns(fn):
+    return lambda batch, cfg: (lambda out: (out[0], out[1] * 1.01))(fn(batch, cfg))
+
+
+def gae_through_masked_tokens(batch, cfg):
+    """GAE that does not skip tokens masked inside a response (slime's): wrong where tool spans are."""
+    rewards = A.per_token_rewards(batch.scores, batch.response_mask, batch.token_rewards).to(batch.values.dtype)
+    last = batch.response_mask.shape[1] - 1 - batch.response_mask.flip(-1).argmax(-1)
+    span = (torch.arange(batch.response_mask.shape[1])[None, :] <= last[:, None]).double()
+    advantages, returns = A.gae(rewards, batch.values * span, span, cfg.gamma, cfg.lam)
+    advantages = advantages * batch.response_mask
+    if cfg.whiten:
+        advantages = A.masked_whiten(advantages, batch.response_mask)
+    return advantages, returns * batch.response_mask
+
+
+@pytest.mark.parametrize("name, make_wrong", [
+    ("reinforce_pp", lambda: drift_advantages(A.reinforce_pp_advantages)),
+    ("reinforce_pp_baseline", lambda: drift_advantages(A.reinforce_pp_baseline_advantages)),
+    ("gae", lambda: drift_advantages(A.gae_advantages)),
+    ("gae", lambda: drift_returns(A.gae_advantages)),
+    ("reinforce_pp", lambda: drift_returns(A.reinforce_pp_advantages)),
+    ("remax", lambda: drift_advantages(A.remax_advantages)),
+    # with lam = 1 GAE telescopes to the return minus V_t and would not see the masked tokens
+    ("{name: gae, args: {gamma: 0.9, lam: 0.95}}", lambda: gae_through_masked_tokens),
+])
+def test_a_wrong_return_based_estimator_fails(name, make_wrong):
+    pm = build_plugin_manager(autoload=False)
+    cfg = return_config(pm, name)
+    name = cfg.algorithm.advantage.name
+    registry = pm.registry("advantage_estimator")
+    original = swapped(pm, name, make_wrong())
+    try:
+        checks = check_formulas(cfg, pm)
+    finally:
+        registry.entries[name] = original
+    assert checks[0].result == FAIL, checks
+    assert float(checks[0].measured.split("= ")[1].split()[0]) > 1e-4
