@@ -69,11 +69,16 @@ class CalculatorConfig:
 
 class Calculator:
     def __init__(self, cfg: CalculatorConfig) -> None:
-        self.cfg, self.answer, self.calls = cfg, "", 0
+        self.cfg, self.answer, self.calls, self.correct = cfg, "", 0, False
 
     def reset(self, sample: dict[str, Any]) -> None:
-        self.answer, self.calls = str(sample.get("answer", "")).strip(), 0
+        self.answer, self.calls, self.correct = str(sample.get("answer", "")).strip(), 0, False
         return None
+
+    def metrics(self) -> dict[str, float]:
+        """``tool_calls`` (calculator calls in the episode), ``used_tool`` (1 when there was one) and
+        ``correct`` (the final answer was right, whatever the calls cost)."""
+        return {"tool_calls": self.calls, "used_tool": float(self.calls > 0), "correct": float(self.correct)}
 
     def step(self, action: Action) -> tuple[str | None, float, bool]:
         text = action.text.strip()
@@ -81,7 +86,8 @@ class Calculator:
             result = calculate(text[:-1])
             self.calls += 1
             return ("error" if result is None else str(result)), -self.cfg.call_cost, False
-        return None, float(text == self.answer), True
+        self.correct = text == self.answer
+        return None, float(self.correct), True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,20 +114,28 @@ class ArithmeticChain:
         self.cfg = cfg
         self.answers: list[str] = []
         self.problems: list[str] = []
+        self.right: list[bool] = []
 
     def reset(self, sample: dict[str, Any]) -> None:
         if "answer" not in sample:
             raise ValueError("arithmetic_chain: the data rows need an 'answer' (use data.task=addition)")
         rng = random.Random(zlib.crc32(str(sample.get("prompt", "")).encode()))
-        self.answers, self.problems = [str(sample["answer"]).strip()], []
+        self.answers, self.problems, self.right = [str(sample["answer"]).strip()], [], []
         for _ in range(self.cfg.steps - 1):
             a, b = rng.randrange(10**self.cfg.digits), rng.randrange(10**self.cfg.digits)
             self.problems.append(f"{a}+{b}=")
             self.answers.append(str(a + b))
         return None
 
+    def metrics(self) -> dict[str, float]:
+        """``turn_<i>_correct`` for every problem (0 when the episode ended before it) and ``correct``
+        (every problem answered right)."""
+        right = self.right + [False] * (self.cfg.steps - len(self.right))
+        return {**{f"turn_{i}_correct": float(r) for i, r in enumerate(right)}, "correct": float(all(right))}
+
     def step(self, action: Action) -> tuple[str | None, float, bool]:
-        reward = float(action.text.strip() == self.answers[action.turn]) / self.cfg.steps
+        self.right.append(action.text.strip() == self.answers[action.turn])
+        reward = float(self.right[-1]) / self.cfg.steps
         if action.turn + 1 >= self.cfg.steps:
             return None, reward, True
         return self.problems[action.turn], reward, False

@@ -63,6 +63,11 @@ class Environment(Protocol):
         """``(observation, reward, done)`` after a sampled turn; rewards are summed over the trajectory.
         An observation is text (encoded once, on its own), token ids (used as they are) or None."""
 
+    # Optional: ``metrics() -> dict[str, float]``, read once when the trajectory has ended: numbers about
+    # the episode (tool calls, which turns were right), averaged over the batch into ``rollout/env/<key>``
+    # and over an evaluation into ``eval/<mode>_env/<key>``. A ``correct`` key, when present, is what the
+    # ``*accuracy`` metrics count for a multi-turn sample (see :func:`env_metrics`).
+
 
 class SingleTurn:
     """Today's rollout: one sampled completion per sample, scored by the reward functions alone."""
@@ -138,6 +143,8 @@ class Trajectory:
     observation_tokens: int = 0
     finish_reason: str = "length"
     done: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The environment's own numbers about the ended episode (:func:`env_metrics`)."""
 
     def add_sampled(self, completion: Completion) -> None:
         n = len(completion.token_ids)
@@ -199,6 +206,7 @@ class TurnRunner:
         for t in trajectories:
             if not t.done:
                 t.finish_reason, t.done = "turns", True
+            t.metrics = env_metrics(t.env, self.workflow)
         return trajectories
 
     def _sample(self, engine, live: list[Trajectory], turn: int, n: int, turn_params: SamplingParams):
@@ -251,6 +259,25 @@ class TurnRunner:
             t.finish_reason, t.done = "length", True
             return
         t.add_observed(tokens)
+
+
+def env_metrics(env, workflow: str = "workflow") -> dict[str, float]:
+    """An ended episode's numbers from the environment's optional ``metrics()``: ``{name: number}``."""
+    read = getattr(env, "metrics", None)
+    if not callable(read):
+        return {}
+    metrics = read()
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items()
+    ):
+        raise TypeError(f"rollout.workflow {workflow!r}: metrics() must return a dict of names to numbers, got {metrics!r}")
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def mean_env_metrics(per_sample: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Each key's mean over the samples that report it, as ``prefix + key``."""
+    keys = sorted({k for m in per_sample for k in m})
+    return {prefix + k: sum(m[k] for m in per_sample if k in m) / sum(k in m for m in per_sample) for k in keys}
 
 
 def uniform_groups(group: list[Trajectory], n: int) -> bool:

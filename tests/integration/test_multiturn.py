@@ -28,12 +28,17 @@ QUIET = [
 
 class DigitTurns:
     def reset(self, sample):
+        self.digit_turns = 0
         return None
 
     def step(self, action):
         text = action.text
         reward = sum(c.isdigit() for c in text) / max(len(text), 1) / 3
+        self.digit_turns += any(c.isdigit() for c in text)
         return "ok?", reward, action.turn == 2
+
+    def metrics(self):
+        return {"digit_turns": self.digit_turns, "correct": float(self.digit_turns >= 2)}
 
 
 class Plugin:
@@ -73,6 +78,11 @@ def test_multiturn_reward_rises_and_observations_stay_out_of_the_loss(tmp_path, 
     rewards = [r["reward/mean"] for r in rows]
     assert len(rewards) == 12
     assert all(r["rollout/turns"] == 3.0 and r["rollout/observation_tokens"] > 0 for r in rows)
+    # the environment's metrics() are averaged, and its "correct" is what accuracy counts (the task's
+    # answer check would read the whole transcript, every turn and observation, against the first answer)
+    assert all(0 <= r["rollout/env/digit_turns"] <= 3 for r in rows)
+    assert all(r["reward/accuracy"] == r["rollout/env/correct"] for r in rows)
+    assert max(r["reward/accuracy"] for r in rows) > 0
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
     for batch in plugin.batches:
         observed = batch.response_present - batch.response_mask

@@ -246,8 +246,10 @@ def test_calculator_answers_tool_calls_and_rewards_the_final_answer():
     assert env.step(action("17*23=")) == ("391", -0.25, False)
     assert env.step(action("17*x=")) == ("error", -0.25, False)
     assert env.step(action(" 391\n")) == (None, 1.0, True)
+    assert env.metrics() == {"tool_calls": 2.0, "used_tool": 1.0, "correct": 1.0}
     env.reset({"answer": "391"})
     assert env.step(action("390")) == (None, 0.0, True)
+    assert env.metrics() == {"tool_calls": 0.0, "used_tool": 0.0, "correct": 0.0}
 
 
 def test_arithmetic_chain_poses_the_same_problems_to_a_group_and_scores_each():
@@ -260,8 +262,10 @@ def test_arithmetic_chain_poses_the_same_problems_to_a_group_and_scores_each():
     observation, reward, done = a.step(action("47", 0))
     assert (observation, reward, done) == (a.problems[0], pytest.approx(1 / 3), False)
     assert a.step(action(str(x + y + 1), 1)) == (a.problems[1], 0.0, False)
+    assert b.metrics() == {"turn_0_correct": 0.0, "turn_1_correct": 0.0, "turn_2_correct": 0.0, "correct": 0.0}
     x, y = map(int, a.problems[1][:-1].split("+"))
     assert a.step(action(str(x + y), 2)) == (None, pytest.approx(1 / 3), True)
+    assert a.metrics() == {"turn_0_correct": 1.0, "turn_1_correct": 0.0, "turn_2_correct": 1.0, "correct": 0.0}
     with pytest.raises(ValueError, match="steps"):
         ArithmeticChainConfig(steps=0)
 

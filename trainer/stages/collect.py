@@ -20,7 +20,7 @@ import torch
 
 from rlite.config import AlgorithmConfig, ConfigError, RolloutConfig
 from rlite.data import PromptSampler
-from rlite.distributed import DataLayout, all_reduce_sum, broadcast_object
+from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, broadcast_object
 from rlite.drafts import SpeculativeDraft
 from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
@@ -29,7 +29,7 @@ from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
 from rlite.samples import eval_sample_rows
 from rlite.stages.partial import SegmentedGeneration
 from rlite.tasks import DEFAULT_ACCURACY_THRESHOLD, is_correct
-from rlite.workflows import TurnRunner, trajectories_to_completions
+from rlite.workflows import TurnRunner, mean_env_metrics, trajectories_to_completions
 
 
 def sampling_params(rollout: RolloutConfig, *, seed: int, n: int | None = None, greedy: bool = False) -> SamplingParams:
@@ -253,7 +253,8 @@ class Rollouts:
     def trajectory_batch(self, trajectories, prompts: list, completions, loss_masks) -> RolloutBatch:
         for row, completion in enumerate(completions):
             completion.prompt_index = row  # one prompt row per trajectory: its first observation may differ
-        samples = [dict(prompts[t.prompt_index].row, env_reward=t.reward, turns=t.turns) for t in trajectories]
+        samples = [dict(prompts[t.prompt_index].row, env_reward=t.reward, turns=t.turns, env_metrics=t.metrics)
+                   for t in trajectories]
         batch = build_rollout_batch(
             [t.context for t in trajectories], completions, samples, group_offset=0,
             pad_token_id=self.tokenizer.pad_token_id, loss_masks=loss_masks,
@@ -294,7 +295,7 @@ class Rollouts:
         batch.scores = torch.tensor(scores, dtype=torch.float32)
         batch.reward_components = torch.tensor(result.components, dtype=torch.float32).reshape(len(scores), -1)
         batch.correct = torch.tensor([
-            is_correct(text, sample, score, self.accuracy_threshold)
+            self.is_correct(text, sample, score)
             for text, sample, score in zip(batch.completion_texts, batch.samples, scores)
         ], dtype=torch.bool)  # fmt: skip
         if self.turns is not None:
@@ -302,9 +303,19 @@ class Rollouts:
             stats["rollout/env_reward"] = sum(s["env_reward"] for s in batch.samples) / max(len(batch), 1)
             stats["rollout/observation_tokens"] = float(
                 (batch.response_present - batch.response_mask).sum() / max(len(batch), 1))
+            stats.update(mean_env_metrics([s["env_metrics"] for s in batch.samples], "rollout/env/"))
         if batch.baseline_scores is not None:
             stats["reward/greedy_baseline"] = float(batch.baseline_scores.mean()) if len(batch) else 0.0
         return stats
+
+    def is_correct(self, text: str, sample: dict, reward: float) -> bool:
+        """For the ``*accuracy`` metrics. A multi-turn sample's text holds every turn and observation, so
+        the task's answer check does not apply: its environment's ``correct`` metric decides, or else
+        ``reward >= training.accuracy_threshold``."""
+        if self.turns is None:
+            return is_correct(text, sample, reward, self.accuracy_threshold)
+        metrics = sample.get("env_metrics") or {}
+        return bool(metrics["correct"]) if "correct" in metrics else reward >= self.accuracy_threshold
 
     def stop_on_reward_error(self, error: str | None, group=None) -> None:
         """Raise :class:`RewardFailureError` on every rank when any rank's rewards passed their
@@ -320,8 +331,7 @@ class Rollouts:
         """Score held-out generations, keep the first ones as sample rows, and say which answers are right."""
         result = self.rewards.score(texts, samples)
         self.eval_samples += eval_sample_rows(step, mode, items, texts, result.scores, self.eval_sample_count)
-        correct = [is_correct(text, sample, reward, self.accuracy_threshold)
-                   for text, sample, reward in zip(texts, samples, result.scores)]  # fmt: skip
+        correct = [self.is_correct(text, sample, reward) for text, sample, reward in zip(texts, samples, result.scores)]
         return result, correct
 
     @torch.no_grad()
@@ -337,20 +347,21 @@ class Rollouts:
         for mode, greedy in (("greedy", True), ("sampled", False)):
             params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, layout.rank, 7), n=1, greedy=greedy)
 
-            def score_items(params=params, mode=mode) -> tuple[RewardScores, list[bool]]:
+            def score_items(params=params, mode=mode) -> tuple[RewardScores, list[bool], list[dict]]:
                 # called with no items too: an engine serving several ranks samples them all in one call
                 if self.turns is not None:  # each held-out prompt played through its environment
                     trajectories = self.run_turns(items, params, lambda turn: hash_seed(params.seed, turn))
                     texts = self.tokenizer.batch_decode([t.token_ids for t in trajectories], skip_special_tokens=True)
-                    rows = [dict(p.row, env_reward=t.reward, turns=t.turns) for p, t in zip(items, trajectories)]
-                    return self.score_eval(step, mode, items, texts, rows)
+                    rows = [dict(p.row, env_reward=t.reward, turns=t.turns, env_metrics=t.metrics)
+                            for p, t in zip(items, trajectories)]
+                    return *self.score_eval(step, mode, items, texts, rows), [t.metrics for t in trajectories]
                 completions = self.engine.generate([p.prompt_ids for p in items], params)
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
                 samples = [dict(p.row, response_length=len(c.token_ids), finish_reason=c.finish_reason)
                            for p, c in zip(items, completions)]
-                return self.score_eval(step, mode, items, texts, samples)
+                return *self.score_eval(step, mode, items, texts, samples), []
 
-            result, correct = self._from_leader(score_items)
+            result, correct, env_metrics = self._from_leader(score_items)
             self.stop_on_reward_error(result.error)
             scores = result.scores
             totals = all_reduce_sum(
@@ -360,6 +371,9 @@ class Rollouts:
             n = max(float(totals[2]), 1.0)
             out[f"eval/{mode}_accuracy"] = float(totals[0]) / n
             out[f"eval/{mode}_reward"] = float(totals[1]) / n
+            if self.turns is not None:  # the environments' own numbers, over every rank's prompts
+                gathered = [m for part in all_gather_objects(env_metrics, layout.group) for m in part]
+                out.update(mean_env_metrics(gathered, f"eval/{mode}_env/"))
             failures += float(totals[3])
             timeouts += float(totals[4])
         out["eval/reward_failures"], out["eval/reward_timeouts"] = failures, timeouts
