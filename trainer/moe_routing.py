@@ -52,6 +52,13 @@ class RouterRule:
     """``True``/``False``, or the name of the router attribute that says (``norm_topk_prob``)."""
     cast_to_logits_dtype: bool
     """Whether the family casts the weights back to the logits' dtype."""
+    score: str = "softmax"
+    """``softmax`` over all experts, or ``sigmoid`` per expert (DeepSeek-V3's family, whose selection adds
+    a bias and may be limited to groups of experts; its gating weights use neither)."""
+    norm_eps: float = 0.0
+    """Added to the sum the chosen weights are divided by when normalising."""
+    scale: str | None = None
+    """The router attribute the gating weights are multiplied by (``routed_scaling_factor``)."""
 
     def normalizes(self, router: nn.Module) -> bool:
         return bool(getattr(router, self.normalize)) if isinstance(self.normalize, str) else self.normalize
@@ -62,9 +69,12 @@ ROUTER_FAMILIES: dict[str, RouterRule] = {
     "Qwen3MoeTopKRouter": RouterRule("norm_topk_prob", True),
     "OlmoeTopKRouter": RouterRule("norm_topk_prob", True),
     "MixtralTopKRouter": RouterRule(True, False),
+    "DeepseekV3TopkRouter": RouterRule("norm_topk_prob", False, "sigmoid", 1e-20, "routed_scaling_factor"),
+    "Glm4MoeTopkRouter": RouterRule("norm_topk_prob", False, "sigmoid", 1e-20, "routed_scaling_factor"),
 }
-"""Top-k routers whose replay rlite implements: softmax over all experts, top-k, optional
-renormalisation (``transformers`` 5.x). A router of another family is refused by name."""
+"""Top-k routers whose replay rlite implements (``transformers`` 5.x): softmax over all experts, top-k,
+optional renormalisation; or DeepSeek-V3's sigmoid scores, biased and group-limited selection, the
+chosen unbiased scores renormalised and scaled. A router of another family is refused by name."""
 
 
 def decoder_layers_of(model: nn.Module) -> list[nn.Module]:
@@ -313,9 +323,14 @@ class RouterHooks:
             chosen = torch.where(has, want, natural)
             if state.used_stats is not None:
                 state.used_stats.add(layer, chosen, want)
-            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
+            if rule.score == "sigmoid":
+                weights = logits.float().sigmoid().gather(-1, chosen)
+            else:
+                weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
             if rule.normalizes(router):
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + rule.norm_eps)
+            if rule.scale is not None:
+                weights = weights * getattr(router, rule.scale)
             if rule.cast_to_logits_dtype:
                 weights = weights.to(logits.dtype)
             return logits, weights, chosen

@@ -243,3 +243,75 @@ def test_a_dense_model_without_decoder_layers_still_builds_an_engine_and_reports
     assert engine.routers is None and PolicyModel(model).routers is None
     completions = engine.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=3, seed=0, return_routed_experts=True))
     assert completions[0].routed_experts is None
+
+
+def sigmoid_router_model(family: str):
+    """A tiny DeepSeek-V3 or GLM-4.5-style MoE: sigmoid scores, a selection bias (random, so the chosen
+    experts are not the top scores), 4 groups of 2 experts of which 2 groups are eligible, a dense
+    first layer, renormalised and scaled gating weights."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_attention_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                  topk_group=2, first_k_dense_replace=1, max_position_embeddings=64, routed_scaling_factor=2.5,
+                  norm_topk_prob=True)
+    torch.manual_seed(0)
+    if family == "deepseek_v3":
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**common, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
+    else:
+        model = Glm4MoeForCausalLM(Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=8))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=g) * 0.5)
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn(param.shape, generator=g))
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_sigmoid_routers_are_recorded_and_replayed_exactly(family):
+    """DeepSeek-V3's router family: the engine records its (biased, group-limited) choice; replaying
+    the model's own routing is its plain forward bit for bit (values and gradients: the sigmoid scores
+    of the chosen experts, renormalised with its epsilon and scaled by routed_scaling_factor); after
+    its routers are perturbed, replay still sends every token to the engine's experts."""
+    from rlite.moe_routing import routing_shape_of
+
+    model = sigmoid_router_model(family)
+    shape = routing_shape_of(model)
+    assert (shape.num_layers, shape.top_k, shape.num_experts, shape.moe_layers) == (3, 2, 8, (1, 2))
+    batch, completions = sample(model)
+    for c in completions:
+        ran = PROMPTS[c.prompt_index] + c.token_ids[:-1]
+        assert same_sets(c.routed_experts[:, 1:], natural_topk(model, ran)[:, 1:])
+        assert (c.routed_experts[:, 0] == -1).all()  # the dense first layer routes nothing
+    policy = PolicyModel(model)
+    results = []
+    for plan in (None, RoutingPlan(replay=True)):
+        policy.zero_grad(set_to_none=True)
+        logprobs, _ = policy_logprobs(policy, batch, spec(plan))
+        (logprobs * batch.response_mask).sum().backward()
+        results.append((logprobs.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (replayed, replayed_grads) = results
+    assert torch.equal(plain, replayed)
+    assert any("mlp.gate.weight" in n for n in replayed_grads)
+    for name in plain_grads:
+        assert torch.equal(plain_grads[name], replayed_grads[name]), name
+    # the engine's KV cache holds MLA's keys and values at their own widths (16 and 8 for DeepSeek-V3):
+    # what it sampled with is what the trainer computes
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(batch.rollout_logprobs[mask], plain[mask], rtol=0, atol=1e-5)
+
+    with torch.no_grad():  # routers that now disagree with the engine's
+        for name, p in policy.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 2 * p.abs().mean())
+    used = {replay: RoutingStats(3) for replay in (False, True)}
+    with torch.no_grad():
+        for replay in (False, True):
+            policy_logprobs(policy, batch, spec(RoutingPlan(replay, used_stats=used[replay])))
+    assert used[True].matched.tolist() == used[True].compared.tolist() and used[True].compared.sum() > 0
+    assert used[False].matched.sum() < 0.9 * used[False].compared.sum()

@@ -412,6 +412,87 @@ def test_server_mode_reports_a_server_that_dies_or_never_gets_healthy(fake_serve
         ServerBackend({"model_path": "/m"}, start_timeout_s=2.0, timeout_s=5.0)
 
 
+def test_a_server_that_dies_is_restarted_by_the_supervisor_with_the_trainers_weights(fake_server):
+    """A launched server that dies is an ``EngineDied`` (not a plain error), so the run's supervisor
+    (``rollout.engine_restarts``) starts a fresh server, syncs the trainer's weights into it and makes
+    the failed call again; a server rlite did not start is never treated as restartable."""
+    import signal
+
+    from rlite.engines.base import EngineDied
+    from rlite.engines.sglang.launch import ServerBackend
+    from rlite.engines.supervisor import SupervisedEngine
+
+    backends = []
+
+    def start():
+        backend = ServerBackend({"model_path": "/m"}, start_timeout_s=60.0, timeout_s=30.0)
+        backend.metadata_cls = FlattenedTensorMetadataFields
+        backends.append(backend)
+        return _engine_on(backend)
+
+    engine = SupervisedEngine(start(), start, max_restarts=1)
+    synced = []
+
+    def resync(version):
+        synced.append(version)
+        engine.engine.update_weights(iter(named_tensors(1)), version)
+
+    engine.resync = resync
+    try:
+        engine.update_weights(iter(named_tensors(1)), 1)
+        first = backends[0]
+        os.killpg(first.process.pid, signal.SIGKILL)
+        first.process.wait(timeout=30)
+        with pytest.raises(EngineDied, match="server exited with code -9"):
+            first.generate(input_ids=[[3]], sampling_params=[{"max_new_tokens": 1}], return_logprob=True)
+        completions = engine.generate([[3, 4]], SamplingParams(n=2, max_new_tokens=3))
+        assert len(backends) == 2 and engine.restarts == 1 and synced == [1]
+        assert [c.weight_version for c in completions] == [1, 1]
+        assert backends[1].process.poll() is None
+        elsewhere = ServerBackend.connect(backends[1].url, timeout_s=5.0)
+        os.killpg(backends[1].process.pid, signal.SIGKILL)
+        backends[1].process.wait(timeout=30)
+        with pytest.raises(EngineError) as failed:
+            elsewhere.generate(input_ids=[[3]], sampling_params=[{"max_new_tokens": 1}], return_logprob=True)
+        assert not isinstance(failed.value, EngineDied)
+    finally:
+        engine.shutdown()
+
+
+def test_in_process_engine_whose_processes_exited_is_dead(monkeypatch):
+    """``sglang.Engine`` in this process: a call that fails after the engine's own processes exited
+    is an ``EngineDied`` (restartable); one that fails while they run is the error it was."""
+    import subprocess
+
+    from rlite.engines.base import EngineDied
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    class Engine(FakeSGLang):
+        def __init__(self, **kwargs):
+            super().__init__()
+
+        def get_all_child_pids(self):
+            return [child.pid]
+
+        def generate(self, **kwargs):
+            raise RuntimeError("scheduler unreachable")
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=Engine))
+    engine = SGLangEngine("/m", eos_token_ids=[1], timeout_s=30.0)
+    try:
+        with pytest.raises(RuntimeError, match="scheduler unreachable") as alive:
+            engine.generate([[1, 2]], SamplingParams())
+        assert not isinstance(alive.value, EngineDied)
+        child.kill()
+        child.wait(timeout=30)
+        with pytest.raises(EngineDied, match="its processes have exited: RuntimeError: scheduler unreachable"):
+            engine.generate([[1, 2]], SamplingParams())
+    finally:
+        child.kill()
+        engine.shutdown()
+
+
 def _engine_on(backend) -> SGLangEngine:
     # the stand-in servers keep no weights to check (the weight check over HTTP has its own test)
     engine = SGLangEngine("unused", eos_token_ids=[1], backend=backend, verify_weights=False)
@@ -449,7 +530,9 @@ def test_in_process_mode_builds_the_engine_in_a_worker_and_times_out_hung_calls(
             "load_format": "dummy",
         }
         assert built["enable_deterministic_inference"] and built["rl_on_policy_target"] == "fsdp"
-        with pytest.raises(EngineError, match="generate did not return within 1 s"):
+        from rlite.engines.base import EngineDied
+
+        with pytest.raises(EngineDied, match="generate did not return within 1 s"):  # killed: restartable
             engine.generate([[1, 2]], SamplingParams())
     finally:
         release.set()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import EngineError
+from rlite.engines.base import EngineDied, EngineError
 from rlite.engines.sglang.payloads import serialize_payload
 
 # --------------------------------------------------------------------------------------------------
@@ -56,9 +56,16 @@ class InProcessBackend:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             self.kill()
-            raise EngineError(
+            raise EngineDied(  # killed: a fresh engine can take over (rollout.engine_restarts)
                 f"SGLang {what or fn.__name__} did not return within {timeout:g} s (engine killed)"
             ) from None
+        except Exception as exc:
+            gone = self._engine_pids is not None and self._engine_pids and not any(map(_alive, self._engine_pids))
+            if gone:  # the scheduler/detokenizer processes died: the call can only fail from now on
+                self.kill()
+                raise EngineDied(f"SGLang {what or fn.__name__} failed and its processes have exited: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            raise
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name == "engine":
@@ -140,6 +147,21 @@ def sglang_tensor_hash():
     from sglang.srt.managers.mm_utils import tensor_hash
 
     return tensor_hash
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
 
 
 def _child_pids() -> list[int]:
@@ -247,13 +269,15 @@ class ServerBackend:
                 f"SGLang {path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}"
             ) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            if self.process is None:
-                state = f"server at {self.url}"
-            elif self.process.poll() is None:
-                state = "server still running"
-            else:
-                state = f"server exited with code {self.process.returncode}"
-            raise EngineError(f"SGLang {path} failed ({state}): {e}") from None
+            if self.process is None:  # a server started elsewhere: not ours to restart
+                raise EngineError(f"SGLang {path} failed (server at {self.url}): {e}") from None
+            if self.process.poll() is not None:  # a fresh server can take over (rollout.engine_restarts)
+                raise EngineDied(f"SGLang {path} failed: server exited with code {self.process.returncode}: "
+                                 f"{e}\n{self._log_tail(2000)}") from None
+            if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+                self.kill()  # hung: killed, and a fresh server can take over
+                raise EngineDied(f"SGLang {path} did not answer within {self.timeout_s:g} s (server killed)") from None
+            raise EngineError(f"SGLang {path} failed (server still running): {e}") from None
         return json.loads(text) if text.strip().startswith(("{", "[")) else text
 
     def generate(self, *, input_ids, sampling_params, return_logprob, lora_path=None, top_logprobs_num=None,

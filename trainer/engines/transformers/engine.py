@@ -100,8 +100,10 @@ def _growing_layer_class():
             buffer = self._key_buffer
             if buffer is None or end > buffer.shape[-2] or buffer.shape[0] != key_states.shape[0]:
                 capacity = max(end + self.reserve, 0 if buffer is None else 2 * buffer.shape[-2])
-                shape = (key_states.shape[0], key_states.shape[1], capacity, key_states.shape[-1])
-                keys, values = key_states.new_empty(shape), value_states.new_empty(shape)
+                shape = (key_states.shape[0], key_states.shape[1], capacity)
+                # keys and values may differ in width (DeepSeek's MLA: nope + rope dims vs v_head_dim)
+                keys = key_states.new_empty((*shape, key_states.shape[-1]))
+                values = value_states.new_empty((*shape, value_states.shape[-1]))
                 if self._length:
                     keys[:, :, : self._length] = self.keys
                     values[:, :, : self._length] = self.values
