@@ -52,7 +52,7 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[RunConfig,
     """Replace ``rlite.loop`` with a module recording what ``run_training`` received."""
     calls: list[tuple[RunConfig, object]] = []
     loop = types.ModuleType("rlite.loop")
-    loop.run_training = lambda cfg, pm: calls.append((cfg, pm))
+    loop.run_training = lambda cfg, pm, preemption=None: calls.append((cfg, pm))
     monkeypatch.setitem(sys.modules, "rlite.loop", loop)
     yield calls
     set_plugin_manager(None)
@@ -235,7 +235,7 @@ def test_train_warns_about_plugins_that_failed_to_load(tmp_path, monkeypatch, ca
     pm.failed.append(PluginInfo("broken", "rlite-broken", "1.0", [], error="failed to load 'x:y': ImportError: nope"))
     monkeypatch.setattr(cli, "build_manager", lambda **kwargs: pm)
     ran = []
-    monkeypatch.setattr(rlite.loop, "run_training", lambda cfg, pm: ran.append(cfg))
+    monkeypatch.setattr(rlite.loop, "run_training", lambda cfg, pm, preemption=None: ran.append(cfg))
     config = tmp_path / "run.yaml"
     config.write_text("model: {path: /nowhere}\ndata: {task: addition}\n")
     assert cli.main(["train", str(config)]) == 0

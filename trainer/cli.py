@@ -119,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    args.process_entry = argv is None  # the ``rlite`` command itself, not a call from Python
     try:
         return args.func(args)
     except (ConfigError, PluginError) as exc:  # problems the user fixes: one line, no traceback
@@ -169,6 +170,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # until the command returns, so one during the final export does not kill the process either
     preemption = Preemption(CheckpointConfig.preempt_timeout_s)
     preemption.install()
+    finished = False
     try:
         cfg, pm = load_run_config(args.config, args.overrides)
         for broken in pm.failed:  # the run goes on without it, but never silently
@@ -177,9 +179,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         from rlite.loop import run_training  # heavy (torch, transformers): only when training
 
         run_training(cfg, pm, preemption)
+        finished = True
         return 0
     finally:
         preemption.uninstall()
+        if finished and args.process_entry:  # all saved and exported: a SIGTERM while the process exits has nothing to stop
+            import signal
+
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
