@@ -6,10 +6,11 @@ the same seed and the same engine (the in-process transformers engine with its o
 weights, ``share_weights=false``, which the overlapping modes need; the sync run uses it too, so only
 the mode differs). Reported per mode: steps per second over the steps after the first (wall clock
 between the ends of the first and the last step, from an ``on_metrics`` hook), the mean time waiting for a rollout batch, the mean
-and max staleness, mismatch KL, and the reward curve (mean reward over windows of the run's steps).
+and max staleness, the fraction of samples whose tokens span a weight sync (partial rollouts), mismatch KL,
+and the reward curve (mean reward over windows of the run's steps).
 ``--plot`` writes the reward curves to benchmarks/async_rollout.png.
 
-    flock /tmp/rlite-bench.lock python benchmarks/async_rollout.py [--steps 40] [--repeats 1] [--append]
+    flock /tmp/rlite-bench.lock python benchmarks/async_rollout.py [--steps 40] [--repeats 1] [--modes 2,3] [--append]
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ MODES = {
     "sync": ["rollout.mode=sync"],
     "one_step_off": ["rollout.mode=one_step_off"],
     "async (max_staleness 2)": ["rollout.mode=async", "rollout.max_staleness=2"],
+    "async + partial segments of 2 tokens": ["rollout.mode=async", "rollout.max_staleness=2",
+                                             "rollout.partial_segment_tokens=2"],
 }
 
 CHILD = r"""
@@ -84,6 +87,7 @@ def summarize(rows: list[dict], windows: int) -> dict:
         "staleness_mean": statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in rows),
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in rows),
         "mismatch_kl": statistics.mean(abs(r.get("mismatch/kl", 0.0)) for r in rows[1:]),
+        "partial": statistics.mean(r.get("rollout/partial_fraction", 0.0) for r in rows),
         "curve": [statistics.mean(rewards[i : i + size]) for i in range(0, len(rewards), size)],
         "rewards": rewards,
     }
@@ -96,18 +100,20 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     parser.add_argument("--plot", action="store_true", help="write benchmarks/async_rollout.png")
+    parser.add_argument("--modes", default="", help="comma-separated indices into the modes (default: all)")
     parser.add_argument("extra", nargs="*", help="more key=value overrides for every mode")
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    chosen = [list(MODES)[int(i)] for i in args.modes.split(",")] if args.modes else list(MODES)
+    results: dict[str, list[dict]] = {mode: [] for mode in chosen}
     started = time.strftime("%Y-%m-%d %H:%M")
     for _ in range(args.repeats):
-        for mode in MODES:
+        for mode in chosen:
             results[mode].append(summarize(run_mode(mode, args.steps, args.extra), args.windows))
     lines = [
         f"### async_rollout.py: quickstart job, {args.steps} steps, {args.repeats} round(s) ({started}, {cpu_model()})",
         "",
-        f"| mode | steps/s | rollout wait (s/step) | staleness mean / max | mismatch KL | mean reward over {args.windows} windows of the run |",
-        "|---|---|---|---|---|---|",
+        f"| mode | steps/s | rollout wait (s/step) | staleness mean / max | partial fraction | mismatch KL | mean reward over {args.windows} windows of the run |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode, runs in results.items():
         curve = [statistics.mean(r["curve"][i] for r in runs) for i in range(min(len(r["curve"]) for r in runs))]
@@ -115,6 +121,7 @@ def main() -> None:
             f"| {mode} | {statistics.mean(r['steps_per_s'] for r in runs):.3f} | "
             f"{statistics.mean(r['wait_s'] for r in runs):.3f} | "
             f"{statistics.mean(r['staleness_mean'] for r in runs):.2f} / {max(r['staleness_max'] for r in runs):g} | "
+            f"{statistics.mean(r['partial'] for r in runs):.2f} | "
             f"{statistics.mean(r['mismatch_kl'] for r in runs):.2e} | {' → '.join(f'{c:.3f}' for c in curve)} |"
         )
     text = "\n".join(lines)

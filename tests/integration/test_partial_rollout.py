@@ -96,6 +96,10 @@ def test_a_sync_inside_a_generation_continues_it_with_the_new_weights(tmp_path, 
     _, versions, loss_mask, _ = batches[1]
     assert set(versions[loss_mask.bool()].tolist()) == {0, 1}
     assert rows[1]["rollout/partial_fraction"] > 0
+    # inside one engine call: a sample's first turn (all of it, single-turn) already spans both versions
+    first_turns = [row[: int(mask.tolist().index(0.0)) if 0.0 in mask.tolist() else len(mask)]
+                   for row, mask in zip(versions, loss_mask)]  # fmt: skip
+    assert any(set(turn.tolist()) == {0, 1} for turn in first_turns)
 
 
 def test_segments_need_async_with_staleness(tmp_path, model_dir):

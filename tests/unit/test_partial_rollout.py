@@ -200,3 +200,26 @@ def test_what_is_recorded_per_engine_call_is_refused(model_dir, tokenizer):
             segmented.generate(PROMPTS, params)
     with pytest.raises(ValueError, match="partial_segment_tokens"):
         SegmentedGeneration(segmented.engine, 0, lambda: None)
+
+
+def test_a_segment_the_engine_cuts_short_ends_the_sequence():
+    """An engine that returns fewer tokens than asked with finish reason ``length`` (its own context
+    limit) is not asked again for that sequence: no endless loop of empty segments."""
+    from rlite.engines.base import Completion
+
+    class ContextLimit:
+        weight_version = 0
+
+        def __init__(self):
+            self.calls = 0
+
+        def generate(self, prompts, params):
+            self.calls += 1
+            room = max(0, 8 - len(prompts[0]))  # a context of at most 8 tokens
+            return [Completion(i // params.n, [3] * min(room, params.max_new_tokens), [0.0] * min(room, params.max_new_tokens),
+                               "length", 0) for i in range(len(prompts) * params.n)]  # fmt: skip
+
+    engine = ContextLimit()
+    (completion,) = SegmentedGeneration(engine, 2, lambda: None).generate([[1, 2, 3]], SamplingParams(max_new_tokens=10))
+    assert completion.token_ids == [3] * 5 and completion.finish_reason == "length"
+    assert engine.calls == 3  # 2 + 2 + 1 (cut short): then done

@@ -48,8 +48,10 @@ class _Sequence:
     versions: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     first_version: int | None = None
+    ended: bool = False
+    """The engine ended it for a reason of its own: a stop token, or a segment cut short (its context limit)."""
 
-    def extend(self, completion: Completion) -> None:
+    def extend(self, completion: Completion, room: int) -> None:
         n = len(completion.token_ids)
         if len(completion.logprobs) != n:
             raise RuntimeError(f"the engine returned {len(completion.logprobs)} log-probs for {n} tokens")
@@ -57,6 +59,7 @@ class _Sequence:
         self.logprobs += [float(x) for x in completion.logprobs]
         self.versions += list(completion.token_weight_versions or [int(completion.weight_version)] * n)
         self.finish_reason = completion.finish_reason
+        self.ended = completion.finish_reason != "length" or n < room
         if self.first_version is None:
             self.first_version = int(completion.weight_version)
 
@@ -81,10 +84,10 @@ class SegmentedGeneration:
         sequences = []
         for completion in self.engine.generate(prompts, first):
             sequence = _Sequence(completion.prompt_index, list(prompts[completion.prompt_index]))
-            sequence.extend(completion)
+            sequence.extend(completion, first.max_new_tokens)
             sequences.append(sequence)
         segment = 1
-        while live := [s for s in sequences if s.finish_reason == "length" and len(s.token_ids) < limit]:
+        while live := [s for s in sequences if not s.ended and len(s.token_ids) < limit]:
             self.between_segments()
             by_room: dict[int, list[_Sequence]] = {}  # one engine call per token limit
             for s in live:
@@ -96,7 +99,7 @@ class SegmentedGeneration:
                 if len(completions) != len(group):
                     raise RuntimeError(f"the engine returned {len(completions)} completions for {len(group)} sequences")
                 for s, completion in zip(group, completions):
-                    s.extend(completion)
+                    s.extend(completion, room)
             segment += 1
         return [
             Completion(s.prompt_index, s.token_ids, s.logprobs, s.finish_reason, min(s.versions, default=s.first_version),
