@@ -225,6 +225,10 @@ def test_async_at_world_size_2_keeps_the_bound_and_max_staleness_0_is_sync_bitwi
                     sampled = batch["token_versions"][batch["loss_mask"].bool()]
                     assert ((step - 1 - sampled >= 0) & (step - 1 - sampled <= bound)).all(), (name, step)
         assert max(r["rollout/staleness_max"] for r in two_ranks[name][0]["rows"]) <= bound
+        # the ranks' producers keep different paces (rank 1 pauses after each generation), and still every
+        # rank's engine took the same syncs between the same batches
+        assert [b["versions"] for b in two_ranks[name][0]["batches"]] == [
+            b["versions"] for b in two_ranks[name][1]["batches"]]
     # rank r's trajectories took r + 1 turns: 2 sampled stretches on rank 1, 1 on rank 0
     turns = [float(rank["batches"][0]["loss_mask"].diff(dim=1).clamp(min=0).sum(dim=1).max()) for rank in
              two_ranks["multiturn"]]
