@@ -8,6 +8,7 @@ one from an in-memory store: no port, no launcher.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -123,6 +124,21 @@ def new_side_group() -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return dist.new_group(backend=dist.get_backend())
+
+
+_this_thread = threading.local()
+
+
+def thread_group() -> Any:
+    """The process group of the calling thread's messages to other ranks that take no group argument
+    (an engine group's, :mod:`rlite.engines.sglang.group`): the one :func:`use_thread_group` set on this
+    thread, else ``None`` (the default group)."""
+    return getattr(_this_thread, "group", None)
+
+
+def use_thread_group(group: Any) -> None:
+    """Send this thread's group-less messages on ``group`` (the asynchronous rollouts' producer thread)."""
+    _this_thread.group = group
 
 
 def all_gather_objects(obj, group: Any = None):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlite.config import RunConfig, load_config
+from rlite.hookspecs import hookimpl
 
 
 def tiny_config(model_dir: str | Path, run_dir: str | Path, *overrides: str, pm=None) -> RunConfig:
@@ -289,6 +290,98 @@ def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, 
         for e in FakeSGLangEngine.instances
     ]
     torch.save({"engines": engines}, Path(out_dir) / f"rank{rank}.pt")
+
+
+class RankTurns:
+    """A multi-turn environment whose trajectories end after ``rank + 1`` turns (``LOCAL_RANK``): the ranks
+    of a run take different numbers of turns, and so pass different numbers of points between turns."""
+
+    def __init__(self) -> None:
+        self.turns = 1 + int(os.environ.get("LOCAL_RANK", "0"))
+
+    def reset(self, sample):
+        return None
+
+    def step(self, action):
+        return "go on", 0.0, action.turn + 1 >= self.turns
+
+
+class RunRecorder:
+    """A learnable reward (``digits``: the fraction of digits), the ``rank_turns`` workflow, and a record of
+    every batch this rank drew and of the weights after every optimizer step. Rank r's producer pauses
+    0.2 r s after each generation, so the ranks do not keep the same pace."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, Any]] = []
+        self.weights: dict[str, torch.Tensor] = {}
+
+    @hookimpl
+    def register_reward_functions(self, register):
+        register("digits", lambda completion, sample, cfg: sum(c.isdigit() for c in completion) / max(len(completion), 1))
+
+    @hookimpl
+    def register_rollout_workflows(self, register):
+        register("rank_turns", lambda cfg, tokenizer: RankTurns())
+
+    @hookimpl
+    def after_rollout(self, step, batch):
+        time.sleep(0.2 * int(os.environ.get("LOCAL_RANK", "0")))  # the ranks' producers keep different paces
+
+    @hookimpl
+    def after_rewards(self, step, batch):
+        self.batches.append({
+            "step": step, "versions": list(batch.weight_versions), "response_ids": batch.response_ids.clone(),
+            "prompts": [row[mask.bool()].tolist() for row, mask in zip(batch.prompt_ids, batch.prompt_mask)],
+            "responses": [row[: int(n)].tolist() for row, n in zip(batch.response_ids, batch.response_lengths.tolist())],
+            "scores": batch.scores.clone(),
+            "token_versions": None if batch.token_weight_versions is None else batch.token_weight_versions.clone(),
+            "loss_mask": batch.response_mask.clone(),
+        })  # fmt: skip
+
+    @hookimpl
+    def after_optimizer_step(self, step, model):
+        self.weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                        for k, v in model.state_dict().items()}  # FSDP2 shards are DTensors: a collective
+
+
+def recorded_runs(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str,
+                  runs: list[tuple[str, list[str]]], fake_sglang: bool = False) -> None:  # fmt: skip
+    """Real runs one after the other at ``world_size`` (gloo; a world of one without a group of its own),
+    each ``(name, overrides of tiny_config)`` with :class:`RunRecorder`'s plugins: every rank writes
+    ``out_dir/<name>.rank<r>.pt`` with the batches it drew, the final weights and the metric rows.
+    ``fake_sglang``: ``import sglang`` imports the fake (:mod:`rlite.engines.sglang.fake`; spawned ranks only)."""
+    import sys
+
+    import torch.distributed as dist
+
+    from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
+
+    torch.set_num_threads(1)
+    if fake_sglang:
+        from rlite.engines.sglang.fake import fake_sglang_modules
+
+        sys.modules.update(fake_sglang_modules())
+    if world_size > 1:
+        os.environ["LOCAL_RANK"] = str(rank)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        for name, overrides in runs:
+            pm = build_plugin_manager(autoload=False)
+            recorder = RunRecorder()
+            pm.register(recorder, name="recorder")
+            run_dir = Path(out_dir) / name
+            run_training(tiny_config(model_dir, run_dir, *overrides, pm=pm), pm)
+            if world_size > 1:
+                dist.barrier()  # rank 0 has written the metrics
+            rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
+            torch.save({"batches": recorder.batches, "weights": recorder.weights, "rows": rows},
+                       Path(out_dir) / f"{name}.rank{rank}.pt")
+        if world_size > 1:
+            dist.barrier()  # no rank tears the group down while another still uses it
+    finally:
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def sharded_load(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str, lora: bool) -> None:

@@ -11,7 +11,7 @@ from rlite import hookimpl
 from rlite.config import ConfigError
 from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
-from rlite.testing import read_jsonl, tiny_config
+from rlite.testing import read_jsonl, recorded_runs, spawn_ranks, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 
 
@@ -93,6 +93,17 @@ def test_async_needs_an_engine_with_its_own_weights(tmp_path, model_dir):
         tiny_config(model_dir, tmp_path, "rollout.max_staleness=-1", pm=pm)
 
 
+def test_async_refuses_tensor_parallel_replicas(tmp_path, model_dir):
+    from rlite.distributed import DataLayout
+    from rlite.engines.base import IdleEngine
+    from rlite.run.build import build_rollouts
+
+    cfg = tiny_config(model_dir, tmp_path, "rollout.mode=async", pm=build_plugin_manager(autoload=False))
+    layout = DataLayout(rank=0, size=1, replica_rank=0, replica_size=2)  # two ranks share one batch
+    with pytest.raises(ConfigError, match="rollout.mode=async: .*replicas of 2 ranks"):
+        build_rollouts(cfg, IdleEngine(), None, None, None, layout, None, None)
+
+
 class ThreeTurns:
     def reset(self, sample):
         return None
@@ -133,3 +144,92 @@ def test_multiturn_async_records_each_tokens_version_within_the_bound(tmp_path, 
         assert (present.bool() & ~sampled).any()  # there are observations inside
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
     assert all(0.0 <= r["rollout/partial_fraction"] <= 1.0 and r["rollout/staleness_max"] <= 2 for r in rows)
+
+
+# -- N ranks: the producers of all ranks agree on one schedule of generations and weight syncs --------------
+# top_k=1 samples the same tokens whatever the seed (the seeds depend on the rank), so world size 2
+# draws the batches of world size 1; REINFORCE++ whitens over the global batch, so they still learn.
+# AdamW's eps=1 as in tests/invariants: a step about lr * grad, not lr * sign(grad) (which turns rounding
+# noise in near-zero gradients into full-size weight differences)
+RANKS_COMMON = ["rewards=[digits]", "training.lr=3e-3", "training.eps=1.0", "rollout.top_k=1",
+                "algorithm.advantage=reinforce_pp",
+                "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.engine.args.share_weights=false"]
+RANK_RUNS = [
+    ("one_step_off", [*RANKS_COMMON, "training.steps=3", "rollout.mode=one_step_off"]),
+    ("sync", [*RANKS_COMMON, "training.steps=3"]),
+    ("zero", [*RANKS_COMMON, "training.steps=3", "rollout.mode=async", "rollout.max_staleness=0"]),
+    ("async", [*RANKS_COMMON, "training.steps=5", "rollout.mode=async", "rollout.max_staleness=2",
+               "training.eval_every=2"]),
+    # rank r's trajectories take r + 1 turns: the ranks pass different numbers of points between turns
+    ("multiturn", [*RANKS_COMMON, "training.steps=4", "rollout.mode=async", "rollout.max_staleness=1",
+                   "rollout.workflow=rank_turns", "rollout.max_turns=3", "rollout.max_response_tokens=64"]),
+    # one (fake) SGLang engine on both ranks' GPUs: rank 1's prompts and weights go through rank 0
+    ("engine_group", [*RANKS_COMMON, "training.steps=3", "rollout.mode=async", "rollout.max_staleness=1",
+                      "rollout.engine={name: sglang, args: {tp_size: 2, dtype: bfloat16}}", "training.eval_every=1"]),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, model_dir):
+    """Every run of RANK_RUNS at world size 2, one after the other in the same two processes."""
+    out = tmp_path_factory.mktemp("ranks")
+    spawn_ranks(recorded_runs, (2, str(out / "init"), model_dir, str(out), RANK_RUNS, True), nprocs=2)
+    return {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
+            for name, _ in RANK_RUNS}  # fmt: skip
+
+
+def test_one_step_off_at_world_size_2_equals_world_size_1(tmp_path, model_dir, two_ranks):
+    recorded_runs(0, 1, "", model_dir, str(tmp_path), RANK_RUNS[:1])
+    single = torch.load(tmp_path / "one_step_off.rank0.pt", weights_only=False)
+    double = two_ranks["one_step_off"]
+    assert [b["step"] for b in single["batches"]] == [1, 2, 3]
+    for step, whole in enumerate(single["batches"], start=1):
+        halves = [rank["batches"][step - 1] for rank in double]
+        assert all(h["step"] == step for h in halves)
+        # the same prompts, tokens, rewards and weight version (exactly one behind from step 2 on)
+        assert all(v == max(0, step - 2) for h in halves for v in h["versions"]) and set(whole["versions"]) == {
+            max(0, step - 2)}
+        assert torch.equal(torch.cat([h["scores"] for h in halves]), whole["scores"])
+        for key in ("prompts", "responses"):  # unpadded: the ranks pad to their own widths
+            assert [row for h in halves for row in h[key]] == whole[key], (step, key)
+    rows1, rows2 = single["rows"], double[0]["rows"]
+    assert [r["step"] for r in rows1] == [r["step"] for r in rows2] == [1, 2, 3]
+    for a, b in zip(rows1, rows2):
+        assert a["reward/mean"] == b["reward/mean"]
+        for key in ("actor/pg_loss", "actor/grad_norm", "mismatch/kl", "rollout/staleness_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    assert max(r["actor/grad_norm"] for r in rows1) > 0  # it learned something
+    for name, tensor in single["weights"].items():  # the tolerance of tests/invariants (ws2 vs ws1)
+        for rank in double:
+            torch.testing.assert_close(rank["weights"][name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_async_at_world_size_2_keeps_the_bound_and_max_staleness_0_is_sync_bitwise(two_ranks):
+    for sync, zero in zip(two_ranks["sync"], two_ranks["zero"]):  # on each rank
+        assert [b["step"] for b in zero["batches"]] == [1, 2, 3]
+        for a, b in zip(sync["batches"], zero["batches"], strict=True):
+            assert a["versions"] == b["versions"] == [a["step"] - 1] * len(a["versions"])
+            assert torch.equal(a["response_ids"], b["response_ids"]) and torch.equal(a["scores"], b["scores"])
+        for name, tensor in sync["weights"].items():
+            assert torch.equal(tensor, zero["weights"][name]), name
+    assert [r["reward/mean"] for r in two_ranks["sync"][0]["rows"]] == [
+        r["reward/mean"] for r in two_ranks["zero"][0]["rows"]]
+    for name, bound in (("async", 2), ("multiturn", 1), ("engine_group", 1)):
+        for rank in two_ranks[name]:
+            steps = [b["step"] for b in rank["batches"]]
+            assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+            for batch in rank["batches"]:
+                step = batch["step"]
+                assert all(0 <= step - 1 - v <= bound for v in batch["versions"]), (name, step, batch["versions"])
+                if batch["token_versions"] is not None:  # every sampled token within the bound
+                    sampled = batch["token_versions"][batch["loss_mask"].bool()]
+                    assert ((step - 1 - sampled >= 0) & (step - 1 - sampled <= bound)).all(), (name, step)
+        assert max(r["rollout/staleness_max"] for r in two_ranks[name][0]["rows"]) <= bound
+        # the ranks' producers keep different paces (rank 1 pauses after each generation), and still every
+        # rank's engine took the same syncs between the same batches
+        assert [b["versions"] for b in two_ranks[name][0]["batches"]] == [
+            b["versions"] for b in two_ranks[name][1]["batches"]]
+    # rank r's trajectories took r + 1 turns: 2 sampled stretches on rank 1, 1 on rank 0
+    turns = [float(rank["batches"][0]["loss_mask"].diff(dim=1).clamp(min=0).sum(dim=1).max()) for rank in
+             two_ranks["multiturn"]]
+    assert turns[1] > turns[0]

@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from rlite.distributed import all_reduce_max
+from rlite.distributed import all_reduce_max, use_thread_group
 from rlite.metrics import StepTimer
 from rlite.rollout import RolloutBatch
 from rlite.stages.collect import Rollouts
@@ -175,6 +175,7 @@ class AsyncRollouts(Rollouts):
                 return
 
     def _produce(self, first_step: int) -> None:
+        use_thread_group(self.group)  # an engine group's messages from this thread: on the producer's group
         try:
             for step in range(first_step, self.last_step + 1):
                 self.producing = step

@@ -1,8 +1,10 @@
 """The trainer ranks whose GPUs one SGLang engine runs on: its leader drives the engine, the other
 ranks (members) hand it their prompts and their weight payloads.
 
-Messages are point-to-point objects on the default process group (``send_object_list`` /
-``recv_object_list``), so no rank outside the group takes part and no process group is created.
+Messages are point-to-point objects (``send_object_list`` / ``recv_object_list``) on the default process
+group, so no rank outside the group takes part and no process group is created; on the thread that set
+one (:func:`rlite.distributed.use_thread_group`: the asynchronous rollouts' producer), on that group, so
+that its generations never interleave with the trainer thread's messages and collectives.
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ class EngineGroup:
         """Every rank's ``obj`` on the leader, in rank order (None on the members)."""
         import torch.distributed as dist
 
+        from rlite.distributed import thread_group
+
         if not self.is_leader:
-            dist.send_object_list([obj], dst=self.leader)
+            dist.send_object_list([obj], dst=self.leader, group=thread_group())
             return None
         out = [obj]
         for rank in self.ranks[1:]:
             box = [None]
-            dist.recv_object_list(box, src=rank)
+            dist.recv_object_list(box, src=rank, group=thread_group())
             out.append(box[0])
         return out
 
@@ -55,12 +59,14 @@ class EngineGroup:
         """``objs[i]`` of the leader on the group's i-th rank."""
         import torch.distributed as dist
 
+        from rlite.distributed import thread_group
+
         if self.is_leader:
             for rank, obj in zip(self.ranks[1:], list(objs)[1:]):
-                dist.send_object_list([obj], dst=rank)
+                dist.send_object_list([obj], dst=rank, group=thread_group())
             return objs[0]
         box = [None]
-        dist.recv_object_list(box, src=self.leader)
+        dist.recv_object_list(box, src=self.leader, group=thread_group())
         return box[0]
 
     def share(self, obj: Any) -> Any:
