@@ -163,6 +163,10 @@ RANK_RUNS = [
     # rank r's trajectories take r + 1 turns: the ranks pass different numbers of points between turns
     ("multiturn", [*RANKS_COMMON, "training.steps=4", "rollout.mode=async", "rollout.max_staleness=1",
                    "rollout.workflow=rank_turns", "rollout.max_turns=3", "rollout.max_response_tokens=64"]),
+    # and each turn sampled in segments of 2 tokens: the ranks' calls take different numbers of segments
+    ("multiturn_segments", [*RANKS_COMMON, "training.steps=3", "rollout.mode=async", "rollout.max_staleness=1",
+                            "rollout.workflow=rank_turns", "rollout.max_turns=3", "rollout.max_response_tokens=64",
+                            "rollout.partial_segment_tokens=2", "rollout.timeout_s=120"]),
     # one (fake) SGLang engine on both ranks' GPUs: rank 1's prompts and weights go through rank 0
     ("engine_group", [*RANKS_COMMON, "training.steps=3", "rollout.mode=async", "rollout.max_staleness=1",
                       "rollout.engine={name: sglang, args: {tp_size: 2, dtype: bfloat16}}", "training.eval_every=1"]),
@@ -214,7 +218,7 @@ def test_async_at_world_size_2_keeps_the_bound_and_max_staleness_0_is_sync_bitwi
             assert torch.equal(tensor, zero["weights"][name]), name
     assert [r["reward/mean"] for r in two_ranks["sync"][0]["rows"]] == [
         r["reward/mean"] for r in two_ranks["zero"][0]["rows"]]
-    for name, bound in (("async", 2), ("multiturn", 1), ("engine_group", 1)):
+    for name, bound in (("async", 2), ("multiturn", 1), ("multiturn_segments", 1), ("engine_group", 1)):
         for rank in two_ranks[name]:
             steps = [b["step"] for b in rank["batches"]]
             assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3

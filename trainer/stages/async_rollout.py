@@ -108,15 +108,15 @@ class AsyncRollouts(Rollouts):
         self.producing = 0
         """The step whose batch the producer is drawing."""
         self.turn_points = 0
-        """Agreement points between turns in the generation under way (multi-turn ``async``)."""
+        """Agreement points passed in the generation under way (between turns and between segments)."""
         if mode == "async" and self.max_staleness > 0:
             self.between_turns = self._let_sync_in
             if partial_segment_tokens:  # and between the segments of one generation (rlite.stages.partial)
                 self.partial = SegmentedGeneration(self.engine, partial_segment_tokens, self._let_sync_in)
 
     def _let_sync_in(self) -> None:
-        """Between two turns of the producer's multi-turn rollout: a waiting weight sync goes first
-        (an agreement point; the engine is the trainer's meanwhile)."""
+        """Between two turns of the producer's multi-turn rollout, or two segments of one engine call: a
+        waiting weight sync goes first (an agreement point; the engine is the trainer's meanwhile)."""
         self.turn_points += 1
         self.engine_lock.release()
         try:
@@ -124,13 +124,23 @@ class AsyncRollouts(Rollouts):
         finally:
             self.engine_lock.acquire()
 
-    def _generate_turns(self, prompts: list, params, step: int, extra_round: tuple) -> RolloutBatch:
+    def points_per_generation(self) -> int:
+        """The agreement points every rank passes in one generation, however many turns and segments its
+        own sequences took, so that the producers' collectives pair up: one between two turns
+        (``max_turns - 1``) and one between two segments of an engine call (at most
+        ``ceil(max_new_tokens / partial_segment_tokens) - 1`` per call, one call per turn)."""
+        if self.between_turns is None:
+            return 0
+        segments = 0 if self.partial is None else -(-self.rollout.max_new_tokens // self.partial.segment_tokens) - 1
+        if self.turns is None:
+            return segments
+        return self.turns.max_turns - 1 + self.turns.max_turns * segments
+
+    def _generate(self, prompts: list, step: int, round_index: int) -> RolloutBatch:
         self.turn_points = 0
-        batch = super()._generate_turns(prompts, params, step, extra_round)
-        if self.between_turns is not None and self.group is not None:
-            # every rank passes max_turns - 1 agreement points per generation, however many turns its
-            # own trajectories took: the producers' collectives pair up
-            while self.turn_points < self.turns.max_turns - 1:
+        batch = super()._generate(prompts, step, round_index)
+        if self.group is not None:  # N ranks: every rank passes the same number of agreement points
+            while self.turn_points < self.points_per_generation():
                 self._let_sync_in()
         return batch
 
