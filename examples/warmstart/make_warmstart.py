@@ -4,6 +4,15 @@ re-running it rewrites the same weights.
 
     python examples/warmstart/make_warmstart.py [--out examples/warmstart/addition-qwen2-1m] [--steps 240]
     python examples/warmstart/make_warmstart.py --moe   # examples/warmstart/addition-qwen3moe (MoE recipe)
+    python examples/warmstart/make_warmstart.py --multiturn   # examples/warmstart/multiturn-qwen2-1m
+
+``--multiturn`` trains the same Qwen2 on chat conversations instead of single prompts, for the
+multi-turn recipes (configs/multiturn_*.yaml): the quickstart model answers a prompt only when it is
+the whole conversation (with any earlier turn in front its held-out accuracy drops from 0.33 to 0.00;
+docs/multiturn.md). A conversation is one to three additions in a row, each a user message answered by
+the assistant (the ``arithmetic_chain`` game), or, one time in three, a calculator call: the assistant
+repeats the problem, a ``tool`` message answers it, the assistant copies the answer (the ``calculator``
+environment's protocol). The loss is on the assistant's messages only. The model is shipped.
 
 ``--moe`` makes a Qwen3-MoE instead (4 experts, top-2, every layer sparse) for
 ``configs/moe_megatron_cpu.yaml``; it is not shipped, run the command once to make it.
@@ -86,6 +95,49 @@ def encode(tokenizer, rows):
     return examples
 
 
+def encode_conversations(tokenizer, rows, seed: int = 0):
+    """Chat conversations built on the training rows (``--multiturn``): ids and the loss mask (1 on the
+    assistant's messages and their end token), one conversation per row (the row's problem first)."""
+    import random
+
+    rng = random.Random(seed)
+
+    def piece(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    examples = []
+    for row in rows:
+        if rng.random() < 1 / 3:  # a calculator call: the problem, the tool's answer, the answer copied
+            turns = [("user", row["prompt"]), ("assistant", row["prompt"]), ("tool", row["answer"]),
+                     ("assistant", row["answer"])]  # fmt: skip
+        else:  # one to three problems in a row
+            turns = []
+            for other in [row] + [rows[rng.randrange(len(rows))] for _ in range(rng.randrange(3))]:
+                turns += [("user", other["prompt"]), ("assistant", other["answer"])]
+        ids, mask = [], []
+        for role, content in turns:
+            head = piece(f"<|im_start|>{role}\n")
+            body = piece(content) + [tokenizer.eos_token_id]  # eos is <|im_end|>, the turn's end
+            tail = piece("\n")
+            trained = int(role == "assistant")
+            ids += head + body + tail
+            mask += [0] * len(head) + [trained] * len(body) + [0] * len(tail)
+        examples.append((ids, mask))
+    return examples
+
+
+def collate_conversations(examples, pad_id):
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id)
+    labels = torch.full((len(examples), width), -100)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (seq, trained) in enumerate(examples):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, : len(seq)] = torch.where(torch.tensor(trained, dtype=torch.bool), torch.tensor(seq), -100)
+        mask[i, : len(seq)] = 1
+    return ids, labels, mask
+
+
 def collate(examples, pad_id):
     width = max(len(p) + len(a) for p, a in examples)
     ids = torch.full((len(examples), width), pad_id)
@@ -113,10 +165,31 @@ def greedy_accuracy(model, tokenizer, rows) -> float:
     return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
 
 
+@torch.no_grad()
+def chain_accuracy(model, tokenizer, rows, steps: int = 3) -> list[float]:
+    """Greedy accuracy of each turn of the ``arithmetic_chain`` game on the held-out prompts."""
+    from rlite.engines.base import SamplingParams
+    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.workflows import ArithmeticChain, ArithmeticChainConfig
+    from rlite.workflows import TurnRunner, turn_format
+
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
+    runner = TurnRunner(lambda: ArithmeticChain(ArithmeticChainConfig(steps=steps)), tokenizer,
+                        turn_format(tokenizer, "user", True, [tokenizer.eos_token_id]), max_turns=steps,
+                        max_response_tokens=64)  # fmt: skip
+    prompts = [p for p, _ in encode(tokenizer, rows)]
+    trajectories = runner.run(engine, prompts, rows, SamplingParams(n=1, max_new_tokens=6, greedy=True, seed=0),
+                              lambda turn: turn)  # fmt: skip
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return [round(sum(t.metrics[f"turn_{i}_correct"] for t in trajectories) / len(rows), 3) for i in range(steps)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of the dense Qwen2")
+    parser.add_argument("--multiturn", action="store_true", help="train on chat conversations (multi-turn recipes)")
     parser.add_argument("--steps", type=int, default=None, help="600 (dense) or 250 (MoE): partly competent")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -128,23 +201,28 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer = build_byte_tokenizer()
     train_rows, eval_rows = make_task("addition", num_train=2000, num_eval=256, seed=0, digits=2)
-    examples = encode(tokenizer, train_rows)
+    examples = encode_conversations(tokenizer, train_rows) if args.multiturn else encode(tokenizer, train_rows)
+    batch_of = collate_conversations if args.multiturn else collate
     model = build_moe_model(tokenizer) if args.moe else build_model(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
     model.train()
     for step in range(1, args.steps + 1):
         index = torch.randint(len(examples), (args.batch,), generator=generator).tolist()
-        ids, labels, mask = collate([examples[i] for i in index], tokenizer.pad_token_id)
+        ids, labels, mask = batch_of([examples[i] for i in index], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         if args.eval_every and step % args.eval_every == 0:
-            print(f"step {step} loss {loss.item():.3f} held-out greedy acc {greedy_accuracy(model, tokenizer, eval_rows):.3f}")
+            chain = f", per chain turn {chain_accuracy(model, tokenizer, eval_rows)}" if args.multiturn else ""
+            print(f"step {step} loss {loss.item():.3f} held-out greedy acc {greedy_accuracy(model, tokenizer, eval_rows):.3f}{chain}")
     model.eval()
     print(f"final held-out greedy accuracy: {greedy_accuracy(model, tokenizer, eval_rows):.3f}")
-    out = Path(args.out or HERE / ("addition-qwen3moe" if args.moe else "addition-qwen2-1m"))
+    if args.multiturn:
+        print(f"held-out greedy accuracy per turn of a three-problem chain: {chain_accuracy(model, tokenizer, eval_rows)}")
+    name = "addition-qwen3moe" if args.moe else "multiturn-qwen2-1m" if args.multiturn else "addition-qwen2-1m"
+    out = Path(args.out or HERE / name)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     print(f"saved {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters to {out}")
