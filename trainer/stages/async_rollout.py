@@ -23,8 +23,9 @@ and each lets exactly those in, in order, and waits until they are done. So ever
 the same weight syncs between the same generations, whatever each rank's timing: no rank waits in a
 collective (the sync's, the producer's) that another rank never reaches. The producer's collectives
 (this agreement, reward and dynamic-sampling reductions) run on a process group of their own
-(:func:`rlite.distributed.new_side_group`), never interleaved with the trainer's on the default group. In ``async`` mode a multi-turn rollout lets a pending weight sync in
-between two turns (a partial rollout): its later turns sample with the new weights, and every token's
+(:func:`rlite.distributed.new_side_group`), never interleaved with the trainer's on the default group.
+
+In ``async`` mode a multi-turn rollout lets a pending weight sync in between two turns (a partial rollout): its later turns sample with the new weights, and every token's
 version is recorded (``RolloutBatch.token_weight_versions``); a sample's version is its oldest token's,
 so the bound holds for every token. With ``rollout.partial_segment_tokens`` a sync also gets in
 between two segments of one generation (:mod:`rlite.stages.partial`), for single-turn rollouts too.
