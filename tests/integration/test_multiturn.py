@@ -100,8 +100,8 @@ def test_multiturn_recipe_runs_as_shipped(tmp_path, recipe):
     os.chdir(CONFIGS.parent)  # model.path in the config is relative to the repository root
     try:
         cfg = load_config(CONFIGS / f"{recipe}.yaml", [
-            "training.steps=1", "training.eval_every=0", "rollout.prompts_per_step=2", f"logging.run_dir={tmp_path}",
-            *QUIET,
+            "training.steps=1", "training.eval_every=1", "training.eval_max_prompts=8", "rollout.prompts_per_step=2",
+            f"logging.run_dir={tmp_path}", *QUIET,
         ], pm=build_plugin_manager(autoload=False))  # fmt: skip
         run_training(cfg)
     finally:
@@ -109,6 +109,11 @@ def test_multiturn_recipe_runs_as_shipped(tmp_path, recipe):
     (row,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
     assert 1.0 <= row["rollout/turns"] <= 3.0
     assert row["reward/mean"] == pytest.approx(row["rollout/env_reward"])
+    # held-out prompts are played through the environment: its metrics, and accuracy is its "correct"
+    for mode in ("greedy", "sampled"):
+        assert row[f"eval/{mode}_accuracy"] == pytest.approx(row[f"eval/{mode}_env/correct"])
+        assert {"multiturn_arithmetic": "turn_2_correct", "multiturn_calculator": "used_tool"}[recipe] in {
+            k.split("/")[-1] for k in row if k.startswith(f"eval/{mode}_env/")}
 
 
 def test_arithmetic_chain_reward_rises_through_its_recipe(tmp_path, monkeypatch):
