@@ -92,7 +92,9 @@ def model_family(model) -> ModelFamily:
             with contextlib.redirect_stderr(io.StringIO()):
                 data = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs).to_dict()
             source = "GGUF metadata" if model.gguf_file else "the local Hugging Face cache"
-        except (OSError, ValueError, ImportError, KeyError):
+        except Exception as exc:  # not here, or not readable: the family is unknown, and the note says why
+            if model.gguf_file and (Path(path) / model.gguf_file).is_file():
+                return ModelFamily("unknown", False, False, f"{model.gguf_file} unreadable: {type(exc).__name__}")
             data = None
     if data is None:
         guessed = bool(path) and "moe" in str(path).lower()

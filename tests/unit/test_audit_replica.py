@@ -73,3 +73,9 @@ def test_the_gpu_recipes_are_adjusted_to_what_runs_here(tmp_path, monkeypatch):
     assert notes[2] == "expert_parallel 8 -> 1"
     quickstart = load_config(CONFIGS / "quickstart.yaml", [], pm=False)
     assert replica_adjustments(quickstart, tmp_path) == ([], [])  # files present, engine runs, nothing split
+
+
+def test_an_unreadable_gguf_file_gives_an_unknown_family_with_the_reason(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # the magic bytes and nothing else
+    found = model_family(ModelConfig(path=str(tmp_path), gguf_file="model.gguf"))
+    assert found.family == "unknown" and found.source.startswith("model.gguf unreadable: ")
