@@ -30,10 +30,19 @@ class DistContext:
         return self.rank == 0
 
 
+def process_group_backend(use_cuda: bool) -> str:
+    """The default group's backend: NCCL for CUDA tensors and gloo for host tensors on a GPU machine.
+
+    rlite's small control collectives (metric sums, a preemption flag, reward failures, the async
+    producers' agreement) reduce CPU tensors, which an NCCL-only group cannot carry ("no backend type
+    associated with device type cpu"); each tensor goes to the backend of its device."""
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+
+
 def init_distributed(timeout_s: float = 1800.0) -> DistContext:
     """Initialise (or reuse) the default process group and pick this rank's device."""
     use_cuda = torch.cuda.is_available()
-    backend = "nccl" if use_cuda else "gloo"
+    backend = process_group_backend(use_cuda)
     owns = False
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -123,7 +132,7 @@ def new_side_group() -> Any:
     its own); ``None`` in a world of one. A collective: every rank calls it, in the same order."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend=dist.get_backend())
+    return dist.new_group(backend=dist.get_backend_config())  # e.g. "cpu:gloo,cuda:nccl", as the default group
 
 
 _this_thread = threading.local()
