@@ -132,7 +132,9 @@ def new_side_group() -> Any:
     its own); ``None`` in a world of one. A collective: every rank calls it, in the same order."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend=dist.get_backend_config())  # e.g. "cpu:gloo,cuda:nccl", as the default group
+    if torch.cuda.is_available():  # "cpu:gloo,cuda:nccl", as the default group (process_group_backend)
+        return dist.new_group(backend=dist.get_backend_config())
+    return dist.new_group(backend=dist.get_backend())
 
 
 _this_thread = threading.local()
