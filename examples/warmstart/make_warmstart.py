@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0)
     args = parser.parse_args()
 
-    args.steps = args.steps or (250 if args.moe else 600)
+    args.steps = args.steps or (400 if args.moe else 600)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer = build_byte_tokenizer()

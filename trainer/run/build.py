@@ -330,6 +330,10 @@ def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, res
     return record
 
 
+EXPERIMENTAL_ASYNC_RANKS = "RLITE_EXPERIMENTAL_ASYNC_RANKS"
+"""Set to 1 to run asynchronous rollouts over more than one rank (refused by default: see docs/multiturn.md)."""
+
+
 def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: DataLayout, hooks,
                    timer: StepTimer) -> Rollouts:
     """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``)."""
@@ -337,6 +341,12 @@ def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: 
     mode = cfg.rollout.mode
     if mode == "sync":
         return Rollouts(*args)
+    if layout.size > 1 and os.environ.get(EXPERIMENTAL_ASYNC_RANKS) != "1":
+        raise ConfigError(
+            f"rollout.mode={mode} with {layout.size} ranks: asynchronous rollouts over several ranks are experimental: "
+            "in the test suite one rank died with SIGSEGV under load (2026-11-26, not yet understood). Use "
+            f"rollout.mode=sync or one process, or set {EXPERIMENTAL_ASYNC_RANKS}=1 to run them anyway"
+        )
     if layout.replica_size > 1:
         raise ConfigError(
             f"rollout.mode={mode}: asynchronous rollouts need every rank to sample its own batch, and this backend "
