@@ -214,7 +214,10 @@ def gpt_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     inputs = model_inputs(batch, exact_layout=spec.exact_layout)
-    ids, attention = same_shape_across_expert_ranks(inputs.input_ids, inputs.attention_mask)
+    # the batch lives on the CPU (rollouts, loss); the model may be on a GPU: inputs go to the model's
+    # device, log-probs come back to the batch's
+    device = next(model.parameters()).device
+    ids, attention = same_shape_across_expert_ranks(inputs.input_ids.to(device), inputs.attention_mask.to(device))
     seq = ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).triu(1)
     padding = (attention == 0)[:, None, None, :]
@@ -230,14 +233,16 @@ def gpt_logprobs(
         )
     with routing_context(model, spec.routing, routing):
         logits = model(ids, position_ids, mask)[:rows, :cols]
-    ids = inputs.input_ids
+    ids = inputs.input_ids.to(device)
     start, width = inputs.response_start, inputs.response_mask.shape[1]
     logits = logits[:, start - 1 : start - 1 + width].float() / spec.temperature
     targets = ids[:, start : start + width]
     logprobs, entropy = vocab_parallel_logprobs(
         logits, targets, vocab_size, with_entropy=with_entropy, entropy_grad=spec.entropy_grad
     )
-    m = inputs.response_mask.to(logprobs.dtype)
+    home = batch.response_mask.device
+    logprobs, entropy = logprobs.to(home), None if entropy is None else entropy.to(home)
+    m = inputs.response_mask.to(device=home, dtype=logprobs.dtype)
     full = batch.response_ids.shape[1]
     logprobs = pad_to_width(logprobs * m, full)
     return logprobs, None if entropy is None else pad_to_width(entropy * m, full)

@@ -22,6 +22,8 @@ CHECKS = {
     "test_process_engine_cuda_ipc": "2. Spawned engine fed over CUDA-IPC buckets",
     "test_true_on_policy_cuda": "3. True on-policy mode on CUDA",
     "test_liger_cuda": "4. liger-kernel fused log-probs",
+    "test_process_group": "5. Default process group: host tensors over gloo, CUDA tensors over NCCL",
+    "test_megatron_cuda": "6. megatron backend on CUDA (no Transformer Engine)",
     "test_sglang_gpu": "SGLang engine (needs sglang installed)",
 }
 

@@ -5,7 +5,7 @@
 #
 # The report goes to REPORT.md, else to $OUT/gpu_report.md when OUT is set, else to stdout only.
 # Without a CUDA GPU (or without torch) it writes a report saying so and exits 0.
-# Wheels in .whl/*.whl (packages the GPU machine lacks: omegaconf, antlr4-python3-runtime,
+# Wheels in .whl/*.whl (made by tests/gpu/fetch_wheels.sh: omegaconf, antlr4-python3-runtime,
 # liger-kernel, ...) are installed into a temporary folder first, without network or dependencies.
 # The checks run this checkout's rlite (a copy of trainer/ + plugins/ laid out as the package is
 # installed), whatever rlite the Python may have installed. PYTHON picks the interpreter.
