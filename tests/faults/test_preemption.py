@@ -37,12 +37,19 @@ def _args(model_dir, run_dir, steps):
     ]  # fmt: skip
 
 
+def _complete_rows(path):
+    """The rows of a jsonl file another process is appending to: only lines already ended by their
+    newline (the last one may be half-written at the moment it is read)."""
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
 def _wait_for_step(metrics, step, proc, timeout_s=240):
     deadline = time.monotonic() + timeout_s
     while True:
         assert proc.poll() is None, "the run ended before the signal"
         assert time.monotonic() < deadline, f"step {step} never logged"
-        if metrics.is_file() and any(json.loads(x)["step"] >= step for x in metrics.read_text().splitlines() if x):
+        if metrics.is_file() and any(row.get("step", -1) >= step for row in _complete_rows(metrics)):
             return
         time.sleep(0.05)
 
@@ -102,11 +109,15 @@ def test_sigterm_while_the_run_starts_stops_cleanly_before_the_first_step(tmp_pa
     """`rlite train` installs its handlers before it reads the config: a SIGTERM during start-up (here
     while a reward file is imported, which the config check does) is not a kill (-15) but a clean stop
     with status 75 and nothing to save; the same command then runs the whole job."""
-    marker, steps = tmp_path / "importing", 2
+    marker, go, steps = tmp_path / "importing", tmp_path / "go", 2
+    # the import holds until the test has sent its signal (not a fixed sleep: on a loaded machine the
+    # signal could land after the import and so after the start-up it is meant to interrupt)
     (tmp_path / "slow_reward.py").write_text(
         "import pathlib, time\n"
         f"pathlib.Path({str(marker)!r}).touch()\n"
-        "time.sleep(2)\n"
+        "deadline = time.monotonic() + 120\n"
+        f"while not pathlib.Path({str(go)!r}).exists() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.02)\n"
         "def digits(completion, sample):\n"
         "    return float(sum(c.isdigit() for c in completion))\n"
     )
@@ -121,6 +132,7 @@ def test_sigterm_while_the_run_starts_stops_cleanly_before_the_first_step(tmp_pa
         assert proc.poll() is None and time.monotonic() < deadline, "the reward file was never imported"
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
+    go.touch()
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert "Traceback" not in stderr

@@ -43,8 +43,14 @@ def wandb_records(run_file):
 
 
 def wandb_run(run_dir):
-    """(run id, {step: {key: value}}) of the newest offline W&B run under ``run_dir``."""
-    (run_file,) = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))[-1:]
+    """(run id, {step: {key: value}}) of the latest offline W&B run under ``run_dir``.
+
+    The latest is the folder W&B's own ``wandb/latest-run`` link names. Not the last folder name in
+    sorted order: the names carry whole-second timestamps, so two runs started within one second sort
+    by their random ids (a fresh run could sort before the one it followed), and a run resumed within
+    the same second gets its id's folder name with a ``-1`` suffix, which sorts before the original."""
+    latest = (run_dir / "wandb" / "latest-run").resolve()
+    (run_file,) = latest.glob("run-*.wandb")
     run_id, history = None, {}
     for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# rlite's test command: the one README.md gives and the one CI runs (.ci/run calls exactly this).
+#
+#   bash tests/run.sh [pytest arguments...]
+#
+# Installs what the tests need into the active virtual environment (or a fresh .venv when none is
+# active): CPU torch, rlite editable with every extra the tests exercise (megatron-core included),
+# then checks rlite's weight payloads against SGLang 0.5.23's own deserializer (in a small separate
+# venv, tests/sglang_compat/run.sh), then runs the whole suite.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+    [ -x .venv/bin/python ] || python3 -m venv .venv
+    . .venv/bin/activate
+fi
+pip install -q torch==2.13.0
+pip install -q -e ".[test,math,tensorboard,megatron,wandb]"
+RLITE_SGLANG_VENV="$PWD/.venv-sglang-compat" bash tests/sglang_compat/run.sh
+python -m pytest -q "$@"
