@@ -26,7 +26,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo", "remax", "opo", "gpg", "gdpo",
-           "sapo", "gmpo", "reinforce_tis"]
+           "sapo", "gmpo", "reinforce_tis", "vespo"]
 
 
 def recipe_config(recipe: str) -> dict:

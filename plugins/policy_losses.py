@@ -1,4 +1,4 @@
-"""Built-in policy losses: ppo_clip, gspo, cispo, sapo, gmpo, gpg, reinforce_tis.
+"""Built-in policy losses: ppo_clip, gspo, cispo, sapo, gmpo, gpg, reinforce_tis, vespo.
 
 Each loss maps ``(logprobs, old_logprobs, advantages, response_mask, cfg)`` ([B, T]; only ``logprobs``
 carries a gradient, the others are detached here) to ``(per_token_loss, token_metrics)``. The
@@ -79,10 +79,25 @@ reinforce_tis (REINFORCE with truncated importance weights; verl's bypass-mode `
     (verl defaults to seq-mean-token-sum aggregation there). Metrics: ``ppo_kl`` (= old - lp, verl's
     KL(pi_old || pi_theta) k1), ``is_weight_mean`` (mean applied weight), ``is_truncated_frac``
     (fraction of tokens whose weight was truncated).
+
+vespo (Variational sEquence-level Soft Policy Optimization, arXiv 2602.10693; TRL's loss_type "vespo")::
+
+    log w_i = clamp( sum_t m clamp(sg(lp) - old, -20, 20),  log 1e-8, 20 )      (sequence IS weight, a sum)
+    (k, lam) = (k_pos, lambda_pos) where A >= 0, else (k_neg, lambda_neg)
+    phi = exp(lam + k log w_i - lam w_i) = w_i^k e^{lam (1 - w_i)}          (phi(1) = 1; non-finite -> 0)
+    l = -sg(phi) A lp
+
+    A smooth, asymmetric Gamma-shaped weight on the *whole sequence's* ratio (no 1/|o_i|, no clip): it
+    peaks at w = k / lam and vanishes as w -> 0 and w -> infinity. Exactly TRL's ``get_gamma_weights``
+    (same clamps, defaults 2, 3, 3, 2); TRL aggregates it as "dapo" (token-mean, the recipe's choice).
+    TRL folds its vLLM token IS ratio pi_old/pi_sampler into log w; here the same w = pi_theta/pi_rollout
+    comes from ``algorithm.old_logprob_mode: bypass`` (configs/vespo.yaml). Metrics: ``ppo_kl``,
+    ``vespo_phi_mean`` (mean applied weight; TRL's ``vespo/phi_seq_mean`` averages over sequences).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -210,6 +225,25 @@ class ReinforceTISConfig:
             raise ConfigError(f"is_level: invalid value {self.is_level!r}. Valid choices: {', '.join(IS_LEVELS)}.")
         _check(self.is_threshold is None or self.is_threshold > 0,
                f"is_threshold must be positive or null, got {self.is_threshold}")
+
+
+@dataclass
+class VESPOConfig:
+    """Options of ``vespo`` (defaults: TRL's, the paper's c1 and c2 of section 3.4)."""
+
+    k_pos: float = 2.0
+    """Power k of the weight w^k e^{lambda (1 - w)} for A >= 0: how fast sequences with w < 1 are down-weighted."""
+    lambda_pos: float = 3.0
+    """Decay lambda for A >= 0: how fast sequences with w > 1 are down-weighted."""
+    k_neg: float = 3.0
+    """Power k for A < 0."""
+    lambda_neg: float = 2.0
+    """Decay lambda for A < 0."""
+
+    def __post_init__(self) -> None:
+        _check(self.k_pos >= 0 and self.k_neg >= 0, f"k_pos and k_neg must be >= 0, got {self.k_pos}, {self.k_neg}")
+        _check(self.lambda_pos > 0 and self.lambda_neg > 0,
+               f"lambda_pos and lambda_neg must be > 0, got {self.lambda_pos}, {self.lambda_neg}")
 
 
 def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, clamp: float | None) -> torch.Tensor:
@@ -373,6 +407,30 @@ def reinforce_tis_loss(
     })
 
 
+VESPO_MIN_LOG_WEIGHT = math.log(1e-8)
+"""Lower clamp of the sequence log-weight (TRL's, from VESPO's reference code)."""
+
+
+def vespo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: VESPOConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """VESPO: REINFORCE weighted by the detached Gamma kernel of the sequence IS weight ``-sg(phi(w_i)) A lp``."""
+    m = response_mask.to(logprobs.dtype)
+    advantages = advantages.detach()
+    token_log_ratio = (logprobs.detach() - old_logprobs.detach()).clamp(-20.0, 20.0)
+    log_weight = (token_log_ratio * m).sum(-1, keepdim=True).clamp(VESPO_MIN_LOG_WEIGHT, 20.0)
+    nonnegative = advantages >= 0
+    k = torch.where(nonnegative, torch.full_like(log_weight, cfg.k_pos), cfg.k_neg)  # [B, T]: the sign is A's
+    decay = torch.where(nonnegative, torch.full_like(log_weight, cfg.lambda_pos), cfg.lambda_neg)
+    phi = torch.exp(decay + k * log_weight - decay * log_weight.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    loss = -phi * advantages * logprobs
+    return _finish(loss, response_mask, {"ppo_kl": old_logprobs - logprobs, "vespo_phi_mean": phi})
+
+
 @hookimpl
 def register_policy_losses(register: Register) -> None:
     register("ppo_clip", ppo_clip_loss, PPOClipConfig)
@@ -382,3 +440,4 @@ def register_policy_losses(register: Register) -> None:
     register("gmpo", gmpo_loss, GMPOConfig)
     register("gpg", gpg_loss, GPGConfig)
     register("reinforce_tis", reinforce_tis_loss, ReinforceTISConfig)
+    register("vespo", vespo_loss, VESPOConfig)

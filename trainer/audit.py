@@ -570,13 +570,21 @@ def reference_loss(name: str, cfg: Any, x: float, adv: float, lp: float, seq_log
     return None
 
 
-def sequence_reference(name: str, cfg: Any, log_ratio, advantages, mask) -> torch.Tensor:
-    """Per-token loss of the sequence-ratio losses (gspo's value, gmpo's l_i on every token)."""
+def sequence_reference(name: str, cfg: Any, log_ratio, advantages, mask, logprobs) -> torch.Tensor:
+    """Per-token loss of the sequence-ratio losses (gspo's value, gmpo's l_i on every token, vespo's
+    -phi(w_i) A lp with w_i the sequence's clamped ratio)."""
     out = torch.zeros_like(log_ratio)
     for i in range(log_ratio.shape[0]):
         tokens = [t for t in range(log_ratio.shape[1]) if mask[i, t]]
         n = max(len(tokens), 1)
-        if name == "gspo":
+        if name == "vespo":
+            log_w = sum(min(max(float(log_ratio[i, t]), -20.0), 20.0) for t in tokens)
+            w = math.exp(min(max(log_w, math.log(1e-8)), 20.0))
+            for t in tokens:
+                a = float(advantages[i, t])
+                k, lam = (cfg.k_pos, cfg.lambda_pos) if a >= 0 else (cfg.k_neg, cfg.lambda_neg)
+                out[i, t] = -(w**k) * math.exp(lam * (1.0 - w)) * a * float(logprobs[i, t])
+        elif name == "gspo":
             log_s = sum(float(log_ratio[i, t]) for t in tokens) / n
             s = math.exp(log_s if cfg.log_ratio_max is None else min(log_s, cfg.log_ratio_max))
             for t in tokens:
@@ -609,6 +617,7 @@ def random_batch(seed: int = 0):
     old = -torch.rand(12, 6, generator=g, dtype=torch.float64) * 4
     log_ratio = torch.randn(12, 6, generator=g, dtype=torch.float64) * 0.3
     log_ratio[0, 0], log_ratio[1, 1] = 30.0, -30.0  # extreme ratios
+    log_ratio[0, 1] = -29.5  # with the 30 before it, a sequence sum only a per-token +-20 clamp gets right (vespo)
     return torch.tensor(groups), scores, mask, old, log_ratio, torch.rand(12, generator=g, dtype=torch.float64)
 
 
@@ -665,8 +674,8 @@ def check_formulas(cfg: RunConfig, pm) -> list[Check]:
                                    float(logprobs[i, t]), float(seq[i]))
             missing = missing or value is None
             expected[i, t] = (value or 0.0) * mask[i, t]
-    if missing and name in ("gspo", "gmpo"):
-        expected, missing = sequence_reference(name, loss_cfg, log_ratio, advantages, mask), False
+    if missing and name in ("gspo", "gmpo", "vespo"):
+        expected, missing = sequence_reference(name, loss_cfg, log_ratio, advantages, mask, logprobs), False
     if missing:
         checks.append(Check(f"loss formula ({name})", SKIP, "no per-token reference formula in the audit"))
     else:

@@ -19,7 +19,7 @@ from rlite.tokenizer import build_tiny_model_dir
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo", "remax", "opo", "gpg", "gdpo", "sapo",
-           "gmpo", "reinforce_tis"]
+           "gmpo", "reinforce_tis", "vespo"]
 
 EXTRA = {"remax": ["training.lr=1e-2"]}
 """ReMax's advantage R - b is on the raw reward scale (no std division, and the greedy baseline is

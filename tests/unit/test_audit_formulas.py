@@ -19,7 +19,8 @@ ESTIMATORS = ["grpo", "{name: grpo, args: {singleton: raw, std_scope: batch}}", 
               "gdpo", "{name: gdpo, args: {whiten: false, singleton: raw}}", "remax"]
 LOSSES = ["ppo_clip", "{name: ppo_clip, args: {dual_clip_c: 3.0, clip_high: 0.28, log_ratio_clamp: null}}", "gspo",
           "cispo", "{name: cispo, args: {mode: absolute}}", "sapo", "gmpo", "gpg", "reinforce_tis",
-          "{name: reinforce_tis, args: {is_level: sequence, is_threshold: null}}"]
+          "{name: reinforce_tis, args: {is_level: sequence, is_threshold: null}}",
+          "{name: vespo, args: {k_pos: 1.0, lambda_pos: 0.5, k_neg: 0.5, lambda_neg: 4.0}}"]
 
 
 def config(pm, advantage: str, loss: str):
@@ -139,3 +140,39 @@ def test_a_wrong_return_based_estimator_fails(name, make_wrong):
         registry.entries[name] = original
     assert checks[0].result == FAIL, checks
     assert float(checks[0].measured.split("= ")[1].split()[0]) > 1e-4
+
+
+
+def drifted_vespo(per_token_clamp: bool, length_mean: bool):
+    """VESPO with one plausible drift: no +-20 clamp of each token before the sum, or GSPO's mean over the
+    sequence instead of the sum."""
+    import math
+
+    def loss(logprobs, old_logprobs, advantages, response_mask, cfg):
+        m = response_mask.double()
+        x = logprobs.detach() - old_logprobs
+        x = x.clamp(-20.0, 20.0) if per_token_clamp else x
+        total = (x * m).sum(-1, keepdim=True) / (m.sum(-1, keepdim=True).clamp(min=1) if length_mean else 1.0)
+        log_w = total.clamp(math.log(1e-8), 20.0)
+        positive = advantages >= 0
+        k = torch.where(positive, torch.full_like(log_w, cfg.k_pos), cfg.k_neg)
+        lam = torch.where(positive, torch.full_like(log_w, cfg.lambda_pos), cfg.lambda_neg)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+        return -phi * advantages * logprobs * m, {}
+
+    return loss
+
+
+@pytest.mark.parametrize("per_token_clamp, length_mean", [(False, False), (True, True)])
+def test_a_drifted_vespo_fails(per_token_clamp, length_mean):
+    """The audit's batch has a token at log-ratio 30 (TRL clamps it to 20 before the sum) and rows of
+    several tokens (the sum is not the mean)."""
+    pm = build_plugin_manager(autoload=False)
+    registry = pm.registry("policy_loss")
+    original = registry.entries["vespo"]
+    registry.entries["vespo"] = dataclasses.replace(original, implementation=drifted_vespo(per_token_clamp, length_mean))
+    try:
+        checks = check_formulas(config(pm, "grpo", "vespo"), pm)
+    finally:
+        registry.entries["vespo"] = original
+    assert checks[1].result == FAIL, checks

@@ -204,6 +204,7 @@ def test_registration_and_config_validation() -> None:
         "gmpo": (P.gmpo_loss, P.GMPOConfig),
         "gpg": (P.gpg_loss, P.GPGConfig),
         "reinforce_tis": (P.reinforce_tis_loss, P.ReinforceTISConfig),
+        "vespo": (P.vespo_loss, P.VESPOConfig),
     }
     for bad in [
         lambda: P.PPOClipConfig(dual_clip_c=1.0),
@@ -216,12 +217,14 @@ def test_registration_and_config_validation() -> None:
         lambda: P.GMPOConfig(clip_low=-0.1),
         lambda: P.ReinforceTISConfig(is_level="geometric"),
         lambda: P.ReinforceTISConfig(is_threshold=0.0),
+        lambda: P.VESPOConfig(k_neg=-1.0),
+        lambda: P.VESPOConfig(lambda_pos=0.0),
     ]:
         with pytest.raises(ConfigError):
             bad()
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo", "sapo", "gmpo", "gpg", "reinforce_tis"])
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo", "sapo", "gmpo", "gpg", "reinforce_tis", "vespo"])
 def test_masked_tokens_give_zero_loss_metrics_and_gradient(name: str) -> None:
     registered = {}
     P.register_policy_losses(register=lambda n, fn, c=None: registered.__setitem__(n, (fn, c)))
@@ -333,3 +336,70 @@ def test_reinforce_truncated_is(threshold, level) -> None:
     on_policy = old.clone().requires_grad_(True)
     loss, metrics = P.reinforce_tis_loss(on_policy, old, adv, mask, cfg)
     assert torch.equal(metrics["is_weight_mean"], mask.double())
+
+
+# --------------------------------------------------------------------------------------------------
+# VESPO
+# --------------------------------------------------------------------------------------------------
+
+# Rows: a small positive sequence log-ratio; tokens beyond +-20 whose clamped sum (-0.1) differs from the
+# plain sum (4.4); a fully masked row; mixed-sign advantages with a masked 40 inside; a sum below log(1e-8);
+# a ratio above 1 under a negative advantage.
+VESPO_LOG_RATIO = [
+    [0.1, 0.2, -0.05, 0.0, 0.1, 0.05],
+    [25.0, -20.5, 0.1, -0.2, 0.0, 0.0],
+    [0.3, 0.3, 0.3, 0.3, 0.3, 0.3],
+    [-0.3, -0.2, 40.0, -0.4, -0.1, 0.0],
+    [-10.0, -10.0, -10.0, -5.0, 0.0, 0.0],
+    [0.2, 0.1, 0.2, 0.0, 0.0, 0.0],
+]
+VESPO_ADV = [[1.0] * 6, [-1.5] * 6, [1.0] * 6, [1.0, -1.0, 2.0, 0.0, -0.5, 0.5], [2.0] * 6, [-1.0] * 6]
+VESPO_MASK = [[1] * 6, [1] * 6, [0] * 6, [1, 1, 0, 1, 1, 1], [1] * 6, [1, 1, 1, 0, 0, 0]]
+
+
+def hand_vespo_weight(row: int, adv: float, cfg) -> float:
+    """TRL's get_gamma_weights for one token: w^k e^{lambda (1 - w)} of the clamped sequence weight."""
+    total = sum(min(max(x, -20.0), 20.0) * m for x, m in zip(VESPO_LOG_RATIO[row], VESPO_MASK[row]))
+    log_w = min(max(total, math.log(1e-8)), 20.0)
+    k, lam = (cfg.k_pos, cfg.lambda_pos) if adv >= 0 else (cfg.k_neg, cfg.lambda_neg)
+    w = math.exp(log_w)
+    return w**k * math.exp(lam * (1.0 - w))
+
+
+@pytest.mark.parametrize("cfg", [P.VESPOConfig(), P.VESPOConfig(k_pos=0.5, lambda_pos=0.25, k_neg=1.3, lambda_neg=4.0)])
+def test_vespo_gamma_weight_values_gradient_and_metrics(cfg) -> None:
+    old = torch.tensor([[-1.0 - 0.1 * t - 0.2 * i for t in range(6)] for i in range(6)], dtype=torch.float64)
+    logprobs = (old + torch.tensor(VESPO_LOG_RATIO, dtype=torch.float64)).requires_grad_(True)
+    adv, mask = torch.tensor(VESPO_ADV, dtype=torch.float64), torch.tensor(VESPO_MASK)
+    loss, metrics = P.vespo_loss(logprobs, old, adv, mask, cfg)
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    for i in range(6):
+        for t in range(6):
+            m, a = VESPO_MASK[i][t], VESPO_ADV[i][t]
+            phi = hand_vespo_weight(i, a, cfg)
+            lp = logprobs[i, t].item()
+            assert loss[i, t].item() == pytest.approx(-phi * a * lp * m, rel=1e-12, abs=1e-300)
+            assert grad[i, t].item() == pytest.approx(-phi * a * m, rel=1e-12, abs=1e-300)  # phi is detached
+            assert metrics["vespo_phi_mean"][i, t].item() == pytest.approx(phi * m, rel=1e-12, abs=1e-300)
+            assert metrics["ppo_kl"][i, t].item() == pytest.approx(-VESPO_LOG_RATIO[i][t] * m, abs=1e-12)
+    assert set(metrics) == {"ppo_kl", "vespo_phi_mean"}
+    # the clamps matter here: row 1 sums the clamped tokens to w = e^-0.1 (not e^4.4); row 4 sits at 1e-8
+    assert metrics["vespo_phi_mean"][1, 0].item() > 0.5
+    assert metrics["vespo_phi_mean"][4, 0].item() == pytest.approx(1e-8**cfg.k_pos * math.exp(cfg.lambda_pos), rel=1e-9)
+
+
+def test_vespo_on_policy_weight_is_exactly_one_and_peaks_at_k_over_lambda() -> None:
+    _, old, adv, mask = inputs()
+    logprobs = old.clone().requires_grad_(True)
+    loss, metrics = P.vespo_loss(logprobs, old, adv, mask, P.VESPOConfig())
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    assert torch.equal(metrics["vespo_phi_mean"], mask.double())  # phi(1) = e^{lam - lam} = 1 bit for bit
+    assert torch.equal(grad, -adv * mask)  # on-policy VESPO is the plain policy gradient
+    # one-token sequences at log-ratios around log(k/lam): the weight is largest at w = k/lam
+    cfg = P.VESPOConfig(k_pos=2.0, lambda_pos=3.0)
+    log_ratios = torch.tensor([[math.log(2.0 / 3.0) + d] for d in (-0.05, 0.0, 0.05)], dtype=torch.float64)
+    _, swept = P.vespo_loss(log_ratios, torch.zeros(3, 1, dtype=torch.float64), torch.ones(3, 1, dtype=torch.float64),
+                            torch.ones(3, 1), cfg)
+    phi = swept["vespo_phi_mean"][:, 0]
+    assert phi[1] > phi[0] and phi[1] > phi[2]
+    assert phi[1].item() == pytest.approx((2.0 / 3.0) ** 2 * math.exp(3.0 * (1.0 - 2.0 / 3.0)), rel=1e-12)
