@@ -49,6 +49,11 @@ def wandb_run(run_dir):
     sorted order: the names carry whole-second timestamps, so two runs started within one second sort
     by their random ids (a fresh run could sort before the one it followed), and a run resumed within
     the same second gets its id's folder name with a ``-1`` suffix, which sorts before the original."""
+    import wandb
+
+    # the run's finish() returns before W&B's service process has necessarily written all of the
+    # transaction log (1 read in 17 found no run record yet); shutting the service down flushes it
+    wandb.teardown()
     latest = (run_dir / "wandb" / "latest-run").resolve()
     (run_file,) = latest.glob("run-*.wandb")
     run_id, history = None, {}
