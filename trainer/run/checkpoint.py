@@ -42,6 +42,7 @@ from rlite.run.safe_pickle import (
     forbidden_trainer_state_globals,
     load_trainer_state,
     read_dcp_metadata,
+    unsafe_checkpoint_error,
 )
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -291,6 +292,22 @@ def _structure_damage(path: Path) -> str:
             raise
         except Exception as exc:  # noqa: BLE001
             return f"{file.name} is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+    return ""
+
+
+def unsafe_content(path: Path) -> str:
+    """Why the checkpoint at ``path`` would be refused as holding code ("" if it holds none): its DCP
+    metadata and trainer states scanned inertly (``rlite info``; no tensor is read)."""
+    try:
+        read_dcp_metadata(path)
+        for file in sorted(path.glob("trainer_state_rank*.pt")):
+            forbidden = forbidden_trainer_state_globals(file)
+            if forbidden:
+                raise unsafe_checkpoint_error(file, forbidden)
+    except UnsafeCheckpointError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - damage is resume's business (verify_checkpoint), not a refusal
+        return ""
     return ""
 
 

@@ -45,7 +45,7 @@ class UnsafeCheckpointError(ConfigError):
     rlite as it is, and opening it as a pickle would run that call. Refused, never skipped."""
 
 
-def _refusal(file: Path | str, names: list[str] | str) -> UnsafeCheckpointError:
+def unsafe_checkpoint_error(file: Path | str, names: list[str] | str) -> UnsafeCheckpointError:
     listed = ", ".join(sorted(names)) if isinstance(names, list) else names
     return UnsafeCheckpointError(
         f"{file} holds a pickled reference to {listed}, which rlite never writes into a checkpoint: opening it "
@@ -97,12 +97,12 @@ def load_trainer_state(file: Path) -> dict[str, Any]:
     (naming the file and the globals) for anything else."""
     forbidden = forbidden_trainer_state_globals(file)
     if forbidden:
-        raise _refusal(file, forbidden)
+        raise unsafe_checkpoint_error(file, forbidden)
     with torch.serialization.safe_globals(trainer_state_globals()):
         try:
             return torch.load(file, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:  # a call the scan could not see (pushed by another opcode)
-            raise _refusal(file, str(exc).strip().splitlines()[-1]) from None
+            raise unsafe_checkpoint_error(file, str(exc).strip().splitlines()[-1]) from None
 
 
 # -- DCP's metadata --------------------------------------------------------------------------------------
@@ -146,15 +146,15 @@ class MetadataUnpickler(pickle._Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.allowed:
-            raise _refusal(self.source, f"{module}.{name}")
+            raise unsafe_checkpoint_error(self.source, f"{module}.{name}")
         return self.allowed[(module, name)]
 
     def persistent_load(self, pid: Any) -> Any:
-        raise _refusal(self.source, f"a persistent id ({pid!r})")
+        raise unsafe_checkpoint_error(self.source, f"a persistent id ({pid!r})")
 
     def load_build(self) -> None:
         if isinstance(self.stack[-1], type):
-            raise _refusal(self.source, f"state set onto the class {self.stack[-1].__qualname__}")
+            raise unsafe_checkpoint_error(self.source, f"state set onto the class {self.stack[-1].__qualname__}")
         super().load_build()
 
     dispatch[pickle.BUILD[0]] = load_build
@@ -194,12 +194,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         where = f"{self.source} (entry {read_item.dest_index.fqn})"
         forbidden = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(value))
         if forbidden:
-            raise _refusal(where, forbidden)
+            raise unsafe_checkpoint_error(where, forbidden)
         value.seek(0)
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise _refusal(where, str(exc).strip().splitlines()[-1]) from None
+            raise unsafe_checkpoint_error(where, str(exc).strip().splitlines()[-1]) from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 
