@@ -58,4 +58,4 @@ def test_a_run_resumes_past_torn_last_lines_of_its_metrics_and_samples(tmp_path,
     assert any("metrics.jsonl: dropped line" in w for w in warnings), warnings
     assert any("samples.jsonl: dropped line" in w for w in warnings), warnings
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
-    assert sorted({r["step"] for r in read_jsonl(run_dir / "samples.jsonl")}) == [1, 2, 3]
+    assert sorted({r["step"] for r in read_jsonl(run_dir / "samples.jsonl")}) == [0, 1, 2, 3]
