@@ -402,10 +402,15 @@ def _unsafe_failure(exc: BaseException) -> UnsafeCheckpointError | None:
     return None
 
 
+WEIGHT_SECTIONS = ("model", "critic")
+"""The sections of a checkpoint's model state that hold weights (``TrainingBackend.checkpoint_state``'s
+``model``, ``CriticModel.checkpoint_state``'s ``critic``); the others hold optimizer state."""
+
+
 def refuse_another_model(path: Path, metadata: Any, model_state: dict[str, Any]) -> None:
-    """Refuse (:class:`~rlite.config.ConfigError`) a checkpoint whose DCP entries are not exactly the
-    keys of ``model_state``, or whose tensors have other shapes: DCP itself loads a 2-layer model from a
-    4-layer checkpoint, silently, by ignoring the checkpoint's other layers."""
+    """Refuse (:class:`~rlite.config.ConfigError`) a checkpoint whose weights (the :data:`WEIGHT_SECTIONS`
+    of ``model_state``) have other keys than the model's, or any of whose tensors has another shape: DCP
+    itself loads a 2-layer model from a 4-layer checkpoint, silently, by ignoring the other layers."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -413,8 +418,12 @@ def refuse_another_model(path: Path, metadata: Any, model_state: dict[str, Any])
 
     flat, _ = flatten_state_dict(model_state)
     saved = metadata.state_dict_metadata
-    only_saved = sorted(set(saved) - set(flat))
-    only_model = sorted(set(flat) - set(saved))
+
+    def weights(keys) -> set[str]:  # an optimizer's entries may come and go with its state (disk offload)
+        return {key for key in keys if key.split(".", 1)[0] in WEIGHT_SECTIONS}
+
+    only_saved = sorted(weights(saved) - weights(flat))
+    only_model = sorted(weights(flat) - weights(saved))
     shapes = []
     for key in sorted(set(saved) & set(flat)):
         entry, value = saved[key], flat[key]
