@@ -150,3 +150,20 @@ def test_a_checkpoint_of_another_model_is_refused_even_with_resume_mismatch_allo
                                  "checkpoint.resume_mismatch=allow"))  # fmt: skip
     message = str(refused.value)
     assert "holds the state of another model than this run's" in message and named in message, message
+
+
+def test_the_trainer_state_of_older_checkpoints_loads_and_its_numpy_rng_state_is_put_back(tmp_path):
+    import numpy as np
+
+    from rlite.run.checkpoint import rng_state, set_rng_state
+    from rlite.run.safe_pickle import load_trainer_state
+
+    np.random.seed(3)
+    older = dict(rng_state(), numpy=np.random.get_state())  # before: numpy's own tuple, with its array
+    torch.save({"step": 1, "rng": older}, tmp_path / "older.pt")
+    expected = np.random.rand(3)
+    np.random.seed(4)
+    set_rng_state(load_trainer_state(tmp_path / "older.pt")["rng"])
+    assert np.array_equal(np.random.rand(3), expected)
+    torch.save({"step": 1, "rng": rng_state()}, tmp_path / "now.pt")  # now: plain ints, nothing from numpy
+    assert not torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "now.pt")

@@ -235,7 +235,7 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> str:
 
     ``checksums``: every file must match the size and SHA-256 its ``MANIFEST.json`` gives (a checkpoint
     without one is reported as such); without, only what can be told without a manifest: the DCP
-    metadata reads, every shard it names is there and long enough, every trainer state loads. Both ways
+    metadata reads, every shard it names is there and long enough, every trainer state opens. Both ways
     every pickle is read inertly (:mod:`rlite.run.safe_pickle`): one that names anything rlite never
     writes raises :class:`~rlite.run.safe_pickle.UnsafeCheckpointError` rather than counting as damage.
     """
@@ -285,13 +285,13 @@ def _structure_damage(path: Path) -> str:
     states = sorted(path.glob("trainer_state_rank*.pt"))
     if not states:
         return "it has no trainer_state_rank*.pt"
-    for file in states:
+    for file in states:  # its pickle scanned, not loaded: every rank checks every rank's file
         try:
-            load_trainer_state(file)
-        except UnsafeCheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001
+            forbidden = forbidden_trainer_state_globals(file)
+        except Exception as exc:  # noqa: BLE001 - a torn zip raises many kinds
             return f"{file.name} is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+        if forbidden:
+            raise unsafe_checkpoint_error(file, forbidden)
     return ""
 
 
