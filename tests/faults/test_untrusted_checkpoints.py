@@ -167,3 +167,19 @@ def test_the_trainer_state_of_older_checkpoints_loads_and_its_numpy_rng_state_is
     assert np.array_equal(np.random.rand(3), expected)
     torch.save({"step": 1, "rng": rng_state()}, tmp_path / "now.pt")  # now: plain ints, nothing from numpy
     assert not torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "now.pt")
+
+
+def test_dcp_metadata_that_points_outside_the_checkpoint_is_refused(tmp_path, trained):
+    from rlite.run.checkpoint import verify_checkpoint
+    from rlite.run.safe_pickle import UnsafeCheckpointError
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    latest = list_checkpoints(run_dir / "checkpoints")[-1]
+    metadata = pickle.loads((latest / ".metadata").read_bytes())  # the test's own file
+    entry = next(iter(metadata.storage_data.values()))
+    entry.relative_path = "../../../secret.distcp"
+    (latest / ".metadata").write_bytes(pickle.dumps(metadata))
+    rewrite_manifest(latest)
+    with pytest.raises(UnsafeCheckpointError, match=r"points at \.\./\.\./\.\./secret.distcp, outside the checkpoint"):
+        verify_checkpoint(latest)

@@ -277,6 +277,12 @@ def _structure_damage(path: Path) -> str:
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, length in sorted(needed.items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # DCP would read it, as tensors
+            raise UnsafeCheckpointError(
+                f"{path / '.metadata'} points at {name}, outside the checkpoint folder: rlite writes no such entry, so "
+                "it refuses the checkpoint. Resume from a checkpoint you or rlite wrote, or start fresh with "
+                "checkpoint.resume=never"
+            )
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
@@ -296,18 +302,12 @@ def _structure_damage(path: Path) -> str:
 
 
 def unsafe_content(path: Path) -> str:
-    """Why the checkpoint at ``path`` would be refused as holding code ("" if it holds none): its DCP
-    metadata and trainer states scanned inertly (``rlite info``; no tensor is read)."""
+    """Why the checkpoint at ``path`` would be refused as holding code ("" if it holds none), read inertly
+    without a tensor (``rlite info``); damage is left to the resume (:func:`verify_checkpoint`)."""
     try:
-        read_dcp_metadata(path)
-        for file in sorted(path.glob("trainer_state_rank*.pt")):
-            forbidden = forbidden_trainer_state_globals(file)
-            if forbidden:
-                raise unsafe_checkpoint_error(file, forbidden)
+        _structure_damage(path)
     except UnsafeCheckpointError as exc:
         return str(exc)
-    except Exception:  # noqa: BLE001 - damage is resume's business (verify_checkpoint), not a refusal
-        return ""
     return ""
 
 
