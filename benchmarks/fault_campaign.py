@@ -12,6 +12,12 @@ Fault kinds (each trial a few seconds on a ~0.2M-parameter model, 4 steps):
   a random step; the run must restart it and go on.
 * ``corrupt_latest``: one random byte of one random file of the latest of two checkpoints flipped;
   ``resume: auto`` must fall back to the previous one.
+* ``torn_log``: the last line of ``metrics.jsonl`` cut at a random byte (what a crash or a full disk
+  mid-write leaves), NUL bytes after it in half the trials; the resume must drop it and finish.
+* ``malicious_checkpoint``: a pickled call (``exec``, ``os.system`` or ``eval``, each creating a marker
+  file) planted in the latest checkpoint's trainer state or DCP ``.metadata``, its manifest rewritten to
+  match; ``rlite train`` must refuse it (status 2, the file named), run nothing and leave the run's files
+  as they were ("survived"; "data lost": the marker exists or a file of the run changed).
 
 Columns: ``injected`` trials where the fault hit a running run; ``survived`` the run (and its resume)
 finished every step; ``resumed bitwise`` its final weights equal an undisturbed run's bit for bit;
@@ -39,7 +45,7 @@ import torch
 from rlite import hookimpl
 
 STEPS = 4
-KINDS = ("sigkill", "sigterm", "nan", "engine_kill", "corrupt_latest")
+KINDS = ("sigkill", "sigterm", "nan", "engine_kill", "corrupt_latest", "torn_log", "malicious_checkpoint")
 
 
 def base_args(model_dir: str, run_dir: Path, *extra: str) -> list[str]:
@@ -198,6 +204,77 @@ def corrupt_trial(rng, work, config, model_dir, reference, duration, prepared: P
     return True, survived, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
 
 
+def torn_log_trial(rng, work, config, model_dir, reference, duration, prepared: Path):
+    run_dir = work / "run"
+    shutil.copytree(prepared, run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    last = metrics.read_text().splitlines()[-1]
+    row = json.loads(last)
+    torn = json.dumps(dict(row, step=row["step"] + 1))  # the row of the step the crash interrupted
+    tail = torn[: rng.randrange(1, len(torn))].encode() + (b"\0" * rng.randrange(1, 4096) if rng.random() < 0.5 else b"")
+    with open(metrics, "ab") as handle:
+        handle.write(tail)
+    try:
+        in_process(model_dir, run_dir, None, "checkpoint.every=1")
+        survived = True
+    except Exception as exc:  # noqa: BLE001
+        print(f"  [torn_log] {tail[:40]!r}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        survived = False
+    weights = final_weights(run_dir)
+    return True, survived, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
+
+
+class Payload:
+    """Unpickling it calls ``call`` (by reference: ``builtins.exec``, ``posix.system``, ``builtins.eval``)."""
+
+    def __init__(self, call, argument: str) -> None:
+        self.call, self.argument = call, argument
+
+    def __reduce__(self):
+        return self.call, (self.argument,)
+
+
+def malicious_trial(rng, work, config, model_dir, reference, duration, prepared: Path):
+    import contextlib
+    import hashlib
+    import io
+    import pickle
+
+    from rlite.cli import main as rlite_main
+    from rlite.run.checkpoint import MANIFEST, list_checkpoints
+
+    run_dir = work / "run"
+    shutil.copytree(prepared, run_dir)
+    latest = list_checkpoints(run_dir / "checkpoints")[-1]
+    marker = work / "code-ran"
+    call, argument = rng.choice([(exec, f"open({str(marker)!r}, 'w').close()"), (os.system, f"touch '{marker}'"),
+                                 (eval, f"open({str(marker)!r}, 'w')")])  # fmt: skip
+    if rng.random() < 0.5:
+        victim = latest / "trainer_state_rank0.pt"
+        state = torch.load(victim, weights_only=False)  # the campaign's own file
+        state[rng.choice(["sampler", "kl_controller", "scheduler"])] = Payload(call, argument)
+        torch.save(state, victim)
+    else:
+        victim = latest / ".metadata"
+        metadata = pickle.loads(victim.read_bytes())  # the campaign's own file
+        metadata.planner_data = Payload(call, argument)
+        victim.write_bytes(pickle.dumps(metadata))
+    manifest = json.loads((latest / MANIFEST).read_text())
+    data = victim.read_bytes()
+    manifest["files"][victim.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (latest / MANIFEST).write_text(json.dumps(manifest))
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        status = rlite_main(["train", str(config), *base_args(model_dir, run_dir, "checkpoint.every=1")])
+    after = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    refused = status == 2 and str(victim) in stderr.getvalue() and "nothing was executed" in stderr.getvalue()
+    if not refused or marker.exists():
+        print(f"  [malicious_checkpoint] {victim.name}, {call.__name__}: status {status}, marker "
+              f"{marker.exists()}: {stderr.getvalue()[-300:]!r}", file=sys.stderr)  # fmt: skip
+    return True, refused and not marker.exists(), None, marker.exists() or before != after
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="trials per fault kind (default 20)")
@@ -235,6 +312,8 @@ def main() -> None:
         "nan": lambda r, w: nan_trial(r, w, config, model_dir, reference, duration),
         "engine_kill": lambda r, w: engine_trial(r, w, config, model_dir, reference_engine, duration),
         "corrupt_latest": lambda r, w: corrupt_trial(r, w, config, model_dir, reference, duration, prepared),
+        "torn_log": lambda r, w: torn_log_trial(r, w, config, model_dir, reference, duration, prepared),
+        "malicious_checkpoint": lambda r, w: malicious_trial(r, w, config, model_dir, reference, duration, prepared),
     }
     table = []
     for kind in args.kinds.split(","):

@@ -253,7 +253,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rlite.provenance import describe, metrics_records, read_checkpoint_record
-    from rlite.run.checkpoint import checkpoint_root, list_checkpoints
+    from rlite.run.checkpoint import checkpoint_root, list_checkpoints, unsafe_content
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -262,15 +262,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     checkpoints = [(path.name, read_checkpoint_record(path)) for path in list_checkpoints(checkpoint_root(run_dir))]
     if not rows and not any(record for _, record in checkpoints):
         raise ConfigError(f"{run_dir}: no provenance recorded (no metrics.jsonl provenance row, no checkpoint record)")
+    # a checkpoint's record is JSON, but its pickles are what a resume opens: say which ones it would refuse
+    refused = [problem for problem in map(unsafe_content, list_checkpoints(checkpoint_root(run_dir))) if problem]
     if args.json:
         print(json.dumps({"metrics": rows, "checkpoints": dict(checkpoints)}, indent=2, sort_keys=True))
-        return 0
-    for row in rows:
-        print(f"metrics.jsonl, run started at step {row['step']}:")
-        print("\n".join(describe(row["provenance"], "  ")))
-    for name, record in checkpoints:
-        print(f"checkpoints/{name}:")
-        print("\n".join(describe(record, "  ") if record else ["  (no record: written before rlite recorded provenance)"]))
+    else:
+        for row in rows:
+            print(f"metrics.jsonl, run started at step {row['step']}:")
+            print("\n".join(describe(row["provenance"], "  ")))
+        for name, record in checkpoints:
+            print(f"checkpoints/{name}:")
+            print("\n".join(describe(record, "  ") if record else ["  (no record: written before rlite recorded provenance)"]))
+    if refused:
+        raise ConfigError("; ".join(refused))
     return 0
 
 

@@ -83,7 +83,9 @@ class SpeculativeDraft(Protocol):
         only called when ``spec.trained``. Detached views are fine: the sync copies or binds them."""
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the draft (weights, optimizer); ``{}`` for none."""
+        """What a checkpoint keeps of the draft (weights, optimizer); ``{}`` for none. Tensors and plain Python
+        values only: a checkpoint is read back with ``torch.load(weights_only=True)`` (:mod:`rlite.run.safe_pickle`),
+        and a save whose state holds anything else fails, naming it."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` when a run resumes."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("rlite")
 
 
 class StepTimer:
@@ -116,29 +119,63 @@ def plain_progress_line(step: int, total: int, start: int, elapsed: float, metri
     return " | ".join(parts)
 
 
+def read_log_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, row)`` for each row of a JSON-lines log (``metrics.jsonl``, ``samples.jsonl``: every row an
+    object with a ``step``), read as a crash may have left it.
+
+    A crash or a full disk mid-write leaves the last line cut short, and some file systems leave NUL bytes
+    after the end of a file that was being appended to: both are dropped with a warning naming the file and
+    line. A line that is not a row anywhere else is not what a crash leaves (the file was edited or
+    damaged): :class:`~rlite.config.ConfigError` naming the file and line, rather than drop history.
+    """
+    from rlite.config import ConfigError
+
+    path = Path(path)
+    raw = path.read_bytes()
+    body = raw.rstrip(b"\x00\r\n\t ")
+    if b"\x00" in raw[len(body):]:
+        log.warning("%s: dropped %d NUL bytes after its last line (what a crash during a write can leave)",
+                    path, raw[len(body):].count(b"\x00"))
+    lines = body.decode("utf-8", errors="replace").split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            problem = "" if isinstance(row, dict) and "step" in row else "not an object with a step"
+        except ValueError as exc:
+            problem = str(exc)
+        if not problem:
+            rows.append((line, row))
+        elif number == len(lines):
+            log.warning("%s: dropped line %d, cut short by a crash or a full disk (%s): %.80r", path, number, problem, line)
+        else:
+            raise ConfigError(
+                f"{path} line {number} is not a JSON row ({problem}) and is not the last line, so no crash left it "
+                "there: the file was edited or damaged. Fix or delete that line and run again (or start afresh with "
+                "checkpoint.resume=never, which replaces the file)"
+            )
+    return rows
+
+
 def trim_metrics_file(path: str | Path, keep_through_step: int | None) -> None:
     """Make ``metrics.jsonl`` describe this run only: a fresh run (``None``) starts it empty; a resumed
-    run keeps the rows up to its checkpoint's step and drops rows logged after it before a crash."""
+    run keeps the rows up to its checkpoint's step and drops rows logged after it before a crash (and a
+    last line the crash cut short: :func:`read_log_rows`)."""
     path = Path(path)
     if not path.is_file():
         return
     if keep_through_step is None:
         path.unlink()
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= keep_through_step]
+    kept = [line for line, row in read_log_rows(path) if row["step"] <= keep_through_step]
     path.write_text("".join(line + "\n" for line in kept))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The metric rows of ``metrics.jsonl`` (provenance rows, :mod:`rlite.provenance`, are skipped)."""
-    rows = []
-    with open(path) as handle:
-        for line in handle:
-            if line.strip():
-                row = json.loads(line)
-                if "provenance" not in row:
-                    rows.append(row)
-    return rows
+    return [row for _, row in read_log_rows(path) if "provenance" not in row]
 
 
 SMOOTHING = 0.9

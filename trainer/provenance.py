@@ -114,10 +114,11 @@ def read_checkpoint_record(folder: Path) -> dict[str, Any] | None:
 
 def metrics_records(metrics_file: Path) -> list[dict[str, Any]]:
     """The provenance rows of a ``metrics.jsonl`` (``{"step", "provenance"}``), in file order."""
+    from rlite.metrics import read_log_rows
+
     if not Path(metrics_file).is_file():
         return []
-    rows = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
-    return [row for row in rows if "provenance" in row]
+    return [row for _, row in read_log_rows(metrics_file) if "provenance" in row]
 
 
 def append_metrics_record(metrics_file: Path, step: int, record: dict[str, Any]) -> None:

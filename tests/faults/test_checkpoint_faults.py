@@ -48,8 +48,15 @@ def test_the_manifest_names_every_file_and_catches_a_flipped_byte_a_short_file_a
     assert verify_checkpoint(ckpt) == f"{shard.name} has {len(original) - 1} bytes, {len(original)} were written"
     shard.unlink()
     assert verify_checkpoint(ckpt) == f"{shard.name} is missing"
-    (ckpt / MANIFEST).unlink()  # a checkpoint from before manifests is taken as it is
-    assert verify_checkpoint(ckpt) == ""
+    (ckpt / MANIFEST).unlink()
+    assert verify_checkpoint(ckpt) == f"it has no {MANIFEST}"
+    # without checksums (checkpoint.verify=false) a missing or short shard still shows
+    assert verify_checkpoint(ckpt, checksums=False) == f"{shard.name} is missing"
+    shard.write_bytes(original[:-1])
+    assert verify_checkpoint(ckpt, checksums=False) == (
+        f"{shard.name} has {len(original) - 1} bytes, its metadata needs {len(original)}")
+    shard.write_bytes(original)
+    assert verify_checkpoint(ckpt, checksums=False) == ""
 
 
 COMMON = ("training.steps=4", "checkpoint.every=1", "checkpoint.keep_last=2", "checkpoint.export_hf=true",

@@ -13,6 +13,7 @@ from rlite import hookimpl
 from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 from rlite.run.checkpoint import list_checkpoints
+from rlite.run.safe_pickle import load_trainer_state
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 
@@ -58,7 +59,7 @@ def crash_and_resume(model_dir, run_dir, *overrides):
     with pytest.raises(SimulatedCrash):
         run(model_dir, run_dir, *overrides, crash_at=3)
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000003"]
-    saved = torch.load(run_dir / "checkpoints" / "step_00000003" / "trainer_state_rank0.pt", weights_only=False)
+    saved = load_trainer_state(run_dir / "checkpoints" / "step_00000003" / "trainer_state_rank0.pt")  # as a resume reads it
     run(model_dir, run_dir, *overrides, resume="auto")
     return saved
 
@@ -158,8 +159,7 @@ def test_a_stop_after_the_next_batch_was_handed_out_keeps_it_and_resumes_bitwise
     with pytest.raises(RunStopped, match="checkpoint of step 3"):
         run(model_dir, tmp_path / "resumed", *mode)
     monkeypatch.undo()
-    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_00000003" / "trainer_state_rank0.pt",
-                       weights_only=False)  # fmt: skip
+    saved = load_trainer_state(tmp_path / "resumed" / "checkpoints" / "step_00000003" / "trainer_state_rank0.pt")
     assert saved["rollouts_ahead"]["batches"][4][0].weight_versions == [2] * 8
     run(model_dir, tmp_path / "resumed", *mode, resume="auto")
     a = load_file(tmp_path / "straight" / "hf_model" / "model.safetensors")

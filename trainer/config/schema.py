@@ -472,6 +472,12 @@ class CheckpointConfig:
     resume_mismatch: str = "refuse"
     """A checkpoint whose run (its folder's ``config.yaml``) had another ``model.*`` or ``algorithm.*``: ``refuse`` to
     resume it, naming the keys that differ, or ``allow`` resuming anyway (the differences are logged)."""
+    verify: bool = True
+    """Before resuming, check every file of the checkpoint against the size and SHA-256 its ``MANIFEST.json`` gives
+    (``resume: auto`` falls back to the newest intact one), and refuse a checkpoint without a manifest. ``false``: skip
+    the checksums and accept a checkpoint without a manifest (one written before rlite wrote manifests), checking only
+    what needs none (the DCP metadata reads, no shard is missing or short, every trainer state opens). Either way a
+    checkpoint's pickles are read without running code, and one holding anything rlite never writes is refused."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
     export_hf: bool = True

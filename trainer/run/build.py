@@ -112,7 +112,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     torch.manual_seed(cfg.training.seed)
     run_dir = Path(cfg.logging.run_dir)
     # found (and its checksums verified) once; the config check, the load and the provenance use it
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume, verify=cfg.checkpoint.verify)
     check_resume_config(cfg, resume_from)  # before this run's config.yaml replaces the one the check reads
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

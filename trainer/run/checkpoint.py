@@ -9,8 +9,10 @@ during a save leaves at most a ``*.tmp`` folder that resume ignores, and a save 
 disk) removes its folder and leaves the previous checkpoint as it was.
 
 ``resume: auto`` checks the newest checkpoint against its manifest and falls back to the newest one
-that is intact, saying which ones it skipped and why (a checkpoint from before manifests is taken
-as it is).
+that is intact, saying which ones it skipped and why. A checkpoint without a manifest is refused
+unless ``checkpoint.verify=false``, which checks what can be checked without one. Every pickle of the
+folder is read without running code (:mod:`rlite.run.safe_pickle`): a checkpoint is data someone may
+have handed you, not code.
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rlite.distributed import all_gather_objects, barrier, broadcast_object
+from rlite.run.safe_pickle import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    forbidden_trainer_state_globals,
+    load_trainer_state,
+    read_dcp_metadata,
+    unsafe_checkpoint_error,
+)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
@@ -50,7 +61,10 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """The RNG states, in types a weights-only load admits (numpy's key as a list of ints)."""
+    name, key, position, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = (name, key.tolist(), position, has_gauss, cached_gaussian)
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -59,7 +73,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]  # a list of ints, or the array of checkpoints written before that
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -105,7 +120,15 @@ def save_checkpoint(
     def write() -> None:  # DCP's save is collective: an error on one rank is raised on every rank
         dcp.save(model_state, checkpoint_id=str(tmp))
         state = dict(trainer_state, rng=rng_state(), step=step)
-        torch.save(state, tmp / f"trainer_state_rank{rank}.pt")
+        state_file = tmp / f"trainer_state_rank{rank}.pt"
+        torch.save(state, state_file)
+        forbidden = forbidden_trainer_state_globals(state_file)
+        if forbidden:  # a checkpoint its own resume would refuse: say so now, not at the resume
+            raise RuntimeError(
+                f"the trainer state holds {', '.join(forbidden)}, which rlite's checkpoint loader does not admit "
+                "(rlite.run.safe_pickle.trainer_state_globals); a plugin's state_dict must hold tensors and plain "
+                "Python values"
+            )
 
     # an error on one rank (a full disk) becomes every rank's, so no rank waits for another
     errors = all_gather_objects(_attempt(make_folder) if rank == 0 else "")
@@ -207,12 +230,26 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def verify_checkpoint(path: Path) -> str:
-    """Why the checkpoint at ``path`` is damaged ("" when every file matches its manifest; a checkpoint
-    written before manifests existed is taken as it is)."""
+def verify_checkpoint(path: Path, *, checksums: bool = True) -> str:
+    """Why the checkpoint at ``path`` is damaged ("" when it is intact).
+
+    ``checksums``: every file must match the size and SHA-256 its ``MANIFEST.json`` gives (a checkpoint
+    without one is reported as such); without, only what can be told without a manifest: the DCP
+    metadata reads, every shard it names is there and long enough, every trainer state opens. Both ways
+    every pickle is read inertly (:mod:`rlite.run.safe_pickle`): one that names anything rlite never
+    writes raises :class:`~rlite.run.safe_pickle.UnsafeCheckpointError` rather than counting as damage.
+    """
+    if checksums:
+        damage = _manifest_damage(path)
+        if damage:
+            return damage
+    return _structure_damage(path)
+
+
+def _manifest_damage(path: Path) -> str:
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        return ""
+        return f"it has no {MANIFEST}"
     try:
         files = json.loads(manifest_file.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -228,10 +265,59 @@ def verify_checkpoint(path: Path) -> str:
     return ""
 
 
-def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
+def _structure_damage(path: Path) -> str:
+    """What a torn or truncated write left that shows without checksums ("" if nothing)."""
+    try:
+        metadata = read_dcp_metadata(path)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a torn pickle raises many kinds
+        return f".metadata is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # DCP would read it, as tensors
+            raise UnsafeCheckpointError(
+                f"{path / '.metadata'} points at {name}, outside the checkpoint folder: rlite writes no such entry, so "
+                "it refuses the checkpoint. Resume from a checkpoint you or rlite wrote, or start fresh with "
+                "checkpoint.resume=never"
+            )
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size < length:
+            return f"{name} has {file.stat().st_size} bytes, its metadata needs {length}"
+    states = sorted(path.glob("trainer_state_rank*.pt"))
+    if not states:
+        return "it has no trainer_state_rank*.pt"
+    for file in states:  # its pickle scanned, not loaded: every rank checks every rank's file
+        try:
+            forbidden = forbidden_trainer_state_globals(file)
+        except Exception as exc:  # noqa: BLE001 - a torn zip raises many kinds
+            return f"{file.name} is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+        if forbidden:
+            raise unsafe_checkpoint_error(file, forbidden)
+    return ""
+
+
+def unsafe_content(path: Path) -> str:
+    """Why the checkpoint at ``path`` would be refused as holding code ("" if it holds none), read inertly
+    without a tensor (``rlite info``); damage is left to the resume (:func:`verify_checkpoint`)."""
+    try:
+        _structure_damage(path)
+    except UnsafeCheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def find_resume_checkpoint(run_dir: str | Path, resume: str, *, verify: bool = True) -> Path | None:
     """``auto``: the newest intact checkpoint of the run, or None when there is none; ``never``: None;
     else that path (refused if incomplete or damaged). ``auto`` logs every newer checkpoint it skipped
-    and why; if every checkpoint is damaged it refuses rather than starting over."""
+    and why; if every checkpoint is damaged it refuses rather than starting over. ``verify``
+    (``checkpoint.verify``): check the checksums of the manifest, refusing a checkpoint without one;
+    without, :func:`verify_checkpoint`'s checks that need none. A checkpoint whose pickles name
+    anything rlite never writes is refused, never skipped."""
     from rlite.config import ConfigError
 
     if resume == "never":
@@ -240,7 +326,8 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
         root = checkpoint_root(run_dir)
         skipped = []
         for path in reversed(list_checkpoints(root)):
-            damage = verify_checkpoint(path)
+            _refuse_without_manifest(path, verify)
+            damage = verify_checkpoint(path, checksums=verify)
             if not damage:
                 return path
             log.warning("checkpoint %s is damaged and skipped: %s", path.name, damage)
@@ -257,15 +344,29 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
             f"checkpoint.resume: {str(path)!r} is not a complete rlite checkpoint (no {MARKER} marker); "
             "use 'auto', 'never' or the path of a step_XXXXXXXX folder"
         )
-    damage = verify_checkpoint(path)
+    _refuse_without_manifest(path, verify)
+    damage = verify_checkpoint(path, checksums=verify)
     if damage:
         raise ConfigError(f"checkpoint.resume: {path} is damaged: {damage}; point it at another checkpoint")
     return path
 
 
+def _refuse_without_manifest(path: Path, verify: bool) -> None:
+    from rlite.config import ConfigError
+
+    if verify and not (path / MANIFEST).is_file():
+        raise ConfigError(
+            f"checkpoint.resume: {path} has no {MANIFEST}, so its files cannot be checked against what was written "
+            "(a checkpoint from before rlite wrote manifests, or one copied without it). If you trust where it comes "
+            "from, resume it with checkpoint.verify=false (its pickles are still read without running code)"
+        )
+
+
 def load_checkpoint(path: Path, model_state: dict[str, Any], *, rank: int) -> dict[str, Any]:
     """Load ``model_state`` in place (the structure the backend's ``checkpoint_state()`` returned; the
-    backend then applies it); return this rank's trainer state (RNG already restored)."""
+    backend then applies it); return this rank's trainer state (RNG already restored). Nothing in the
+    folder is unpickled but through :mod:`rlite.run.safe_pickle`; a checkpoint whose keys or shapes differ
+    from ``model_state``'s is refused whatever ``checkpoint.resume_mismatch`` says."""
     from rlite.config import ConfigError
 
     state_file = path / f"trainer_state_rank{rank}.pt"
@@ -274,14 +375,75 @@ def load_checkpoint(path: Path, model_state: dict[str, Any], *, rank: int) -> di
             f"checkpoint.resume: {path} has no {state_file.name}: it was written with a different number of "
             "ranks; resume with the same world size, or start fresh with checkpoint.resume=never"
         )
+    trainer_state = load_trainer_state(state_file)  # first: it is refused before any weight is touched
+    refuse_another_model(path, read_dcp_metadata(path), model_state)
     try:
-        dcp.load(model_state, checkpoint_id=str(path))
+        dcp.load(model_state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
     except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
+        unsafe = _unsafe_failure(exc)
+        if unsafe is not None:
+            raise unsafe from None
         raise ConfigError(
             f"checkpoint.resume: cannot load the model/optimizer state of {path} ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}); it is damaged or from another model. Point "
             "checkpoint.resume at another checkpoint or start fresh with checkpoint.resume=never"
         ) from exc
-    trainer_state = torch.load(state_file, weights_only=False)
     set_rng_state(trainer_state["rng"])
     return trainer_state
+
+
+def _unsafe_failure(exc: BaseException) -> UnsafeCheckpointError | None:
+    """The refusal inside a DCP error (DCP wraps each rank's exception), if that is what it was."""
+    if isinstance(exc, UnsafeCheckpointError):
+        return exc
+    for error, _ in getattr(exc, "failures", {}).values():
+        if isinstance(error, UnsafeCheckpointError):
+            return error
+    return None
+
+
+WEIGHT_SECTIONS = ("model", "critic")
+"""The sections of a checkpoint's model state that hold weights (``TrainingBackend.checkpoint_state``'s
+``model``, ``CriticModel.checkpoint_state``'s ``critic``); the others hold optimizer state."""
+
+
+def refuse_another_model(path: Path, metadata: Any, model_state: dict[str, Any]) -> None:
+    """Refuse (:class:`~rlite.config.ConfigError`) a checkpoint whose weights (the :data:`WEIGHT_SECTIONS`
+    of ``model_state``) have other keys than the model's, or any of whose tensors has another shape: DCP
+    itself loads a 2-layer model from a 4-layer checkpoint, silently, by ignoring the other layers."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from rlite.config import ConfigError
+
+    flat, _ = flatten_state_dict(model_state)
+    saved = metadata.state_dict_metadata
+
+    def weights(keys) -> set[str]:  # an optimizer's entries may come and go with its state (disk offload)
+        return {key for key in keys if key.split(".", 1)[0] in WEIGHT_SECTIONS}
+
+    only_saved = sorted(weights(saved) - weights(flat))
+    only_model = sorted(weights(flat) - weights(saved))
+    shapes = []
+    for key in sorted(set(saved) & set(flat)):
+        entry, value = saved[key], flat[key]
+        if isinstance(entry, TensorStorageMetadata) != isinstance(value, torch.Tensor):
+            shapes.append(f"{key}: {'a tensor' if isinstance(entry, TensorStorageMetadata) else 'a value'} in the "
+                          f"checkpoint, {'a tensor' if isinstance(value, torch.Tensor) else 'a value'} in the model")
+        elif isinstance(value, torch.Tensor) and tuple(entry.size) != tuple(value.size()):
+            shapes.append(f"{key}: {list(entry.size)} in the checkpoint, {list(value.size())} in the model")
+    if not (only_saved or only_model or shapes):
+        return
+
+    def first(items: list[str], what: str) -> str:
+        more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+        return f"{what} {', '.join(items[:3])}{more}"
+
+    differences = [first(only_saved, "keys only in the checkpoint:")] if only_saved else []
+    differences += [first(only_model, "keys only in this run's model:")] if only_model else []
+    differences += [first(shapes, "shapes differ:")] if shapes else []
+    raise ConfigError(
+        f"checkpoint.resume: {path} holds the state of another model than this run's ({'; '.join(differences)}). "
+        "checkpoint.resume_mismatch=allow admits another config, never another model's tensors: resume it with "
+        "the model it was written with, or start fresh with checkpoint.resume=never"
+    )
