@@ -19,7 +19,7 @@ from rlite.engines.supervisor import EngineGaveUp
 from rlite.metrics import ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
-from rlite.run.faults import NonFiniteGuard, Preemption, stop_on_full_disk
+from rlite.run.faults import NonFiniteGuard, Preemption, RunStopped, latest_checkpoint_text, stop_on_full_disk
 from rlite.run.lifecycle import (
     finish_run,
     log_metrics,
@@ -183,8 +183,11 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
     try:
         # the write paths name themselves when a full disk stops them; anything else written (config.yaml,
         # the loggers' first files, a profile, offloaded moments) stops as cleanly, naming the run folder
-        with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir):
-            run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+        try:
+            with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir):
+                run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+        except EngineGaveUp as failure:  # it kept dying while starting or at the first sync: nothing ran
+            raise RunStopped(f"{failure}. No step ran in this run; {latest_checkpoint_text(cfg.logging.run_dir)}") from None
         run.preemption = preemption
         try:
             with stop_on_full_disk("the run's files", run.run_dir, run.run_dir):

@@ -207,9 +207,10 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     if layout.leader:
         make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
         start = functools.partial(make_engine, cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
-        engine = start()
         if ctx.world_size == 1:  # the re-sync after a restart is this rank's alone (several: a death stops the run)
-            engine = SupervisedEngine(engine, start, cfg.rollout.engine_restarts)
+            engine = SupervisedEngine.launch(start, cfg.rollout.engine_restarts)  # restarted from its start-up on
+        else:
+            engine = start()
     timer = StepTimer()
     try:
         rollouts = build_rollouts(cfg, engine, sampler, rewards, tokenizer, layout, pm.hook, timer)
