@@ -289,7 +289,7 @@ parser.add_argument("--config")
 args, _ = parser.parse_known_args()
 api_key = args.api_key
 if args.config:  # SGLang's --config: a YAML file of ServerArgs fields (rlite writes JSON, which is YAML)
-    api_key = json.load(open(args.config)).get("api_key", api_key)
+    api_key = json.load(open(args.config)).get("api-key", api_key)  # a key k becomes the flag --k
 with open(log, "a") as f:
     f.write(json.dumps({"argv": sys.argv[1:], "api_key": api_key}) + "\\n")
 if mode == "exit":
@@ -465,7 +465,7 @@ def test_the_auth_config_file_is_readable_by_its_owner_only():
     path = write_auth_config("secret-key")
     try:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.suffix == ".yaml"
-        assert json.loads(path.read_text()) == {"api_key": "secret-key"}  # JSON is YAML
+        assert json.loads(path.read_text()) == {"api-key": "secret-key"}  # JSON is YAML
     finally:
         path.unlink()
 
@@ -1092,3 +1092,42 @@ def test_sglang_reads_rlites_speculative_flags_and_selector_requests():
     manager = _sglang_source("srt/managers/tokenizer_manager.py")
     for key in ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts", "output_top_logprobs"):
         assert f'"{key}"' in manager, key  # the meta_info keys rlite reads
+
+
+# -- (c) the API key as SGLang's own code reads and checks it (tests/sglang_compat) -----------------
+
+
+@needs_sglang
+def test_sglang_reads_the_key_from_rlites_config_file_and_accepts_only_rlites_bearer_header():
+    """``--config`` (SGLang's ConfigArgumentMerger) turns rlite's file into ``--api-key KEY``; ``api_key`` is
+    a ServerArgs field; and SGLang's auth decision lets rlite's ``Authorization: Bearer KEY`` through on a
+    normal route (/generate) and an admin-optional one (the weight updates), refuses no key or another
+    key, and leaves /health open (rlite's start-up poll sends none)."""
+    import argparse
+    import re
+
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    from rlite.engines.sglang.launch import server_command, write_auth_config
+
+    assert re.search(r"^\s+api_key: A\[", _sglang_source("srt/arg_groups/fields/serving.py"), re.MULTILINE)
+    path = write_auth_config("k-123")
+    try:
+        parser = argparse.ArgumentParser()
+        for flag in ("--host", "--port", "--model-path", "--api-key", "--config"):
+            parser.add_argument(flag)
+        argv = server_command({"model_path": "/m", "config": str(path)}, port=1234)[3:]
+        args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+        assert args.api_key == "k-123" and args.model_path == "/m"
+    finally:
+        path.unlink()
+
+    def allowed(header, path="/generate", level=AuthLevel.NORMAL):
+        return decide_request_auth(method="POST", path=path, authorization_header=header, api_key="k-123",
+                                   admin_api_key=None, auth_level=level).allowed
+
+    for level in (AuthLevel.NORMAL, AuthLevel.ADMIN_OPTIONAL):
+        assert allowed("Bearer k-123", level=level)
+        assert not allowed(None, level=level) and not allowed("Bearer another-run", level=level)
+    assert allowed(None, path="/health")

@@ -203,12 +203,13 @@ def _free_port() -> int:
 
 
 def write_auth_config(api_key: str) -> Path:
-    """A YAML file only this user can read, holding ``api_key`` for SGLang's ``--config`` (its keys are
-    ServerArgs field names), so the key never shows in the server's command line (``ps`` shows that to
-    every user of the node)."""
+    """A YAML file only this user can read, holding ``api_key`` for SGLang's ``--config``, so the key never
+    shows in the server's command line (``ps`` shows that to every user of the node). The key is spelled as
+    the flag, ``api-key``: SGLang 0.5.23 turns each key ``k`` into ``--k`` verbatim, and ``--api_key`` is
+    not a flag it knows."""
     fd, name = tempfile.mkstemp(prefix="rlite-sglang-auth-", suffix=".yaml")  # created 0600
     with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps({"api_key": api_key}) + "\n")  # JSON is YAML
+        handle.write(json.dumps({"api-key": api_key}) + "\n")  # JSON is YAML
     return Path(name)
 
 
