@@ -419,6 +419,10 @@ class TrainingConfig:
     accuracy_threshold: float = 1.0
     """``eval/*_accuracy`` and ``reward/accuracy`` count a sample correct by its built-in task's answer check
     (``rlite.tasks.TASK_CHECKS``); rows of data files, which have none, when their total reward is >= this."""
+    check_memory: bool = True
+    """Before anything is allocated, estimate the memory the run holds (weights, gradients, AdamW moments,
+    activations of a micro-batch, the transformers engine's KV cache; ``docs/memory.md``) and refuse a run whose
+    estimate exceeds the memory available (exit status 2, naming the keys to change). False skips the check."""
     max_nonfinite_in_a_row: int = 3
     """An optimizer update whose loss or gradient norm is NaN/inf is skipped (counted in ``train/skipped_nonfinite``);
     after this many skipped in a row the run stops with a message naming the step and the likely cause (exit status 4)."""

@@ -33,6 +33,7 @@ from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner
 from rlite.run.checkpoint import find_resume_checkpoint
 from rlite.run.faults import Preemption
 from rlite.run.lifecycle import check_resume_config, maybe_resume
+from rlite.run.limits import check_run_fits
 from rlite.samples import SampleWriter
 from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import Rollouts
@@ -103,6 +104,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     started = time.perf_counter()
     check_input_paths(cfg)  # before anything loads or the run folder is touched
     ctx = init_distributed()
+    check_run_fits(cfg, ctx.device, ctx.world_size)  # context and memory, before anything is allocated
     if cfg.training.num_threads is not None:
         torch.set_num_threads(cfg.training.num_threads)
     if cfg.training.keep_freed_memory:
