@@ -15,7 +15,6 @@ as it is).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
