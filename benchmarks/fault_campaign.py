@@ -324,7 +324,8 @@ def engine_start_trial(rng, work, config, model_dir, reference, duration):
     pm.register(starting, name="dies_while_starting")
     if replacement:
         pm.register(EngineKiller(rng.randint(1, STEPS - 1), after_sync=True), name="killer")
-    args = base_args(model_dir, run_dir, *ENGINE, "rollout.engine.name=dies_while_starting", "rollout.engine_restarts=2")
+    # the engine's name first: naming another implementation forgets the args given before it
+    args = base_args(model_dir, run_dir, "rollout.engine.name=dies_while_starting", *ENGINE, "rollout.engine_restarts=2")
     try:
         run_training(load_config(None, args, pm=pm), pm)
         survived = starting.starts == len(deaths) + 1 + int(replacement)
