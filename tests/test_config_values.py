@@ -43,6 +43,12 @@ BAD_VALUES = [
     ("rollout.timeout_s=-1", ["rollout.timeout_s", "-1", "> 0"]),
     ("rollout.timeout_s=0", ["rollout.timeout_s", "0", "> 0"]),
     ("algorithm.critic.grad_clip=-2", ["algorithm.critic.grad_clip", ">= 0"]),
+    ("training.min_lr_ratio=1.5", ["training.min_lr_ratio", "[0, 1]"]),
+    ("training.eval_max_prompts=-1", ["training.eval_max_prompts", ">= 0"]),
+    ("training.num_threads=0", ["training.num_threads", ">= 1"]),
+    ("algorithm.kl.coef=-0.1", ["algorithm.kl.coef", ">= 0"]),
+    ("algorithm.kl.adaptive_horizon=0", ["algorithm.kl.adaptive_horizon", "> 0"]),
+    ("model.lora.dropout=1.0", ["model.lora.dropout", "[0, 1)"]),
     ("model.attn_implementation=flash", ["model.attn_implementation", "'flash'", "sdpa, eager, flash_attention_2"]),
     ("rewards=[{name: python", ["override 'rewards=[{name: python'", "does not parse", "did not find expected"]),
 ]

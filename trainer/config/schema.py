@@ -109,6 +109,7 @@ class LoraConfig:
     """Module names (suffixes) that get adapters."""
 
     def __post_init__(self) -> None:
+        _check_range("model.lora.dropout", self.dropout, 0, 1, high_open=True)
         if self.enabled:
             _check(self.rank > 0, f"model.lora.rank must be positive, got {self.rank}")
             _check(bool(self.target_modules), "model.lora.target_modules must name at least one module")
@@ -351,6 +352,8 @@ class AlgorithmConfig:
     """Mixture-of-Experts models: every step, routing agreement and the mismatch KL with and without replay (two extra no-grad forwards)."""
 
     def __post_init__(self) -> None:
+        _check_range("algorithm.kl.coef", self.kl.coef, 0, meaning="0 = no KL term")
+        _check_range("algorithm.kl.adaptive_horizon", self.kl.adaptive_horizon, 0, low_open=True)
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_choice("algorithm.routing_replay", self.routing_replay, ("none", "rollout"))
         _check_choice("algorithm.old_logprob_mode", self.old_logprob_mode, ("decoupled", "bypass"))
@@ -439,6 +442,11 @@ class TrainingConfig:
         _check_range("training.grad_clip", self.grad_clip, 0, meaning="0 = no clipping")
         _check_range("training.warmup_steps", self.warmup_steps, 0)
         _check_range("training.eval_every", self.eval_every, 0, meaning="0 = only at the end")
+        _check_range("training.eval_max_prompts", self.eval_max_prompts, 0)
+        _check_range("training.min_lr_ratio", self.min_lr_ratio, 0, 1, meaning="a fraction of training.lr")
+        _check_range("training.logprob_recompute_mb", self.logprob_recompute_mb, 0)
+        if self.num_threads is not None:
+            _check_range("training.num_threads", self.num_threads, 1, meaning="or null for torch's default")
         _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check(self.logprob_chunk_size >= 1, "training.logprob_chunk_size must be >= 1")
         _check(self.max_nonfinite_in_a_row >= 1, "training.max_nonfinite_in_a_row must be >= 1")
