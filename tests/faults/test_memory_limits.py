@@ -40,30 +40,52 @@ def error_line(capsys) -> str:
     return line
 
 
-@pytest.mark.parametrize(("overrides", "key", "total"), [
-    (["rollout.max_new_tokens=100000"], "rollout.max_new_tokens=100000", 100256),
-    (["data.max_prompt_tokens=500", "rollout.max_new_tokens=16"], "rollout.max_new_tokens=16", 516),
-    (["rollout.workflow=calculator", "rollout.max_response_tokens=300"], "rollout.max_response_tokens=300", 556),
+def longest_prompt(model_dir: str, tmp_path: Path) -> int:
+    """The longest prompt of the run's data, in tokens, as the run loads it."""
+    from rlite.data import load_prompt_splits
+    from rlite.run.build import load_tokenizer
+
+    cfg = tiny_config(model_dir, tmp_path / "probe")
+    splits = load_prompt_splits(cfg.data, load_tokenizer(cfg))
+    return max(len(p.prompt_ids) for split in splits if split is not None for p in split.items)
+
+
+@pytest.mark.parametrize(("overrides", "key", "response"), [
+    (["rollout.max_new_tokens=100000"], "rollout.max_new_tokens", 100000),
+    (["rollout.max_new_tokens=510"], "rollout.max_new_tokens", 510),
+    (["rollout.workflow=calculator", "rollout.max_response_tokens=600"], "rollout.max_response_tokens", 600),
 ])
 def test_a_sequence_longer_than_the_models_context_is_refused_naming_the_keys_and_the_limit(
-    tmp_path, model_dir, capsys, overrides, key, total
+    tmp_path, model_dir, capsys, overrides, key, response
 ) -> None:
+    prompt = longest_prompt(model_dir, tmp_path)
     assert main(["train", write_config(tmp_path, model_dir), *overrides]) == 2
     line = error_line(capsys)
-    assert key in line and "data.max_prompt_tokens=" in line and f"= {total} tokens" in line
-    assert "context of 512 positions (max_position_embeddings" in line and "at most 512" in line
+    assert f"{key}={response} + a prompt of up to {prompt} tokens (the longest prompt loaded has {prompt} tokens, " \
+           f"data.max_prompt_tokens=256) = {prompt + response} tokens exceed the model's context of 512 positions " \
+           "(max_position_embeddings of" in line
+    assert line.endswith(f"lower {key} to at most {512 - prompt}, or data.max_prompt_tokens")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the run began
+
+
+def test_a_default_max_prompt_tokens_beyond_the_context_is_no_reason_to_refuse(tmp_path, model_dir) -> None:
+    """The shipped warm-start model has 256 positions and the default data.max_prompt_tokens is 256: what
+    counts is the longest prompt actually loaded."""
+    from rlite.loop import run_training
+
+    run_training(tiny_config(model_dir, tmp_path / "run", "data.max_prompt_tokens=600", "rollout.max_new_tokens=8",
+                             "training.steps=1"))
 
 
 def test_absurd_batch_settings_are_refused_with_the_estimate_the_available_memory_and_the_keys(
     tmp_path, model_dir, capsys
 ) -> None:
-    # 10^7 sequences of 256 + 4 tokens: a KV cache of 10^7 x 2 layers x 2 x 2 heads x 16 x 260 x 4 bytes = 1.2 TiB
+    # 10^7 sequences of (longest prompt + 4) tokens: a KV cache of 10^7 x 2 layers x 2 x 2 heads x 16 x T x 4 bytes
     assert main(["train", write_config(tmp_path, model_dir), "rollout.prompts_per_step=5000000",
                  "rollout.samples_per_prompt=2"]) == 2
     line = error_line(capsys)
     assert line.startswith("rlite train: error: memory: the run needs about ")
-    kv_cache = 10**7 * 2 * 2 * 2 * 16 * 260 * 4
+    kv_cache = 10**7 * 2 * 2 * 2 * 16 * (longest_prompt(model_dir, tmp_path) + 4) * 4
     assert f"engine KV cache {kv_cache / 2**30:.2f} GiB" in line and "are available (MemAvailable in /proc/meminfo)" in line
     assert "rollout.max_new_tokens, rollout.prompts_per_step x rollout.samples_per_prompt" in line
     assert "training.check_memory=false" in line

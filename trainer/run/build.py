@@ -104,7 +104,6 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     started = time.perf_counter()
     check_input_paths(cfg)  # before anything loads or the run folder is touched
     ctx = init_distributed()
-    check_run_fits(cfg, ctx.device, ctx.world_size)  # context and memory, before anything is allocated
     if cfg.training.num_threads is not None:
         torch.set_num_threads(cfg.training.num_threads)
     if cfg.training.keep_freed_memory:
@@ -125,6 +124,9 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
     except (FileNotFoundError, ValueError, KeyError) as exc:  # bad data files: the messages name the key
         raise ConfigError(str(exc).strip("'\"")) from exc
+    longest_prompt = max((len(p.prompt_ids) for split in (train_prompts, eval_prompts) if split is not None
+                          for p in split.items), default=None)
+    check_run_fits(cfg, ctx.device, ctx.world_size, longest_prompt)  # context and memory, before models allocate
     rewards = build_rewards(cfg, pm, train_prompts)  # before any model loads: a bad reward fails fast
     algo = cfg.algorithm
     total_opt_steps = cfg.training.steps * algo.minibatches_per_step * algo.epochs_per_step

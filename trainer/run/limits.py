@@ -14,8 +14,8 @@ being killed by the kernel minutes later. The estimate, part by part (``docs/mem
               + L * 2 * H_kv * d_head * T * b_engine * S        the KV cache of S concurrent sequences
 
 with P parameters, L layers, h hidden size, V vocabulary, H_kv key/value heads of d_head each, W ranks,
-m = ``training.micro_batch_size``, T = ``data.max_prompt_tokens`` + ``rollout.max_new_tokens`` (multi-turn:
-+ ``rollout.max_response_tokens``), c = ``training.logprob_chunk_size``, S = the larger of
+m = ``training.micro_batch_size``, T = the longest prompt loaded (at most ``data.max_prompt_tokens``) +
+``rollout.max_new_tokens`` (multi-turn: the larger of it and ``rollout.max_response_tokens``), c = ``training.logprob_chunk_size``, S = the larger of
 ``rollout.prompts_per_step`` x ``rollout.samples_per_prompt`` and ``training.eval_max_prompts``, b the bytes
 of each dtype. SGLang sizes its own KV pool within ``mem_fraction_static``, so only the transformers engine's
 cache is counted. The activation term is rough (Korthikanti et al. 2022's 34 bytes per token, hidden unit
@@ -67,26 +67,37 @@ def model_shape(hf_config) -> ModelShape:
     )
 
 
-def sequence_tokens(cfg: RunConfig) -> int:
-    """The longest sequence a sample can reach: its prompt, then what is sampled (and, multi-turn, observed)."""
+def prompt_tokens(cfg: RunConfig, longest_prompt: int | None = None) -> int:
+    """The longest prompt: the longest one loaded (prompts beyond ``data.max_prompt_tokens`` were dropped)."""
+    return cfg.data.max_prompt_tokens if longest_prompt is None else min(longest_prompt, cfg.data.max_prompt_tokens)
+
+
+def response_tokens(cfg: RunConfig) -> tuple[int, str]:
+    """The longest response and the key that bounds it (multi-turn: the whole response, observations too)."""
     rollout = cfg.rollout
-    response = rollout.max_response_tokens if cfg.rollout.workflow.name != "single_turn" else rollout.max_new_tokens
-    return cfg.data.max_prompt_tokens + max(response, rollout.max_new_tokens)
+    if rollout.workflow.name != "single_turn" and rollout.max_response_tokens > rollout.max_new_tokens:
+        return rollout.max_response_tokens, "rollout.max_response_tokens"
+    return rollout.max_new_tokens, "rollout.max_new_tokens"
 
 
-def check_context(cfg: RunConfig, shape: ModelShape) -> None:
-    """Prompt plus response must fit the model's positions (``max_position_embeddings``)."""
+def sequence_tokens(cfg: RunConfig, longest_prompt: int | None = None) -> int:
+    """The longest sequence a sample can reach: its prompt, then what is sampled (and, multi-turn, observed)."""
+    return prompt_tokens(cfg, longest_prompt) + response_tokens(cfg)[0]
+
+
+def check_context(cfg: RunConfig, shape: ModelShape, longest_prompt: int | None = None) -> None:
+    """The longest prompt plus the longest response must fit the model's positions (``max_position_embeddings``)."""
     if shape.max_positions is None:
         return
-    tokens = sequence_tokens(cfg)
-    if tokens > shape.max_positions:
-        response_key = ("rollout.max_response_tokens" if cfg.rollout.workflow.name != "single_turn"
-                        else "rollout.max_new_tokens")  # fmt: skip
-        response = tokens - cfg.data.max_prompt_tokens
+    prompt = prompt_tokens(cfg, longest_prompt)
+    response, response_key = response_tokens(cfg)
+    if prompt + response > shape.max_positions:
+        loaded = "" if longest_prompt is None else f"the longest prompt loaded has {prompt} tokens, "
         raise ConfigError(
-            f"{response_key}={response} + data.max_prompt_tokens={cfg.data.max_prompt_tokens} = {tokens} tokens "
-            f"exceed the model's context of {shape.max_positions} positions (max_position_embeddings of "
-            f"{cfg.model.path}): lower them so that their sum is at most {shape.max_positions}"
+            f"{response_key}={response} + a prompt of up to {prompt} tokens ({loaded}data.max_prompt_tokens="
+            f"{cfg.data.max_prompt_tokens}) = {prompt + response} tokens exceed the model's context of "
+            f"{shape.max_positions} positions (max_position_embeddings of {cfg.model.path}): lower "
+            f"{response_key} to at most {shape.max_positions - prompt}, or data.max_prompt_tokens"
         )
 
 
@@ -105,13 +116,14 @@ class MemoryEstimate:
         return ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items() if size)
 
 
-def estimate_memory(cfg: RunConfig, shape: ModelShape, *, world_size: int = 1, on_gpu: bool = False) -> MemoryEstimate:
+def estimate_memory(cfg: RunConfig, shape: ModelShape, *, world_size: int = 1, on_gpu: bool = False,
+                    longest_prompt: int | None = None) -> MemoryEstimate:
     """What the run holds on one device (the host memory on CPU: every local rank and the engine share it)."""
     t = cfg.training
     master = DTYPE_BYTES[cfg.model.dtype]
     compute = DTYPE_BYTES[cfg.parallelism.param_dtype]
     params = shape.parameters
-    tokens = sequence_tokens(cfg)
+    tokens = sequence_tokens(cfg, longest_prompt)
     shards = world_size if on_gpu else 1  # on CPU all ranks' shards are in the same memory
     trains_all = not cfg.model.lora.enabled
     parts = {
@@ -172,9 +184,11 @@ def memory_keys(cfg: RunConfig, estimate: MemoryEstimate) -> str:
     return "; ".join(f"{name}: {keys[name]}" for name in largest[:3] if estimate.parts[name] and name in keys)
 
 
-def check_memory(cfg: RunConfig, shape: ModelShape, device: torch.device, world_size: int = 1) -> None:
+def check_memory(cfg: RunConfig, shape: ModelShape, device: torch.device, world_size: int = 1,
+                 longest_prompt: int | None = None) -> None:
     """Refuse a run whose estimate exceeds the memory available now."""
-    estimate = estimate_memory(cfg, shape, world_size=world_size, on_gpu=device.type == "cuda")
+    estimate = estimate_memory(cfg, shape, world_size=world_size, on_gpu=device.type == "cuda",
+                               longest_prompt=longest_prompt)
     available = available_memory(device)
     if available is None or estimate.total <= available[0]:
         return
@@ -186,9 +200,10 @@ def check_memory(cfg: RunConfig, shape: ModelShape, device: torch.device, world_
     )
 
 
-def check_run_fits(cfg: RunConfig, device: torch.device, world_size: int = 1) -> None:
-    """The context and memory checks of a run, before anything is allocated (model configs that transformers
-    cannot read are left to the model loader, which names the problem)."""
+def check_run_fits(cfg: RunConfig, device: torch.device, world_size: int = 1, longest_prompt: int | None = None) -> None:
+    """The context and memory checks of a run, before its models are allocated; ``longest_prompt``: the longest
+    prompt loaded, in tokens (None: ``data.max_prompt_tokens``). Model configs that transformers cannot read are
+    left to the model loader, which names the problem."""
     from transformers import AutoConfig
 
     try:
@@ -196,6 +211,6 @@ def check_run_fits(cfg: RunConfig, device: torch.device, world_size: int = 1) ->
         shape = model_shape(hf_config)
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return
-    check_context(cfg, shape)
+    check_context(cfg, shape, longest_prompt)
     if cfg.training.check_memory:
-        check_memory(cfg, shape, device, world_size)
+        check_memory(cfg, shape, device, world_size, longest_prompt)
