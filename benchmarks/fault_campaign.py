@@ -18,6 +18,12 @@ Fault kinds (each trial a few seconds on a ~0.2M-parameter model, 4 steps):
   file) planted in the latest checkpoint's trainer state or DCP ``.metadata``, its manifest rewritten to
   match; ``rlite train`` must refuse it (status 2, the file named), run nothing and leave the run's files
   as they were ("survived"; "data lost": the marker exists or a file of the run changed).
+* ``disk_full``: ENOSPC at a random write path (metrics.jsonl, TensorBoard, samples.jsonl, a checkpoint's
+  ``torch.save``, the export) at a random step of ``rlite train`` (``rlite.cli.main``, in this process): it
+  must exit 4 naming the free space, and the same command again must finish (``checkpoint.every=1``).
+* ``engine_start_death``: the spawned engine process SIGKILLed before it is ready: the first engine once or
+  twice, or (after the running engine was killed at a random step) its replacement once; the run must start
+  it again and go on (``rollout.engine_restarts=2``).
 
 Columns: ``injected`` trials where the fault hit a running run; ``survived`` the run (and its resume)
 finished every step; ``resumed bitwise`` its final weights equal an undisturbed run's bit for bit;
@@ -45,7 +51,8 @@ import torch
 from rlite import hookimpl
 
 STEPS = 4
-KINDS = ("sigkill", "sigterm", "nan", "engine_kill", "corrupt_latest", "torn_log", "malicious_checkpoint")
+KINDS = ("sigkill", "sigterm", "nan", "engine_kill", "corrupt_latest", "torn_log", "malicious_checkpoint",
+         "disk_full", "engine_start_death")
 
 
 def base_args(model_dir: str, run_dir: Path, *extra: str) -> list[str]:
@@ -224,6 +231,138 @@ def torn_log_trial(rng, work, config, model_dir, reference, duration, prepared: 
     return True, survived, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
 
 
+class patched:
+    """Set ``owner.name`` to ``value`` for a ``with`` block."""
+
+    def __init__(self, owner, name: str, value):
+        self.owner, self.name, self.value = owner, name, value
+
+    def __enter__(self):
+        self.saved = getattr(self.owner, self.name)
+        setattr(self.owner, self.name, self.value)
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.saved)
+
+
+DISK_FULL_PATHS = ("metrics", "tensorboard", "samples", "checkpoint", "export")
+
+
+def full_disk_writer(path: str, step: int):
+    """``(owner, attribute, replacement)``: the writer of ``path`` failing as a full disk does from ``step`` on."""
+    import errno
+
+    from transformers import PreTrainedModel
+
+    from rlite.plugins.loggers import JsonlLogger, TensorBoardLogger
+    from rlite.samples import SampleWriter
+
+    def enospc(self, at_step, *args, **kwargs):
+        if at_step >= step:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, at_step, *args, **kwargs)
+
+    if path in ("metrics", "tensorboard", "samples"):
+        owner, name = {"metrics": (JsonlLogger, "log"), "tensorboard": (TensorBoardLogger, "log"),
+                       "samples": (SampleWriter, "write")}[path]  # fmt: skip
+        original = getattr(owner, name)
+        return owner, name, enospc
+    if path == "checkpoint":  # torch.save's zip writer reports ENOSPC without the errno
+        save = torch.save
+
+        def failing_save(obj, f, *args, **kwargs):
+            if f"step_{step:08d}" in str(f):
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            return save(obj, f, *args, **kwargs)
+
+        return torch, "save", failing_save
+
+    def config_then_full(self, save_directory, *args, **kwargs):
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(save_directory)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return PreTrainedModel, "save_pretrained", config_then_full
+
+
+def disk_full_trial(rng, work, config, model_dir, reference, duration):
+    import contextlib
+    import io
+
+    from rlite.cli import main as rlite_main
+
+    run_dir = work / "run"
+    path, step = rng.choice(DISK_FULL_PATHS), rng.randint(1, STEPS)
+    argv = ["train", str(config), *base_args(model_dir, run_dir, "checkpoint.every=1", "logging.samples_every=1",
+                                             "logging.loggers=[jsonl,tensorboard]")]  # fmt: skip
+    stderr = io.StringIO()
+    with patched(*full_disk_writer(path, step)), contextlib.redirect_stderr(stderr):
+        first = rlite_main(argv)
+    message = stderr.getvalue()
+    injected = first == 4
+    named = "GiB free of" in message and "Free disk space" in message and "run the same command again" in message
+    with contextlib.redirect_stderr(io.StringIO()) as again:
+        second = rlite_main(argv)
+    survived = injected and named and second == 0
+    if not survived:
+        print(f"  [disk_full {path} step {step}] first exit {first}, then {second}: {message[-400:]!r} "
+              f"{again.getvalue()[-400:]!r}", file=sys.stderr)  # fmt: skip
+    weights = final_weights(run_dir)
+    leftovers = (run_dir / "hf_model.tmp").exists()
+    return injected, survived and not leftovers, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
+
+
+class DiesWhileStarting:
+    """The spawned ``transformers`` engine, except that the starts numbered in ``deaths`` are SIGKILLed
+    before the engine process is ready."""
+
+    def __init__(self, deaths: set[int]):
+        self.deaths, self.starts = deaths, 0
+
+    @hookimpl
+    def register_rollout_engines(self, register):
+        import functools
+
+        from rlite.api import ProcessEngine
+        from rlite.plugins.engines import TransformersEngineConfig, make_transformers_engine
+
+        def make(model_config, tokenizer, rollout_config, cfg, context):
+            self.starts += 1
+            if self.starts in self.deaths:
+                return ProcessEngine(model_config.path, pad_token_id=0, eos_token_ids=[0], timeout_s=120,
+                                     engine_factory=functools.partial(signal.raise_signal, signal.SIGKILL),
+                                     factory_kwargs={})  # fmt: skip
+            return make_transformers_engine(model_config, tokenizer, rollout_config, cfg, context)
+
+        register("dies_while_starting", make, TransformersEngineConfig)
+
+
+def engine_start_trial(rng, work, config, model_dir, reference, duration):
+    from rlite.config import load_config
+    from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
+
+    run_dir = work / "run"
+    replacement = rng.random() < 0.5
+    # the first engine dies once or twice while starting; or the running one is killed and its replacement dies
+    deaths = {2} if replacement else set(range(1, rng.randint(1, 2) + 1))
+    pm = build_plugin_manager(autoload=False)
+    starting = DiesWhileStarting(deaths)
+    pm.register(starting, name="dies_while_starting")
+    if replacement:
+        pm.register(EngineKiller(rng.randint(1, STEPS - 1), after_sync=True), name="killer")
+    # the engine's name first: naming another implementation forgets the args given before it
+    args = base_args(model_dir, run_dir, "rollout.engine.name=dies_while_starting", *ENGINE, "rollout.engine_restarts=2")
+    try:
+        run_training(load_config(None, args, pm=pm), pm)
+        survived = starting.starts == len(deaths) + 1 + int(replacement)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  [engine_start_death {sorted(deaths)}] {type(exc).__name__}: {exc}", file=sys.stderr)
+        survived = False
+    weights = final_weights(run_dir)
+    return True, survived, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
+
+
 class Payload:
     """Unpickling it calls ``call`` (by reference: ``builtins.exec``, ``posix.system``, ``builtins.eval``)."""
 
@@ -314,6 +453,8 @@ def main() -> None:
         "corrupt_latest": lambda r, w: corrupt_trial(r, w, config, model_dir, reference, duration, prepared),
         "torn_log": lambda r, w: torn_log_trial(r, w, config, model_dir, reference, duration, prepared),
         "malicious_checkpoint": lambda r, w: malicious_trial(r, w, config, model_dir, reference, duration, prepared),
+        "disk_full": lambda r, w: disk_full_trial(r, w, config, model_dir, reference, duration),
+        "engine_start_death": lambda r, w: engine_start_trial(r, w, config, model_dir, reference_engine, duration),
     }
     table = []
     for kind in args.kinds.split(","):

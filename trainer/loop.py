@@ -19,7 +19,7 @@ from rlite.engines.supervisor import EngineGaveUp
 from rlite.metrics import ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
-from rlite.run.faults import NonFiniteGuard, Preemption
+from rlite.run.faults import NonFiniteGuard, Preemption, RunStopped, latest_checkpoint_text, stop_on_full_disk
 from rlite.run.lifecycle import (
     finish_run,
     log_metrics,
@@ -28,6 +28,7 @@ from rlite.run.lifecycle import (
     save_run_checkpoint,
     step_start_state,
     stop_after_engine_failure,
+    write_samples,
 )
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
@@ -140,7 +141,7 @@ def train(run: Run) -> dict[str, Any]:
 def evaluate(run: Run, step: int) -> dict[str, float]:
     metrics = run.rollouts.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
     if run.samples is not None:
-        run.samples.write(step, "eval", run.rollouts.eval_samples)
+        write_samples(run, step, "eval", run.rollouts.eval_samples)
     # an evaluation runs between a sync and the next rollout, which needs the engine whole; after
     # the last step's nothing generates again, and the final checkpoint and export get the memory
     if step == run.config.training.steps:
@@ -180,10 +181,17 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
     else:
         preemption.set_timeout(cfg.checkpoint.preempt_timeout_s)
     try:
-        run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+        # the write paths name themselves when a full disk stops them; anything else written (config.yaml,
+        # the loggers' first files, a profile, offloaded moments) stops as cleanly, naming the run folder
+        try:
+            with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir):
+                run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+        except EngineGaveUp as failure:  # it kept dying while starting or at the first sync: nothing ran
+            raise RunStopped(f"{failure}. No step ran in this run; {latest_checkpoint_text(cfg.logging.run_dir)}") from None
         run.preemption = preemption
         try:
-            summary = train(run)
+            with stop_on_full_disk("the run's files", run.run_dir, run.run_dir):
+                summary = train(run)
         except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
             raise stop_after_engine_failure(run, failure) from None
         finally:

@@ -284,9 +284,14 @@ log = os.environ["FAKE_SGLANG_LOG"]
 parser = argparse.ArgumentParser()
 parser.add_argument("--host")
 parser.add_argument("--port", type=int)
+parser.add_argument("--api-key")
+parser.add_argument("--config")
 args, _ = parser.parse_known_args()
+api_key = args.api_key
+if args.config:  # SGLang's --config: a YAML file of ServerArgs fields (rlite writes JSON, which is YAML)
+    api_key = json.load(open(args.config)).get("api-key", api_key)  # a key k becomes the flag --k
 with open(log, "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:]}) + "\\n")
+    f.write(json.dumps({"argv": sys.argv[1:], "api_key": api_key}) + "\\n")
 if mode == "exit":
     sys.exit(3)
 if mode == "hang":
@@ -305,11 +310,20 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _authorized(self):  # SGLang's api-key middleware: a Bearer token on everything but /health
+        if self.path.startswith("/health") or not api_key or self.headers.get("Authorization") == "Bearer " + api_key:
+            return True
+        self._reply(401, {"error": "Unauthorized"})
+        return False
+
     def do_GET(self):
-        self._reply(200, {"ok": True})
+        if self._authorized():
+            self._reply(200, {"ok": True})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+        if not self._authorized():
+            return
         with open(log, "a") as f:
             f.write(json.dumps({"path": self.path, "body": body}) + "\\n")
         if self.path == "/generate":
@@ -400,6 +414,60 @@ def test_server_mode_launches_on_loopback_and_speaks_the_http_api(fake_server):
     (payload,) = update["serialized_named_tensors"]
     assert base64.b64decode(payload, validate=True)[:1] == b"\x80"  # a pickle, base64-encoded
     assert calls[-1]["body"]["return_logprob"] is True
+
+
+def test_a_launched_server_takes_a_fresh_key_that_only_rlite_sends(fake_server):
+    """Anyone on the node reaches 127.0.0.1 and a weight update is a pickle the server unpickles: each
+    server gets its own random ``--api-key`` (read from a 0600 ``--config`` file, never on the command
+    line, which every user sees), rlite sends it on every request, and a request without it is refused."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from rlite.engines.sglang.launch import ServerBackend
+
+    backends = [ServerBackend({"model_path": "/m"}, start_timeout_s=60.0, timeout_s=30.0) for _ in range(2)]
+    try:
+        backends[0].metadata_cls = FlattenedTensorMetadataFields
+        engine = _engine_on(backends[0])
+        engine.update_weights(iter(named_tensors(1)), 1)
+        assert [c.weight_version for c in engine.generate([[3, 4]], SamplingParams(n=1, max_new_tokens=2))] == [1]
+        launches = [c for c in fake_server() if "argv" in c]
+        keys = [launch["api_key"] for launch in launches]
+        assert len(keys) == 2 and all(keys) and keys[0] != keys[1] and len(keys[0]) >= 32
+        assert keys == [backend.api_key for backend in backends]
+        for launch in launches:
+            argv = launch["argv"]
+            assert "--api-key" not in argv and not any(key in " ".join(argv) for key in keys)
+            assert not os.path.exists(argv[argv.index("--config") + 1])  # removed once the server was up
+        assert "/generate" in [c.get("path") for c in fake_server()]  # rlite's own calls got through
+
+        for path, body in [("/generate", {"input_ids": [[3]], "sampling_params": [{"max_new_tokens": 1}]}),
+                           ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]})]:
+            for headers in [{}, {"Authorization": "Bearer " + keys[1]}]:  # none, and another run's key
+                request = urllib.request.Request(backends[0].url + path, data=json.dumps(body).encode(),
+                                                 headers={"Content-Type": "application/json", **headers})
+                opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    opener.open(request, timeout=10)
+                assert refused.value.code == 401
+    finally:
+        for backend in backends:
+            backend.shutdown()
+
+
+def test_the_auth_config_file_is_readable_by_its_owner_only():
+    import json
+    import stat
+
+    from rlite.engines.sglang.launch import write_auth_config
+
+    path = write_auth_config("secret-key")
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.suffix == ".yaml"
+        assert json.loads(path.read_text()) == {"api-key": "secret-key"}  # JSON is YAML
+    finally:
+        path.unlink()
 
 
 @pytest.mark.parametrize("mode", ["exit", "hang"])
@@ -1024,3 +1092,42 @@ def test_sglang_reads_rlites_speculative_flags_and_selector_requests():
     manager = _sglang_source("srt/managers/tokenizer_manager.py")
     for key in ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts", "output_top_logprobs"):
         assert f'"{key}"' in manager, key  # the meta_info keys rlite reads
+
+
+# -- (c) the API key as SGLang's own code reads and checks it (tests/sglang_compat) -----------------
+
+
+@needs_sglang
+def test_sglang_reads_the_key_from_rlites_config_file_and_accepts_only_rlites_bearer_header():
+    """``--config`` (SGLang's ConfigArgumentMerger) turns rlite's file into ``--api-key KEY``; ``api_key`` is
+    a ServerArgs field; and SGLang's auth decision lets rlite's ``Authorization: Bearer KEY`` through on a
+    normal route (/generate) and an admin-optional one (the weight updates), refuses no key or another
+    key, and leaves /health open (rlite's start-up poll sends none)."""
+    import argparse
+    import re
+
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    from rlite.engines.sglang.launch import server_command, write_auth_config
+
+    assert re.search(r"^\s+api_key: A\[", _sglang_source("srt/arg_groups/fields/serving.py"), re.MULTILINE)
+    path = write_auth_config("k-123")
+    try:
+        parser = argparse.ArgumentParser()
+        for flag in ("--host", "--port", "--model-path", "--api-key", "--config"):
+            parser.add_argument(flag)
+        argv = server_command({"model_path": "/m", "config": str(path)}, port=1234)[3:]
+        args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv))
+        assert args.api_key == "k-123" and args.model_path == "/m"
+    finally:
+        path.unlink()
+
+    def allowed(header, path="/generate", level=AuthLevel.NORMAL):
+        return decide_request_auth(method="POST", path=path, authorization_header=header, api_key="k-123",
+                                   admin_api_key=None, auth_level=level).allowed
+
+    for level in (AuthLevel.NORMAL, AuthLevel.ADMIN_OPTIONAL):
+        assert allowed("Bearer k-123", level=level)
+        assert not allowed(None, level=level) and not allowed("Bearer another-run", level=level)
+    assert allowed(None, path="/health")

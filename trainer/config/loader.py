@@ -114,7 +114,12 @@ def apply_override(cfg: DictConfig, item: str) -> None:
     parts = key.split(".")
     if not sep or not key or not all(parts):
         raise ConfigError(f"override {item!r} must look like key.path=value")
-    value = _parse_value(raw)
+    try:
+        value = _parse_value(raw)
+    except Exception as exc:  # yaml's parser errors span many lines; one is enough to see the problem
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError(f"override {item!r}: the value {raw!r} does not parse ({problem}): close its brackets "
+                          "and quotes, and quote the whole item in the shell") from None
     choice, whole_list = _choice_key(parts)
     if choice is None and parts[-1] == "name":
         element, whole = _choice_key(parts[:-1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -21,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZER_OFFLOADS = ("none", "disk")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 class ConfigError(ValueError):
@@ -53,6 +55,25 @@ def _check_choice(key: str, value: Any, choices: typing.Sequence[Any]) -> None:
 def _check(condition: bool, message: str) -> None:
     if not condition and not _SKIP_CHECKS.get():
         raise ConfigError(message)
+
+
+def _check_range(key: str, value: float, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False, meaning: str = "") -> None:
+    """``key``'s value lies in the interval [low, high] (``low_open``/``high_open``: that end excluded; None:
+    unbounded); the error names the key, the value and the valid range, plus what the range means."""
+    if _SKIP_CHECKS.get():
+        return
+    above = low is None or (value > low if low_open else value >= low)
+    below = high is None or (value < high if high_open else value <= high)
+    if above and below:
+        return
+    if high is None:
+        valid = f"{'>' if low_open else '>='} {low}"
+    elif low is None:
+        valid = f"{'<' if high_open else '<='} {high}"
+    else:
+        valid = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    raise ConfigError(f"{key}: invalid value {value!r}. Valid range: {valid}" + (f" ({meaning})" if meaning else ""))
 
 
 @dataclass
@@ -88,6 +109,7 @@ class LoraConfig:
     """Module names (suffixes) that get adapters."""
 
     def __post_init__(self) -> None:
+        _check_range("model.lora.dropout", self.dropout, 0, 1, high_open=True)
         if self.enabled:
             _check(self.rank > 0, f"model.lora.rank must be positive, got {self.rank}")
             _check(bool(self.target_modules), "model.lora.target_modules must name at least one module")
@@ -105,7 +127,7 @@ class ModelConfig:
     dtype: str = "float32"
     """Dtype of the master weights kept by the trainer (one of float32, bfloat16, float16)."""
     attn_implementation: str = "sdpa"
-    """Attention implementation passed to transformers (sdpa, eager, flash_attention_2)."""
+    """Attention implementation passed to transformers (sdpa, eager, flash_attention_2, flash_attention_3, flex_attention)."""
     gguf_file: Optional[str] = None
     """GGUF file inside ``path`` to load (dequantized) instead of safetensors weights."""
     trust_remote_code: bool = False
@@ -115,6 +137,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)
+        _check_choice("model.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,6 +254,8 @@ class RolloutConfig:
             _check(getattr(self, key) > 0, f"rollout.{key} must be positive, got {getattr(self, key)}")
         _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _check_range("rollout.top_k", self.top_k, 0, meaning="0 = off")
+        _check_range("rollout.timeout_s", self.timeout_s, 0, low_open=True, meaning="seconds a single engine call may take")
         _check_choice("rollout.lora_sync", self.lora_sync, ("merged", "adapter"))
         _check(self.engine_restarts >= 0, f"rollout.engine_restarts must be >= 0, got {self.engine_restarts}")
         _check_choice("rollout.mode", self.mode, ("sync", "one_step_off", "async"))
@@ -285,6 +310,7 @@ class CriticConfig:
 
     def __post_init__(self) -> None:
         _check(self.lr >= 0, "algorithm.critic.lr must be >= 0")
+        _check_range("algorithm.critic.grad_clip", self.grad_clip, 0, meaning="0 = no clipping")
         _check(self.value_clip > 0, "algorithm.critic.value_clip must be > 0")
 
 
@@ -326,6 +352,8 @@ class AlgorithmConfig:
     """Mixture-of-Experts models: every step, routing agreement and the mismatch KL with and without replay (two extra no-grad forwards)."""
 
     def __post_init__(self) -> None:
+        _check_range("algorithm.kl.coef", self.kl.coef, 0, meaning="0 = no KL term")
+        _check_range("algorithm.kl.adaptive_horizon", self.kl.adaptive_horizon, 0, low_open=True)
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_choice("algorithm.routing_replay", self.routing_replay, ("none", "rollout"))
         _check_choice("algorithm.old_logprob_mode", self.old_logprob_mode, ("decoupled", "bypass"))
@@ -394,6 +422,10 @@ class TrainingConfig:
     accuracy_threshold: float = 1.0
     """``eval/*_accuracy`` and ``reward/accuracy`` count a sample correct by its built-in task's answer check
     (``rlite.tasks.TASK_CHECKS``); rows of data files, which have none, when their total reward is >= this."""
+    check_memory: bool = True
+    """Before anything is allocated, estimate the memory the run holds (weights, gradients, AdamW moments,
+    activations of a micro-batch, the transformers engine's KV cache; ``docs/memory.md``) and refuse a run whose
+    estimate exceeds the memory available (exit status 2, naming the keys to change). False skips the check."""
     max_nonfinite_in_a_row: int = 3
     """An optimizer update whose loss or gradient norm is NaN/inf is skipped (counted in ``train/skipped_nonfinite``);
     after this many skipped in a row the run stops with a message naming the step and the likely cause (exit status 4)."""
@@ -403,6 +435,18 @@ class TrainingConfig:
         _check(self.micro_batch_size >= 1, "training.micro_batch_size must be >= 1")
         _check(self.lr >= 0, "training.lr must be >= 0")
         _check(len(self.betas) == 2, f"training.betas must have two values, got {list(self.betas)}")
+        for index, beta in enumerate(self.betas):
+            _check_range(f"training.betas[{index}]", beta, 0, 1, high_open=True, meaning="AdamW's moment decay rates")
+        _check_range("training.eps", self.eps, 0, low_open=True, meaning="AdamW's denominator term")
+        _check_range("training.weight_decay", self.weight_decay, 0)
+        _check_range("training.grad_clip", self.grad_clip, 0, meaning="0 = no clipping")
+        _check_range("training.warmup_steps", self.warmup_steps, 0)
+        _check_range("training.eval_every", self.eval_every, 0, meaning="0 = only at the end")
+        _check_range("training.eval_max_prompts", self.eval_max_prompts, 0)
+        _check_range("training.min_lr_ratio", self.min_lr_ratio, 0, 1, meaning="a fraction of training.lr")
+        _check_range("training.logprob_recompute_mb", self.logprob_recompute_mb, 0)
+        if self.num_threads is not None:
+            _check_range("training.num_threads", self.num_threads, 1, meaning="or null for torch's default")
         _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check(self.logprob_chunk_size >= 1, "training.logprob_chunk_size must be >= 1")
         _check(self.max_nonfinite_in_a_row >= 1, "training.max_nonfinite_in_a_row must be >= 1")
@@ -527,6 +571,21 @@ class LoggingConfig:
         _check(self.samples_per_step >= 1, "logging.samples_per_step must be >= 1")
         if not self.run_dir and not _SKIP_CHECKS.get():  # built in code, without a config file to name it
             self.run_dir = "runs/rlite"
+        if self.run_dir and not _SKIP_CHECKS.get():
+            blocker = _existing_non_folder(self.run_dir)
+            _check(blocker is None, f"logging.run_dir: {self.run_dir!r} cannot be a folder: {blocker!r} exists and "
+                                    "is not a folder. Valid: a folder, or a path that does not exist yet")
+
+
+def _existing_non_folder(path: str) -> str | None:
+    """The nearest existing part of ``path`` (itself or an ancestor) when it is not a folder, else None."""
+    current = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
+    return None if os.path.isdir(current) else current
 
 
 @dataclass

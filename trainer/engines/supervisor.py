@@ -4,8 +4,9 @@ trainer's current weights, and the call that failed is made again.
 :class:`SupervisedEngine` wraps any engine; only :class:`~rlite.engines.base.EngineDied` (the process
 is gone) leads to a restart, any other :class:`~rlite.engines.base.EngineError` is passed on. The new
 engine receives the weights through the ordinary sync (``resync(version)``), so it samples with the
-version the trainer last synced, checksums verified by the sync protocol. After ``max_restarts``
-restarts the next death raises :class:`EngineGaveUp`.
+version the trainer last synced, checksums verified by the sync protocol. An engine that dies while
+starting (the first one, :meth:`SupervisedEngine.launch`, or a replacement) is started again the same
+way and counts as a restart. After ``max_restarts`` restarts the next death raises :class:`EngineGaveUp`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,34 @@ class SupervisedEngine:
             raise AttributeError(name)
         return getattr(engine, name)
 
+    @classmethod
+    def launch(cls, start: Callable[[], RolloutEngine], max_restarts: int) -> SupervisedEngine:
+        """Start the first engine with ``start``; one that dies while starting is started again, counted
+        against ``max_restarts`` like a death later in the run."""
+        restarts = 0
+        while True:
+            try:
+                engine = start()
+                break
+            except EngineDied as died:
+                restarts = cls._count_restart(died, restarts, max_restarts, "while starting")
+                log.warning("rollout engine died while starting (%s); starting it again (%d of %d)",
+                            str(died).splitlines()[0], restarts, max_restarts)  # fmt: skip
+        supervised = cls(engine, start, max_restarts)
+        supervised.restarts = restarts
+        return supervised
+
+    @staticmethod
+    def _count_restart(died: EngineDied, restarts: int, max_restarts: int, when: str = "") -> int:
+        """One more restart after ``died``, or :class:`EngineGaveUp` when none is left."""
+        cause = str(died).splitlines()[0]
+        if restarts >= max_restarts:
+            raise EngineGaveUp(
+                f"the rollout engine died{' again' if restarts else ''}{' ' + when if when else ''} after {restarts} restart(s) "
+                f"(rollout.engine_restarts={max_restarts}): {cause}"
+            ) from died
+        return restarts + 1
+
     # -- the contract ---------------------------------------------------------------------------
     def generate(self, prompts, params):
         return self._call("generate", prompts, params)
@@ -91,20 +120,23 @@ class SupervisedEngine:
                 self._restart(died)  # then the same call again, on the new engine
 
     def _restart(self, died: EngineDied) -> None:
-        cause = str(died).splitlines()[0]
-        if self.restarts >= self.max_restarts or self.resync is None:
-            raise EngineGaveUp(
-                f"the rollout engine died again after {self.restarts} restart(s) "
-                f"(rollout.engine_restarts={self.max_restarts}): {cause}"
-            ) from died
-        self.restarts += 1
-        log.warning("rollout engine died (%s); restarting it (%d of %d) with the trainer's weights v%d",
-                    cause, self.restarts, self.max_restarts, self.version)  # fmt: skip
-        try:
-            self.engine.shutdown()
-        except Exception:  # noqa: BLE001 (the old engine is gone either way)
-            pass
-        self.engine = self.start()
+        if self.resync is None:  # nothing could give a new engine the trainer's weights
+            raise EngineGaveUp(f"the rollout engine died before the run could sync it: {died}") from died
+        when = ""
+        while True:
+            self.restarts = self._count_restart(died, self.restarts, self.max_restarts, when)
+            log.warning("rollout engine died%s (%s); restarting it (%d of %d) with the trainer's weights v%d",
+                        " " + when if when else "", str(died).splitlines()[0], self.restarts, self.max_restarts,
+                        self.version)  # fmt: skip
+            try:
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 (the old engine is gone either way)
+                pass
+            try:
+                self.engine = self.start()
+                break
+            except EngineDied as again:  # the replacement died while starting: the same as any death
+                died, when = again, "while starting"
         self.resync(self.version)  # the sync protocol's checksums verify every byte the new engine got
         log.warning("rollout engine restarted (pid %s), weights v%d synced and verified",
                     getattr(self.engine, "pid", "in-process"), self.engine.weight_version)  # fmt: skip

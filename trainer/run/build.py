@@ -33,6 +33,7 @@ from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner
 from rlite.run.checkpoint import find_resume_checkpoint
 from rlite.run.faults import Preemption
 from rlite.run.lifecycle import check_resume_config, maybe_resume
+from rlite.run.limits import check_run_fits
 from rlite.samples import SampleWriter
 from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import Rollouts
@@ -123,6 +124,9 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
     except (FileNotFoundError, ValueError, KeyError) as exc:  # bad data files: the messages name the key
         raise ConfigError(str(exc).strip("'\"")) from exc
+    longest_prompt = max((len(p.prompt_ids) for split in (train_prompts, eval_prompts) if split is not None
+                          for p in split.items), default=None)
+    check_run_fits(cfg, ctx.device, ctx.world_size, longest_prompt)  # context and memory, before models allocate
     rewards = build_rewards(cfg, pm, train_prompts)  # before any model loads: a bad reward fails fast
     algo = cfg.algorithm
     total_opt_steps = cfg.training.steps * algo.minibatches_per_step * algo.epochs_per_step
@@ -207,9 +211,10 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     if layout.leader:
         make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
         start = functools.partial(make_engine, cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
-        engine = start()
         if ctx.world_size == 1:  # the re-sync after a restart is this rank's alone (several: a death stops the run)
-            engine = SupervisedEngine(engine, start, cfg.rollout.engine_restarts)
+            engine = SupervisedEngine.launch(start, cfg.rollout.engine_restarts)  # restarted from its start-up on
+        else:
+            engine = start()
     timer = StepTimer()
     try:
         rollouts = build_rollouts(cfg, engine, sampler, rewards, tokenizer, layout, pm.hook, timer)

@@ -17,7 +17,6 @@ have handed you, not code.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -197,18 +196,14 @@ def _sha256(path: Path) -> str:
 
 
 def _describe_write_failure(step: int, root: Path, error: str) -> str:
-    try:
-        usage = shutil.disk_usage(root)
-        space = f"{usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.2f} GiB"
-    except OSError:
-        space = "free space unknown"
-    full = f"[Errno {errno.ENOSPC}]" in error or "No space left" in error
+    from rlite.run.faults import free_space_text, is_disk_full
+
     previous = list_checkpoints(root)
     kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
     return (
-        f"the checkpoint of step {step} could not be written to {root} ({space}): {error.splitlines()[0]}. "
-        f"Its partial folder was removed and {kept}. "
-        + ("Free disk space" if full else "Fix the folder")
+        f"the checkpoint of step {step} could not be written to {root} ({free_space_text(root)}): "
+        f"{error.splitlines()[0]}. Its partial folder was removed and {kept}. "
+        + ("Free disk space" if is_disk_full(error) else "Fix the folder")
         + " (or point logging.run_dir at another disk) and run the same command again to resume"
     )
 

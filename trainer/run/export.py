@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -32,7 +34,12 @@ def export_hf(
     backend: TrainingBackend, tokenizer, out_dir: str | Path, *, is_main: bool, source_model: str | None = None
 ) -> Path:
     """Gather the full weights (collective: every rank calls this) and ``save_pretrained`` on rank 0,
-    with the generation config of ``source_model`` (the ``model.path`` training started from)."""
+    with the generation config of ``source_model`` (the ``model.path`` training started from).
+
+    Rank 0 writes into ``<out_dir>.tmp`` and renames it to ``out_dir`` only when every file is written, so
+    ``out_dir`` is complete or absent: an export stopped by a full disk leaves no partial folder behind
+    (its temporary folder is removed to give the space back), and the next run of the same command,
+    which resumes from the final checkpoint, exports again."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
@@ -51,6 +58,24 @@ def export_hf(
             raise RuntimeError(f"export: no weights for {missing[:5]}")
         model.config.use_cache = True
         model.generation_config = source_generation_config(source_model, model.config)
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # an earlier export's leftovers
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        replace_folder(tmp, out_dir)
     return out_dir
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Put the complete folder ``new`` at ``target``; an existing ``target`` is moved aside first and removed
+    after, so ``target`` is never a mix of the two."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)

@@ -8,7 +8,11 @@ How each one is handled, with the exit codes, is in ``docs/faults.md``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 EXIT_STOPPED = 4
@@ -35,10 +39,65 @@ def latest_checkpoint_text(run_dir: str | Path) -> str:
     """Which checkpoint a stopped run resumes from, as a sentence for its message."""
     from rlite.run.checkpoint import checkpoint_root, list_checkpoints
 
-    found = list_checkpoints(checkpoint_root(run_dir))
+    try:
+        found = list_checkpoints(checkpoint_root(run_dir))
+    except OSError:  # the run folder itself is unreadable
+        return "the checkpoints could not be listed"
     if not found:
         return "no checkpoint was saved yet (checkpoint.every=0): a re-run starts from the beginning"
     return f"the last good checkpoint is {found[-1]}"
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""A full disk, or a full quota (what a shared cluster's home and scratch folders usually run out of)."""
+
+DISK_FULL_TEXTS = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]", "No space left on device", "Disk quota exceeded",
+                   "unexpected pos", "file write failed")
+"""How a full disk reads once it has been turned into text or a RuntimeError: ``torch.save``'s zip writer reports
+ENOSPC as ``[enforce fail at inline_container.cc] unexpected pos`` or ``file write failed``, without the errno."""
+
+
+def is_disk_full(error: BaseException | str) -> bool:
+    """Whether ``error`` (an exception, or its text) says the disk or the quota is full."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        return True
+    text = error if isinstance(error, str) else f"{error}"
+    return any(marker in text for marker in DISK_FULL_TEXTS)
+
+
+def free_space_text(folder: str | Path) -> str:
+    """``"1.25 GiB free of 50.00 GiB"`` for the disk holding ``folder`` (or its nearest existing parent)."""
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return "free space unknown"
+    return f"{usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.2f} GiB"
+
+
+def disk_full_message(what: str, folder: str | Path, error: BaseException | str, run_dir: str | Path) -> str:
+    """The one message of every write a full disk stopped: what, where, how much space is left, and the
+    checkpoint the same command resumes from once there is space."""
+    first_line = (f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error).splitlines()[0]
+    return (
+        f"{what} could not be written to {folder} ({free_space_text(folder)}): {first_line}. "
+        "Free disk space (or point logging.run_dir at another disk) and run the same command again to resume; "
+        f"{latest_checkpoint_text(run_dir)}"
+    )
+
+
+@contextlib.contextmanager
+def stop_on_full_disk(what: str, folder: str | Path, run_dir: str | Path) -> Iterator[None]:
+    """Turn a full disk while writing ``what`` into ``folder`` into a clean stop (:class:`RunStopped`, exit
+    status 4) naming the folder, its free space and the checkpoint to resume from; other errors pass."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        if not is_disk_full(exc):
+            raise
+        raise RunStopped(disk_full_message(what, folder, exc, run_dir)) from None
 
 
 class NonFiniteGuard:

@@ -17,6 +17,7 @@ from rlite.data import PromptSampler
 from rlite.distributed import DistContext
 from rlite.drafts import SpeculativeDraft
 from rlite.kl_control import KLController
+from rlite.run.faults import stop_on_full_disk
 from rlite.training.backend import CriticModel, TrainingBackend
 
 if TYPE_CHECKING:
@@ -205,17 +206,21 @@ def finish_run(run: Run, last: dict[str, float]) -> dict[str, Any]:
     if cfg.checkpoint.export_hf:
         from rlite.run.export import export_hf
 
-        export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main,
-                  source_model=cfg.model.path)
+        with stop_on_full_disk("the exported model", run.run_dir / "hf_model", run.run_dir):
+            export_hf(run.backend, run.tokenizer, run.run_dir / "hf_model", is_main=run.ctx.is_main,
+                      source_model=cfg.model.path)
         summary["exported_model"] = str((run.run_dir / "hf_model").resolve())
         if run.draft is not None and run.ctx.is_main:  # every rank holds the same draft
-            run.draft.export(run.run_dir / "hf_draft")
+            with stop_on_full_disk("the exported draft model", run.run_dir / "hf_draft", run.run_dir):
+                run.draft.export(run.run_dir / "hf_draft")
     if run.ctx.is_main:
-        for logger in run.loggers:
-            logger.close()
+        with stop_on_full_disk("the metrics (closing the loggers)", run.run_dir, run.run_dir):
+            for logger in run.loggers:
+                logger.close()
         summary.update(summarize_metrics(run.run_dir / "metrics.jsonl", last))
         if cfg.logging.plot and (run.run_dir / "metrics.jsonl").is_file():
-            summary["plot"] = str(plot_run(run.run_dir / "metrics.jsonl", run.run_dir / "plot.png"))
+            with stop_on_full_disk("the plot", run.run_dir / "plot.png", run.run_dir):
+                summary["plot"] = str(plot_run(run.run_dir / "metrics.jsonl", run.run_dir / "plot.png"))
         summary["wall_time"] = format_duration(time.perf_counter() - run.started)
         print_summary(summary, dict(run.timer.total))
     summary["time_breakdown"] = dict(run.timer.total)
@@ -230,11 +235,18 @@ def log_samples(run: Run, step: int, batch) -> None:
         from rlite.samples import train_sample_rows
 
         rows = train_sample_rows(batch, step, run.config.logging.samples_per_step, run.rollouts.rewards.names)
-        run.samples.write(step, "train", rows)
+        write_samples(run, step, "train", rows)
+
+
+def write_samples(run: Run, step: int, kind: str, rows: list[dict]) -> None:
+    """``samples.jsonl`` and the loggers that show samples; a full disk stops the run cleanly."""
+    with stop_on_full_disk(f"the samples of step {step}", run.samples.path, run.run_dir):
+        run.samples.write(step, kind, rows)
 
 
 def log_metrics(run: Run, step: int, metrics: dict[str, float]) -> None:
     if run.ctx.is_main:
-        for logger in run.loggers:
-            logger.log(step, metrics)
+        for logger in run.loggers:  # metrics.jsonl, TensorBoard's event file, ...
+            with stop_on_full_disk(f"the metrics of step {step} ({type(logger).__name__})", run.run_dir, run.run_dir):
+                logger.log(step, metrics)
         run.pm.hook.on_metrics(step=step, metrics=metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -201,8 +202,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def write_auth_config(api_key: str) -> Path:
+    """A YAML file only this user can read, holding ``api_key`` for SGLang's ``--config``, so the key never
+    shows in the server's command line (``ps`` shows that to every user of the node). The key is spelled as
+    the flag, ``api-key``: SGLang 0.5.23 turns each key ``k`` into ``--k`` verbatim, and ``--api_key`` is
+    not a flag it knows."""
+    fd, name = tempfile.mkstemp(prefix="rlite-sglang-auth-", suffix=".yaml")  # created 0600
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps({"api-key": api_key}) + "\n")  # JSON is YAML
+    return Path(name)
+
+
 class ServerBackend:
-    """``python -m sglang.launch_server`` on 127.0.0.1, spoken to over HTTP."""
+    """``python -m sglang.launch_server`` on 127.0.0.1, spoken to over HTTP.
+
+    Anyone on the node can reach 127.0.0.1, and a weight update is a pickle the server unpickles, so the
+    server is started with a fresh random API key (``--api-key``, read from a 0600 ``--config`` file that is
+    removed once the server is up) and every request carries it (``Authorization: Bearer``, what SGLang's
+    middleware checks; ``/health`` is open). A key given in the server args is used instead."""
 
     output_str = True
     process: subprocess.Popen | None
@@ -216,6 +233,13 @@ class ServerBackend:
         self.tp_size = int(server_args.get("tp_size") or 1)
         """One serialized copy of a LoRA adapter per tensor-parallel rank (each rank reads its own)."""
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+        self.api_key: str | None = server_args.pop("api_key", None) or secrets.token_urlsafe(32)
+        self._auth_config: Path | None = None
+        if "config" in server_args:  # SGLang reads one --config file: the user's, so the key goes on the command line
+            server_args["api_key"] = self.api_key
+        else:
+            self._auth_config = write_auth_config(self.api_key)
+            server_args["config"] = str(self._auth_config)
         fd, log_name = tempfile.mkstemp(prefix="rlite-sglang-", suffix=".log")
         os.close(fd)
         self.log_path = Path(log_name)
@@ -225,9 +249,11 @@ class ServerBackend:
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.process.poll() is not None:
-                message = f"SGLang server exited with code {self.process.returncode}:\n{self._log_tail()}"
+                code = self.process.returncode
+                message = f"SGLang server exited with code {code} while starting:\n{self._log_tail()}"
                 self.shutdown()
-                raise EngineError(message)
+                # killed by a signal (the OOM killer, a SIGKILL): a fresh server may well start
+                raise (EngineDied if code < 0 else EngineError)(message)
             try:
                 with self._opener.open(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -239,10 +265,17 @@ class ServerBackend:
                 self.shutdown()
                 raise EngineError(message)
             time.sleep(1.0)
+        self._remove_auth_config()  # read at start-up; healthy means long after that
+
+    def _remove_auth_config(self) -> None:
+        if self._auth_config is not None:
+            self._auth_config.unlink(missing_ok=True)
+            self._auth_config = None
 
     @classmethod
-    def connect(cls, url: str, *, timeout_s: float, tp_size: int = 1) -> ServerBackend:
-        """A backend for a server already running at ``url``: this object neither started it nor stops it."""
+    def connect(cls, url: str, *, timeout_s: float, tp_size: int = 1, api_key: str | None = None) -> ServerBackend:
+        """A backend for a server already running at ``url``: this object neither started it nor stops it.
+        ``api_key``: the server's ``--api-key``, sent with every request."""
         self = cls.__new__(cls)
         self.timeout_s = timeout_s
         self.url = url.rstrip("/")
@@ -251,6 +284,8 @@ class ServerBackend:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self.process = None
         self.log_path = None
+        self.api_key = api_key
+        self._auth_config = None
         return self
 
     def _log_tail(self, n: int = 4000) -> str:
@@ -258,9 +293,10 @@ class ServerBackend:
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body or {}).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
             with self._opener.open(request, timeout=self.timeout_s) as response:
                 text = response.read().decode()
@@ -379,5 +415,6 @@ class ServerBackend:
                 pass
         self.kill()
         self.log_path.unlink(missing_ok=True)
+        self._remove_auth_config()
 
 

@@ -233,6 +233,9 @@ class ProcessEngine:
             status, detail = self._channel.recv(
                 start_timeout_s if start_timeout_s is not None else self.timeout_s
             )
+        except EngineDied as e:  # killed (out of memory, a signal) or hung: a fresh process may well start
+            self.shutdown()
+            raise EngineDied(f"engine process died while starting: {e}") from None
         except EngineError as e:
             raise EngineError(f"engine process failed to start: {e}") from None
         if status != "ready":

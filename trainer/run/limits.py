@@ -1,0 +1,216 @@
+"""What a run will hold, checked before it allocates: the model's context and a memory estimate.
+
+A run whose sequences outgrow the model's positions, or whose memory outgrows the machine, is refused
+when it starts (``ConfigError``, exit status 2) with the numbers and the keys to change, instead of
+being killed by the kernel minutes later. The estimate, part by part (``docs/memory.md``):
+
+    trainer   = P * b_master * (1 weights + 1 gradients + 2 AdamW moments) / W     (LoRA: weights only;
+                                                                                     moments on disk: 0)
+              + P * b_master                                  reference model, when algorithm.kl.coef != 0
+              + 4 * P * b_master                               critic (weights, gradients, moments)
+              + m * T * h * L * 34 * b_param / 2                activations of one micro-batch
+              + min(m * T, c) * V * 4 * 3                       a chunk of output-layer logits (fp32)
+    engine    = P * b_engine                                    its weights (none when it shares the trainer's)
+              + L * 2 * H_kv * d_head * T * b_engine * S        the KV cache of S concurrent sequences
+
+with P parameters, L layers, h hidden size, V vocabulary, H_kv key/value heads of d_head each, W ranks,
+m = ``training.micro_batch_size``, T = the longest prompt loaded (at most ``data.max_prompt_tokens``) +
+``rollout.max_new_tokens`` (multi-turn: the larger of it and ``rollout.max_response_tokens``), c = ``training.logprob_chunk_size``, S = the larger of
+``rollout.prompts_per_step`` x ``rollout.samples_per_prompt`` and ``training.eval_max_prompts``, b the bytes
+of each dtype. SGLang sizes its own KV pool within ``mem_fraction_static``, so only the transformers engine's
+cache is counted. The activation term is rough (Korthikanti et al. 2022's 34 bytes per token, hidden unit
+and layer in 16-bit, without the attention scores that SDPA never stores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlite.config import ConfigError, RunConfig
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class ModelShape:
+    """What the estimate needs of a Hugging Face model config."""
+
+    parameters: int
+    layers: int
+    hidden: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int | None
+
+
+def model_shape(hf_config) -> ModelShape:
+    """The shape of a causal LM from its config; the parameter count from a model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(text.num_attention_heads)
+    head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
+    return ModelShape(
+        parameters=parameters,
+        layers=int(text.num_hidden_layers),
+        hidden=int(text.hidden_size),
+        vocab=int(text.vocab_size),
+        kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        max_positions=getattr(text, "max_position_embeddings", None),
+    )
+
+
+def prompt_tokens(cfg: RunConfig, longest_prompt: int | None = None) -> int:
+    """The longest prompt: the longest one loaded (prompts beyond ``data.max_prompt_tokens`` were dropped)."""
+    return cfg.data.max_prompt_tokens if longest_prompt is None else min(longest_prompt, cfg.data.max_prompt_tokens)
+
+
+def response_tokens(cfg: RunConfig) -> tuple[int, str]:
+    """The longest response and the key that bounds it (multi-turn: the whole response, observations too)."""
+    rollout = cfg.rollout
+    if rollout.workflow.name != "single_turn" and rollout.max_response_tokens > rollout.max_new_tokens:
+        return rollout.max_response_tokens, "rollout.max_response_tokens"
+    return rollout.max_new_tokens, "rollout.max_new_tokens"
+
+
+def sequence_tokens(cfg: RunConfig, longest_prompt: int | None = None) -> int:
+    """The longest sequence a sample can reach: its prompt, then what is sampled (and, multi-turn, observed)."""
+    return prompt_tokens(cfg, longest_prompt) + response_tokens(cfg)[0]
+
+
+def check_context(cfg: RunConfig, shape: ModelShape, longest_prompt: int | None = None) -> None:
+    """The longest prompt plus the longest response must fit the model's positions (``max_position_embeddings``)."""
+    if shape.max_positions is None:
+        return
+    prompt = prompt_tokens(cfg, longest_prompt)
+    response, response_key = response_tokens(cfg)
+    if prompt + response > shape.max_positions:
+        loaded = "" if longest_prompt is None else f"the longest prompt loaded has {prompt} tokens, "
+        raise ConfigError(
+            f"{response_key}={response} + a prompt of up to {prompt} tokens ({loaded}data.max_prompt_tokens="
+            f"{cfg.data.max_prompt_tokens}) = {prompt + response} tokens exceed the model's context of "
+            f"{shape.max_positions} positions (max_position_embeddings of {cfg.model.path}): lower "
+            f"{response_key} to at most {shape.max_positions - prompt}, or data.max_prompt_tokens"
+        )
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes each part of a run holds at its peak (see the module docstring for the formulas)."""
+
+    parts: dict[str, int]
+    device: str
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items() if size)
+
+
+def estimate_memory(cfg: RunConfig, shape: ModelShape, *, world_size: int = 1, on_gpu: bool = False,
+                    longest_prompt: int | None = None) -> MemoryEstimate:
+    """What the run holds on one device (the host memory on CPU: every local rank and the engine share it)."""
+    t = cfg.training
+    master = DTYPE_BYTES[cfg.model.dtype]
+    compute = DTYPE_BYTES[cfg.parallelism.param_dtype]
+    params = shape.parameters
+    tokens = sequence_tokens(cfg, longest_prompt)
+    shards = world_size if on_gpu else 1  # on CPU all ranks' shards are in the same memory
+    trains_all = not cfg.model.lora.enabled
+    parts = {
+        "weights": params * master // shards,
+        "gradients": params * master // shards if trains_all else 0,
+        "AdamW moments": 2 * params * master // shards if trains_all and t.optimizer_offload == "none" else 0,
+        "reference model": params * master // shards if cfg.algorithm.kl.coef != 0 else 0,
+        "critic": 4 * params * master // shards if cfg.algorithm.critic.enabled else 0,
+    }
+    ranks_here = 1 if on_gpu else world_size
+    activations = t.micro_batch_size * tokens * shape.hidden * shape.layers * 34 * compute // 2
+    logits = min(t.micro_batch_size * tokens, t.logprob_chunk_size) * shape.vocab * 4 * 3
+    parts["activations of a micro-batch"] = (activations + logits) * ranks_here
+    if cfg.rollout.engine.name == "transformers":
+        engine_args = cfg.rollout.engine.args
+        shares = engine_args.get("share_weights", True) and not engine_args.get("process", False) and world_size == 1
+        own_weights = not shares or cfg.model.lora.enabled or cfg.rollout.quantization.name != "none"
+        parts["engine weights"] = params * master if own_weights else 0
+        sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+        sequences = max(sequences, t.eval_max_prompts)
+        parts["engine KV cache"] = shape.layers * 2 * shape.kv_heads * shape.head_dim * tokens * master * sequences
+    return MemoryEstimate(parts, "GPU" if on_gpu else "host")
+
+
+def available_memory(device: torch.device) -> tuple[int, str] | None:
+    """Bytes free for the run on ``device`` and where the number comes from; None when it cannot be told."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, "torch.cuda.mem_get_info"
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available), "psutil.virtual_memory().available"
+
+
+def memory_keys(cfg: RunConfig, estimate: MemoryEstimate) -> str:
+    """The keys that shrink the largest parts of ``estimate``, largest first."""
+    keys = {
+        "engine KV cache": "rollout.max_new_tokens, rollout.prompts_per_step x rollout.samples_per_prompt, "
+                           "training.eval_max_prompts, data.max_prompt_tokens",
+        "activations of a micro-batch": "training.micro_batch_size, parallelism.activation_checkpointing=true",
+        "AdamW moments": "training.optimizer_offload=disk",
+        "gradients": "model.lora.enabled=true",
+        "weights": "a smaller model, model.dtype=bfloat16",
+        "engine weights": "rollout.engine.args.share_weights=true",
+        "reference model": "algorithm.kl.coef=0",
+        "critic": "algorithm.critic.enabled=false",
+    }
+    largest = sorted(estimate.parts, key=estimate.parts.get, reverse=True)
+    return "; ".join(f"{name}: {keys[name]}" for name in largest[:3] if estimate.parts[name] and name in keys)
+
+
+def check_memory(cfg: RunConfig, shape: ModelShape, device: torch.device, world_size: int = 1,
+                 longest_prompt: int | None = None) -> None:
+    """Refuse a run whose estimate exceeds the memory available now."""
+    estimate = estimate_memory(cfg, shape, world_size=world_size, on_gpu=device.type == "cuda",
+                               longest_prompt=longest_prompt)
+    available = available_memory(device)
+    if available is None or estimate.total <= available[0]:
+        return
+    free, source = available
+    raise ConfigError(
+        f"memory: the run needs about {estimate.total / GIB:.2f} GiB of {estimate.device} memory ({estimate.describe()} "
+        f"GiB; docs/memory.md) but {free / GIB:.2f} GiB are available ({source}). Lower the largest parts: "
+        f"{memory_keys(cfg, estimate)}; or set training.check_memory=false to run anyway"
+    )
+
+
+def check_run_fits(cfg: RunConfig, device: torch.device, world_size: int = 1, longest_prompt: int | None = None) -> None:
+    """The context and memory checks of a run, before its models are allocated; ``longest_prompt``: the longest
+    prompt loaded, in tokens (None: ``data.max_prompt_tokens``). Model configs that transformers cannot read are
+    left to the model loader, which names the problem."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        shape = model_shape(hf_config)
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return
+    check_context(cfg, shape, longest_prompt)
+    if cfg.training.check_memory:
+        check_memory(cfg, shape, device, world_size, longest_prompt)
