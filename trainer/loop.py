@@ -16,6 +16,7 @@ from typing import Any
 from rlite.config import RunConfig
 from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.engines.supervisor import EngineGaveUp
+from rlite.hf_models import quiet_transformers_progress
 from rlite.metrics import ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
@@ -180,17 +181,18 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
     else:
         preemption.set_timeout(cfg.checkpoint.preempt_timeout_s)
     try:
-        run = build_run(cfg, pm if pm is not None else get_plugin_manager())
-        run.preemption = preemption
-        try:
-            summary = train(run)
-        except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
-            raise stop_after_engine_failure(run, failure) from None
-        finally:
-            run.rollouts.close()
-            run.engine.shutdown()
-            run.backend.close()
-            run.rollouts.rewards.close()
+        with quiet_transformers_progress():  # its load/save bars would break rlite's progress line
+            run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+            run.preemption = preemption
+            try:
+                summary = train(run)
+            except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
+                raise stop_after_engine_failure(run, failure) from None
+            finally:
+                run.rollouts.close()
+                run.engine.shutdown()
+                run.backend.close()
+                run.rollouts.rewards.close()
         finished = True
         return summary
     finally:
