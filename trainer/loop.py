@@ -17,7 +17,7 @@ from rlite.config import RunConfig
 from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.engines.supervisor import EngineGaveUp
 from rlite.hf_models import quiet_transformers_progress
-from rlite.metrics import ProgressBar, StepProfiler
+from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
 from rlite.run.faults import NonFiniteGuard, Preemption
@@ -40,6 +40,7 @@ def train(run: Run) -> dict[str, Any]:
     cfg, ctx, hook, timer = run.config, run.ctx, run.pm.hook, run.timer
     progress = ProgressBar(cfg.training.steps, run.start_step, cfg.logging.progress_bar and ctx.is_main,
                            plain_every=cfg.logging.log_every)
+    signal_watch = LearningSignalWatch(enabled=ctx.is_main)  # warns when most groups' rewards are all equal
     hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
@@ -122,6 +123,7 @@ def train(run: Run) -> dict[str, Any]:
         log_metrics(run, step, metrics)
         log_samples(run, step, batch)
         progress.update(step, metrics)
+        signal_watch.observe(step, metrics)
         profiler.after_step(step)
         last_metrics = metrics
         # after logging, so a run resumed from this checkpoint has every step's metrics exactly once

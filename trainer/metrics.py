@@ -1,14 +1,18 @@
-"""Step timing, the live progress bar, the final plot and the one-screen summary (rank 0)."""
+"""Step timing, the live progress bar, the warning when nothing can learn, the final plot and the
+one-screen summary (rank 0)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class StepTimer:
@@ -92,6 +96,64 @@ class ProgressBar:
             self.progress.stop()
 
 
+ZERO_VARIANCE_KEY = "advantage/zero_variance_groups"
+"""The fraction of the step's groups whose samples all got the same reward: their GRPO-style
+advantages are all zero, so they teach the policy nothing."""
+NO_SIGNAL_FRACTION = 0.9
+"""A step with at least this fraction of zero-variance groups counts as one without a learning signal."""
+
+
+class LearningSignalWatch:
+    """Warns (rank 0, on stderr through ``logging``) when most groups have no reward variance step
+    after step: the progress line then shows a flat reward and nothing says why the run does not learn.
+
+    The first warning comes after ``after_steps`` such steps in a row; later ones at most every
+    ``every_steps`` steps while it lasts. Each names the likely cause, read off the step's metrics."""
+
+    def __init__(self, enabled: bool = True, after_steps: int = 5, every_steps: int = 50) -> None:
+        self.enabled, self.after_steps, self.every_steps = enabled, after_steps, every_steps
+        self.steps_in_a_row = 0
+        self.last_warned: int | None = None
+
+    def observe(self, step: int, metrics: dict[str, float]) -> str | None:
+        """Count this step; the warning logged, if one is due."""
+        fraction = metrics.get(ZERO_VARIANCE_KEY)
+        if not self.enabled or fraction is None:
+            return None
+        if fraction < NO_SIGNAL_FRACTION:
+            self.steps_in_a_row = 0
+            return None
+        self.steps_in_a_row += 1
+        if self.steps_in_a_row < self.after_steps:
+            return None
+        if self.last_warned is not None and step - self.last_warned < self.every_steps:
+            return None
+        self.last_warned = step
+        message = no_learning_signal_message(self.steps_in_a_row, metrics)
+        log.warning(message)
+        return message
+
+
+def no_learning_signal_message(steps: int, metrics: dict[str, float]) -> str:
+    """What :class:`LearningSignalWatch` says: what is wrong, the likely cause, and what to watch."""
+    fraction = metrics[ZERO_VARIANCE_KEY]
+    mean, accuracy = metrics.get("reward/mean", float("nan")), metrics.get("reward/accuracy")
+    head = (f"no learning signal for {steps} steps in a row: in {fraction:.0%} of the groups every sample got the "
+            f"same reward (this step's reward mean {mean:.3f}), so their advantages are all zero and the update "
+            "learns nothing from them.")  # fmt: skip
+    if metrics.get("reward/std", 1.0) == 0.0 and not accuracy:
+        cause = ("No sample earned a reward: check that the reward function fires on a right answer and that the "
+                 "answer column (data.answer_key) holds what it compares with; samples.jsonl shows what the model "
+                 "was given (prompt_text) and what it wrote.")  # fmt: skip
+    elif accuracy is not None and accuracy >= 0.99:
+        cause = "Every sample is right: the prompts are too easy for this model; give it harder ones."
+    else:
+        cause = ("The samples of each prompt score alike: rollout.temperature may be too low for them to differ "
+                 "(or rollout.samples_per_prompt too small), or each prompt is too easy (all right) or too hard "
+                 "(all wrong) for this model.")  # fmt: skip
+    return f"{head} {cause} Watch {ZERO_VARIANCE_KEY} in metrics.jsonl (the share of such groups)."
+
+
 def format_duration(seconds: float) -> str:
     """``H:MM:SS``."""
     seconds = max(int(round(seconds)), 0)
@@ -109,6 +171,8 @@ def plain_progress_line(step: int, total: int, start: int, elapsed: float, metri
         parts.append(f"reward {metrics['reward/mean']:.3f}")
     if accuracy is not None:
         parts.append(f"eval acc {accuracy:.3f}")
+    if metrics.get(ZERO_VARIANCE_KEY, 0.0) >= NO_SIGNAL_FRACTION:
+        parts.append(f"no signal in {metrics[ZERO_VARIANCE_KEY]:.0%} of groups")
     if "perf/tokens_per_s" in metrics:
         parts.append(f"{metrics['perf/tokens_per_s']:.0f} tok/s")
     parts += [f"{per_step:.2f} s/step", f"elapsed {format_duration(elapsed)}",
