@@ -64,11 +64,11 @@ class ProgressBar:
             TextColumn("[bold]rlite"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("reward {task.fields[reward]}  acc {task.fields[acc]}  {task.fields[tps]} tok/s"),
+            TextColumn("reward {task.fields[reward]}  acc {task.fields[acc]}{task.fields[spec]}  {task.fields[tps]} tok/s"),
             TimeRemainingColumn(),
             transient=False,
         )
-        self.task = self.progress.add_task("train", total=total, completed=start, reward="-", acc="-", tps="-")
+        self.task = self.progress.add_task("train", total=total, completed=start, reward="-", acc="-", spec="", tps="-")
         self.progress.start()
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
@@ -87,6 +87,8 @@ class ProgressBar:
             fields["reward"] = f"{metrics['reward/mean']:.3f}"
         if "eval/greedy_accuracy" in metrics:
             fields["acc"] = f"{metrics['eval/greedy_accuracy']:.3f}"
+        if "spec/acceptance_rate" in metrics:
+            fields["spec"] = f"  draft accept {metrics['spec/acceptance_rate']:.2f}"
         if "perf/tokens_per_s" in metrics:
             fields["tps"] = f"{metrics['perf/tokens_per_s']:.0f}"
         self.progress.update(self.task, completed=step, **fields)
@@ -163,7 +165,9 @@ def format_duration(seconds: float) -> str:
 def plain_progress_line(step: int, total: int, start: int, elapsed: float, metrics: dict[str, float],
                         accuracy: float | None) -> str:
     """``step 10/500 | reward 0.312 | eval acc 0.450 | 1234 tok/s | 0.35 s/step | elapsed 0:00:04 | eta 0:02:53``:
-    the reward of this step, the latest greedy held-out accuracy, and the ETA from this run's mean step time."""
+    the reward of this step, the latest greedy held-out accuracy, and the ETA from this run's mean step time;
+    with a speculative draft its acceptance rate (``draft accept 0.78``), and when most groups had equal
+    rewards their share (``no signal in 100% of groups``)."""
     done = max(step - start, 1)
     per_step = elapsed / done
     parts = [f"step {step}/{total}"]
@@ -173,6 +177,8 @@ def plain_progress_line(step: int, total: int, start: int, elapsed: float, metri
         parts.append(f"eval acc {accuracy:.3f}")
     if metrics.get(ZERO_VARIANCE_KEY, 0.0) >= NO_SIGNAL_FRACTION:
         parts.append(f"no signal in {metrics[ZERO_VARIANCE_KEY]:.0%} of groups")
+    if "spec/acceptance_rate" in metrics:
+        parts.append(f"draft accept {metrics['spec/acceptance_rate']:.2f}")
     if "perf/tokens_per_s" in metrics:
         parts.append(f"{metrics['perf/tokens_per_s']:.0f} tok/s")
     parts += [f"{per_step:.2f} s/step", f"elapsed {format_duration(elapsed)}",
@@ -229,6 +235,11 @@ PLOT_PANELS = {
            ("mismatch/kl", "rollout vs trainer (mismatch)")),
 }
 """The panels of ``plot.png``: title -> (metric, label) curves; a metric the run did not log is left out."""
+SPECULATION_PANEL = {
+    "speculative decoding": (("spec/acceptance_rate", "draft acceptance rate (accepted / proposed)"),
+                             ("draft/top1_agreement", "draft top-1 agreement with the samples")),
+}
+"""A fifth panel, only for a run with a speculative draft (``rollout.draft``)."""
 
 
 def plot_run(metrics_file: str | Path, out_png: str | Path) -> Path | None:
@@ -253,8 +264,14 @@ def plot_figure(rows: list[dict[str, Any]]):
     """The matplotlib figure of :func:`plot_run` from the metrics rows."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (title, curves) in zip(axes.flat, PLOT_PANELS.items()):
+    panels = dict(PLOT_PANELS)
+    if any("spec/acceptance_rate" in r for r in rows):
+        panels.update(SPECULATION_PANEL)
+    grid_rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(grid_rows, 2, figsize=(11, 3.5 * grid_rows), sharex=True)
+    for ax in axes.flat[len(panels):]:
+        fig.delaxes(ax)
+    for ax, (title, curves) in zip(axes.flat, panels.items()):
         for key, label in curves:
             points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if not points:
@@ -271,8 +288,9 @@ def plot_figure(rows: list[dict[str, Any]]):
             ax.legend(fontsize=8)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    for ax in axes[-1]:
+    for ax in fig.axes[-2:]:
         ax.set_xlabel("step")
+        ax.xaxis.set_tick_params(labelbottom=True)  # the panel above a removed one has the last row's axis
     fig.tight_layout()
     return fig
 
