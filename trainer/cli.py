@@ -265,7 +265,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     check_generation_arguments(args)
     if args.multi_turn and args.raw:
         raise ConfigError("--multi-turn needs the chat template to lay out the turns; drop --raw")
-    from rlite.run.generation import open_chat_model
+    from rlite.generation import open_chat_model
 
     interactive = sys.stdin.isatty()
     with open_chat_model(args.model, raw=args.raw) as chat:
@@ -301,7 +301,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_generation_arguments(args)
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from rlite.run.generation import open_chat_model, read_prompt_file
+    from rlite.generation import open_chat_model, read_prompt_file
 
     rows = read_prompt_file(args.prompts, args.prompt_key)
     out = Path(args.out)

@@ -4,7 +4,10 @@ A run's prompts reach the model wrapped in the tokenizer's chat template (``data
 on by default) with ``data.system_prompt`` first, so the bare prompt ``"22+95="`` is text the model
 never saw in training. These commands format every prompt with the function training uses
 (:func:`rlite.data.format_prompt`), tokenise it as training does, and decode with rlite's own
-transformers engine (greedy by default; ``temperature`` is applied exactly as in the rollouts).
+transformers engine (greedy by default; ``temperature`` is applied exactly as in the rollouts). That
+engine is used directly, whatever ``rollout.engine`` the run had: a local single-process decode, which
+is why this module lives beside the loop rather than in :mod:`rlite.run` (whose modules reach engines
+only through their contract).
 
 ``MODEL_OR_RUN`` is either
 
