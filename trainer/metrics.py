@@ -318,6 +318,8 @@ def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:
     line = f"rlite: {summary.get('steps', '?')} steps done in {summary.get('wall_time', '?')} wall"
     if "exported_model" in summary:
         line += f"; model exported to {summary['exported_model']}"
+        if "run_dir" in summary:  # it expects prompts templated as in training: the command does that
+            line += f" (talk to it: rlite chat {summary['run_dir']})"
     print(line, flush=True)
 
 
