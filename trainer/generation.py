@@ -12,8 +12,9 @@ only through their contract).
 ``MODEL_OR_RUN`` is either
 
 * a run folder (it holds ``config.yaml``): its config says whether and how prompts were templated,
-  and the model is its exported ``hf_model/``, else its latest intact checkpoint (turned into a
-  Hugging Face model in a temporary folder, as the export at the end of a run would), or
+  and the model is its exported ``hf_model/``, or its latest intact checkpoint when there is no export
+  or the checkpoint is newer (turned into a Hugging Face model in a temporary folder, as the export at
+  the end of a run would), or
 * a Hugging Face model folder: prompts are templated when its tokenizer has a chat template.
 """
 
@@ -139,14 +140,17 @@ def load_run_folder_config(run_dir: Path) -> tuple[RunConfig, RlitePluginManager
 
 def run_model_folder(run_dir: Path, cfg: RunConfig, pm: RlitePluginManager, cleanup: contextlib.ExitStack,
                      ) -> tuple[Path, str]:  # fmt: skip
-    """The run's exported ``hf_model/``, else its latest intact checkpoint exported into a temporary
-    folder (removed by ``cleanup``); with the description of what was loaded."""
-    from rlite.run.checkpoint import find_resume_checkpoint
+    """The run's exported ``hf_model/``, unless its latest intact checkpoint is newer (a run resumed for
+    more steps and stopped before its end writes checkpoints but no new export): that checkpoint, exported
+    into a temporary folder (removed by ``cleanup``). With the description of what was loaded."""
+    from rlite.run.checkpoint import MARKER, find_resume_checkpoint
 
     exported = run_dir / "hf_model"
-    if (exported / "config.json").is_file():
-        return exported, str(exported)
     checkpoint = find_resume_checkpoint(run_dir, "auto")
+    if (exported / "config.json").is_file() and (
+        checkpoint is None or (exported / "config.json").stat().st_mtime >= (checkpoint / MARKER).stat().st_mtime
+    ):
+        return exported, str(exported)
     if checkpoint is None:
         raise ConfigError(
             f"{run_dir}: the run has no exported hf_model/ and no checkpoint yet (checkpoint.every, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -114,6 +115,19 @@ def test_a_run_folder_gives_its_system_prompt_and_its_checkpoint_equals_its_expo
         shutil.move(tmp_path / "moved", finished_run / "hf_model")
     assert "checkpoints" in capsys.readouterr().err  # says what it loaded
     assert read_jsonl(from_checkpoint) == rows
+
+
+def test_a_checkpoint_newer_than_the_export_is_loaded(finished_run, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1+1=\n")
+    exported = finished_run / "hf_model" / "config.json"
+    written = exported.stat().st_mtime
+    os.utime(exported, (written - 3600, written - 3600))  # as if exported before the run was resumed
+    try:
+        assert main(["generate", str(finished_run), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 0
+    finally:
+        os.utime(exported, (written, written))
+    assert "checkpoints/step_00000002" in capsys.readouterr().err
 
 
 def test_samples_of_the_run_carry_the_text_the_model_saw(finished_run):
