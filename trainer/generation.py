@@ -115,17 +115,16 @@ def open_chat_model(target: str | Path, *, raw: bool = False, dtype: str = "floa
             cfg, pm = load_run_folder_config(path)
             model_dir, source = run_model_folder(path, cfg, pm, cleanup)
             prompt_format = PromptFormat(cfg.data.chat_template and not raw, cfg.data.system_prompt)
-            tokenizer_source = model_dir
             dtype, max_new_tokens = cfg.model.dtype, cfg.rollout.max_new_tokens
         elif (path / "config.json").is_file():
-            model_dir, source, tokenizer_source = path, str(path), path
+            model_dir, source = path, str(path)
             prompt_format, max_new_tokens = None, 256
         else:
             raise ConfigError(
                 f"MODEL_OR_RUN {str(target)!r} is neither a run folder (no config.yaml) nor a Hugging Face model "
                 "folder (no config.json)"
             )
-        model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_source, dtype)
+        model, tokenizer = load_model_and_tokenizer(model_dir, dtype)
         if prompt_format is None:  # a plain model folder: templated when its tokenizer has a template
             prompt_format = PromptFormat(bool(getattr(tokenizer, "chat_template", None)) and not raw)
         yield ChatModel(model, tokenizer, prompt_format, source, max_new_tokens)
@@ -188,17 +187,20 @@ def export_checkpoint(cfg: RunConfig, pm: RlitePluginManager, checkpoint: Path, 
         shutdown_distributed(ctx, finished=finished)
 
 
-def load_model_and_tokenizer(model_dir: Path, tokenizer_source: Path, dtype: str):
+def load_model_and_tokenizer(model_dir: Path, dtype: str):
+    """The model (on the GPU when there is one) and its tokenizer, both from ``model_dir`` (an export
+    holds the tokenizer training used)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlite.hf_models import DTYPES
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{model_dir}: cannot load a causal LM and its tokenizer ({exc})") from None
-    return model, tokenizer
+    return model.to("cuda" if torch.cuda.is_available() else "cpu"), tokenizer
 
 
 # --------------------------------------------------------------------------------------------------
