@@ -40,7 +40,7 @@ def train(run: Run) -> dict[str, Any]:
     cfg, ctx, hook, timer = run.config, run.ctx, run.pm.hook, run.timer
     progress = ProgressBar(cfg.training.steps, run.start_step, cfg.logging.progress_bar and ctx.is_main,
                            plain_every=cfg.logging.log_every)
-    signal_watch = LearningSignalWatch(enabled=ctx.is_main)  # warns when most groups' rewards are all equal
+    signal_watch = LearningSignalWatch(enabled=ctx.is_main and group_relative(run))  # most groups' rewards all equal?
     hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
@@ -149,6 +149,14 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
     if step == run.config.training.steps:
         run.engine.release_memory()
     return metrics
+
+
+def group_relative(run: Run) -> bool:
+    """The advantage estimator's baseline comes from the other samples of a prompt (registered with
+    ``needs_group``): a group whose rewards are all equal then gets zero advantages. A critic's or a
+    greedy baseline's advantages do not vanish that way, so only these runs are watched for it."""
+    estimator = run.pm.registry("advantage_estimator").get(run.config.algorithm.advantage.name)
+    return bool(estimator.metadata.get("needs_group"))
 
 
 def update_critic(run: Run, batch) -> dict[str, float]:

@@ -108,6 +108,8 @@ NO_SIGNAL_FRACTION = 0.9
 class LearningSignalWatch:
     """Warns (rank 0, on stderr through ``logging``) when most groups have no reward variance step
     after step: the progress line then shows a flat reward and nothing says why the run does not learn.
+    The loop enables it for group-relative advantage estimators (grpo, rloo, ...: registered with
+    ``needs_group``), whose advantages such groups zero.
 
     The first warning comes after ``after_steps`` such steps in a row; later ones at most every
     ``every_steps`` steps while it lasts. Each names the likely cause, read off the step's metrics."""
