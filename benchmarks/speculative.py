@@ -70,50 +70,11 @@ def qwen2(tokenizer, hidden: int, layers: int):
     return model
 
 
-def batches(examples, batch: int, steps: int, pad_id: int, seed: int):
-    """``steps`` random batches of (prompt, answer) pairs: ids, labels (answer and eos only), mask."""
-    import torch
+def fit(*args, **kwargs) -> int:
+    """:func:`rlite.drafts.fit_on_completions` (``examples/drafts/make_draft.py`` fits its drafts with it too)."""
+    from rlite.drafts import fit_on_completions
 
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        chosen = [examples[i] for i in torch.randint(len(examples), (batch,), generator=generator).tolist()]
-        width = max(len(p) + len(a) for p, a in chosen)
-        ids = torch.full((batch, width), pad_id)
-        labels = torch.full((batch, width), -100)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, (prompt, answer) in enumerate(chosen):
-            seq = prompt + answer
-            ids[row, : len(seq)] = torch.tensor(seq)
-            labels[row, len(prompt) : len(seq)] = torch.tensor(answer)
-            mask[row, : len(seq)] = 1
-        yield ids, labels, mask
-
-
-def fit(model, examples, steps: int, pad_id: int, lr: float, seed: int, stop=None, every: int = 20) -> int:
-    """AdamW on the answers (warm-up, then a constant rate) for ``steps`` batches of 64, or until
-    ``stop(step)`` (asked every ``every`` steps) says enough; returns the steps taken."""
-    import torch
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
-    model.train()
-    step = 0
-    for step, (ids, labels, mask) in enumerate(batches(examples, 64, steps, pad_id, seed), start=1):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        if step % every == 0:
-            print(f"  step {step}: loss {loss.item():.3f}", flush=True)
-            if stop is not None:
-                model.eval()
-                if stop(step):
-                    break
-                model.train()
-    model.eval()
-    return step
+    return fit_on_completions(*args, report=lambda line: print(line, flush=True), **kwargs)
 
 
 def generate(model, tokenizer, prompts, n: int, greedy: bool, seed: int):

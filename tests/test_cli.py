@@ -66,11 +66,11 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[RunConfig,
 def test_help_lists_the_commands(capsys) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("train", "config", "plugins"):
+    for command in ("train", "chat", "generate", "config", "plugins"):
         assert f"    {command} " in out
 
 
-@pytest.mark.parametrize("command", ["train", "config", "plugins"])
+@pytest.mark.parametrize("command", ["train", "chat", "generate", "config", "plugins"])
 def test_every_command_has_help(capsys, command: str) -> None:
     assert main([command, "--help"]) == 0
     assert f"usage: rlite {command}" in capsys.readouterr().out

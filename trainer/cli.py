@@ -1,4 +1,4 @@
-"""The ``rlite`` command: ``train``, ``eval``, ``config``, ``plugins``, ``info`` and ``audit``.
+"""The ``rlite`` command: ``train``, ``eval``, ``chat``, ``generate``, ``config``, ``plugins``, ``info`` and ``audit``.
 
 Also runs as ``python -m rlite ...`` and ``torchrun --nproc_per_node N -m rlite train ...``.
 Configuration and plugin problems print one line on stderr and exit with status 2; a run stopped
@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -96,6 +97,37 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the records as JSON")
     info.set_defaults(func=cmd_info)
 
+    chat = commands.add_parser(
+        "chat",
+        help="talk to a trained model: prompts from stdin, templated as in training, replies on stdout",
+        description="Read user turns from stdin (one per line; piped input works), format each exactly as training "
+        "formatted its prompts (the run's data.chat_template and data.system_prompt; for a model folder, its "
+        "tokenizer's chat template), generate and print the reply. MODEL_OR_RUN: a run folder (its hf_model/, "
+        "else its latest checkpoint) or a Hugging Face model folder.",
+    )
+    chat.add_argument("model", metavar="MODEL_OR_RUN", help="a run folder or a Hugging Face model folder")
+    add_generation_arguments(chat)
+    chat.add_argument("--multi-turn", action="store_true",
+                      help="keep the conversation: each turn sees the previous turns and replies (default: every "
+                      "line is its own single-turn prompt, as training's prompts are)")  # fmt: skip
+    chat.add_argument("--show-prompt", action="store_true", help="print the exact text the model is given on stderr")
+    chat.set_defaults(func=cmd_chat)
+
+    generate = commands.add_parser(
+        "generate",
+        help="generate replies for a file of prompts, templated as in training (JSONL out)",
+        description="Like `rlite chat`, for a file of prompts: FILE.jsonl (one object per line, the prompt in "
+        "--prompt-key; other columns are copied to the output) or FILE.txt (one prompt per line). Each output "
+        "row adds prompt_text (what the model was given), completion and finish_reason.",
+    )
+    generate.add_argument("model", metavar="MODEL_OR_RUN", help="a run folder or a Hugging Face model folder")
+    generate.add_argument("--prompts", required=True, metavar="FILE", help="prompts: .jsonl or .txt")
+    generate.add_argument("--out", required=True, metavar="FILE", help="where to write the rows (.jsonl)")
+    generate.add_argument("--prompt-key", default="prompt", help="the prompt's column in a .jsonl file (default: prompt)")
+    generate.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default: 64)")
+    add_generation_arguments(generate)
+    generate.set_defaults(func=cmd_generate)
+
     audit = commands.add_parser(
         "audit",
         help="check a config's invariants on a tiny replica of the run (pass/fail table; exit 1 on a failure)",
@@ -110,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--workdir", help="folder for the replica's files (default: a new temporary folder)")
     audit.set_defaults(func=cmd_audit)
     return parser
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="tokens per reply at most (default: a run's rollout.max_new_tokens, else 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy decoding")
+    parser.add_argument("--seed", type=int, default=0, help="seed of sampled (temperature > 0) decoding")
+    parser.add_argument("--raw", action="store_true",
+                        help="give prompts to the model as they are, without the chat template")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -209,6 +250,77 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# chat, generate
+# --------------------------------------------------------------------------------------------------
+
+
+def check_generation_arguments(args: argparse.Namespace) -> None:
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    check_generation_arguments(args)
+    if args.multi_turn and args.raw:
+        raise ConfigError("--multi-turn needs the chat template to lay out the turns; drop --raw")
+    from rlite.generation import open_chat_model
+
+    interactive = sys.stdin.isatty()
+    with open_chat_model(args.model, raw=args.raw) as chat:
+        max_new_tokens = args.max_new_tokens or chat.max_new_tokens
+        if interactive:
+            layout = "the chat template" if chat.prompt_format.chat_template else "no template (raw)"
+            print(f"rlite chat: {chat.source}; prompts formatted with {layout}, as in training. Ctrl-D ends.",
+                  file=sys.stderr)
+        history: list[dict[str, str]] = []
+        for turn, line in enumerate(iter(lambda: read_turn(interactive), None)):
+            if not line.strip():
+                continue
+            user = {"role": "user", "content": line}
+            (reply,) = chat.reply([[*history, user] if args.multi_turn else line], max_new_tokens=max_new_tokens,
+                                  temperature=args.temperature, seed=args.seed + turn)
+            if args.show_prompt:
+                print(reply.prompt_text, file=sys.stderr, flush=True)
+            print(reply.completion, flush=True)
+            if args.multi_turn:
+                history += [user, {"role": "assistant", "content": reply.completion}]
+    return 0
+
+
+def read_turn(interactive: bool) -> str | None:
+    """The next line of stdin without its newline; None at the end."""
+    if interactive:
+        print("> ", end="", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    return line.rstrip("\n") if line else None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    check_generation_arguments(args)
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    from rlite.generation import open_chat_model, read_prompt_file
+
+    rows = read_prompt_file(args.prompts, args.prompt_key)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open_chat_model(args.model, raw=args.raw) as chat, open(out, "w") as handle:
+        max_new_tokens = args.max_new_tokens or chat.max_new_tokens
+        for start in range(0, len(rows), args.batch_size):
+            batch = rows[start : start + args.batch_size]
+            replies = chat.reply([row["prompt"] for row in batch], max_new_tokens=max_new_tokens,
+                                 temperature=args.temperature, seed=args.seed + start)  # fmt: skip
+            for row, reply in zip(batch, replies):
+                written = {**row, "prompt_text": reply.prompt_text, "completion": reply.completion,
+                           "finish_reason": reply.finish_reason}  # fmt: skip
+                handle.write(json.dumps(written) + "\n")
+    print(f"rlite generate: {len(rows)} replies from {chat.source} written to {out}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
 # audit, info
 # --------------------------------------------------------------------------------------------------
 
@@ -235,8 +347,6 @@ def missing_model_message(config: str, overrides: Sequence[str]) -> str:
     """The audit's error for a config that leaves ``model.path`` to be given: the replica is a tiny model
     of the configured model's architecture family, so the audit needs the model too. Gives the command
     with the path, and the config's own comment lines that say how to get the model."""
-    from pathlib import Path
-
     given = " ".join([config, *overrides])
     text = (f"model.path: missing value. The audit builds a tiny replica of the model's architecture family, so it "
             f"needs the model as the run does: rlite audit {given} model.path=PATH")
@@ -250,8 +360,6 @@ def missing_model_message(config: str, overrides: Sequence[str]) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from rlite.provenance import describe, metrics_records, read_checkpoint_record
     from rlite.run.checkpoint import checkpoint_root, list_checkpoints, unsafe_content
 

@@ -25,6 +25,9 @@ draft's temperature-scaled distribution ``q_t = softmax(draft_logits_t / T)`` (w
 
 Both are averaged over every response token of the global batch (all data-parallel ranks; the
 draft's gradients are summed over ranks, so every rank keeps the same draft).
+
+A draft worth running is made before the run (``examples/drafts/make_draft.py``): :func:`shallow_copy`
+cuts the policy to its first layers and :func:`fit_on_completions` fits that to the policy's own samples.
 """
 
 from __future__ import annotations
@@ -276,3 +279,75 @@ class ModelDraft:
         self.model.save_pretrained(out_dir)
         self.context.tokenizer.save_pretrained(out_dir)
         return Path(out_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# a draft made before the run: a shallow copy of the policy, fitted to the policy's own samples
+# --------------------------------------------------------------------------------------------------
+
+
+def shallow_copy(policy: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """A draft for ``policy``: its architecture cut to its first ``layers`` layers, with those layers',
+    the embedding's, the final norm's and the output layer's weights copied. It shares the policy's
+    vocabulary and already reads tokens as the policy does, so fitting it to the policy's samples
+    (:func:`fit_on_completions`) starts far closer than a random model would."""
+    from transformers import AutoModelForCausalLM
+
+    config = policy.config.__class__.from_dict(policy.config.to_dict())
+    if not 1 <= layers <= config.num_hidden_layers:
+        raise ValueError(f"layers must be within 1..{config.num_hidden_layers} (the policy's), got {layers}")
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, _ = draft.load_state_dict(policy.state_dict(), strict=False)  # the deeper layers are left out
+    if [name for name in missing if not name.endswith("rotary_emb.inv_freq")]:
+        raise ValueError(f"the draft has weights the policy lacks: {missing[:5]}")
+    draft.generation_config = policy.generation_config
+    return draft
+
+
+def completion_batches(examples: list[tuple[list[int], list[int]]], batch: int, steps: int, pad_id: int, seed: int):
+    """``steps`` random batches of (prompt, completion) token pairs: ids, labels (the completion's
+    tokens only; -100 elsewhere) and the attention mask, right-padded."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        chosen = [examples[i] for i in torch.randint(len(examples), (batch,), generator=generator).tolist()]
+        width = max(len(p) + len(a) for p, a in chosen)
+        ids = torch.full((batch, width), pad_id)
+        labels = torch.full((batch, width), -100)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, (prompt, answer) in enumerate(chosen):
+            seq = prompt + answer
+            ids[row, : len(seq)] = torch.tensor(seq)
+            labels[row, len(prompt) : len(seq)] = torch.tensor(answer)
+            mask[row, : len(seq)] = 1
+        yield ids, labels, mask
+
+
+def fit_on_completions(model: torch.nn.Module, examples: list[tuple[list[int], list[int]]], steps: int, pad_id: int,
+                       lr: float, seed: int, stop=None, every: int = 20, report=print) -> int:  # fmt: skip
+    """Supervised AdamW on the completions of (prompt, completion) pairs, batches of 64 (a 20-step
+    warm-up, then a constant rate, gradient norm clipped at 1), for ``steps`` batches or until
+    ``stop(step)`` (asked every ``every`` steps) says enough; returns the steps taken. ``report``
+    gets a line with the loss every ``every`` steps."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    model.train()
+    step = 0
+    for step, (ids, labels, mask) in enumerate(completion_batches(examples, 64, steps, pad_id, seed), start=1):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        if step % every == 0:
+            report(f"  step {step}: loss {loss.item():.3f}")
+            if stop is not None:
+                model.eval()
+                if stop(step):
+                    break
+                model.train()
+    model.eval()
+    return step

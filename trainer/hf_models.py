@@ -4,6 +4,8 @@ transformers engine."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 from torch import nn
@@ -11,6 +13,35 @@ from torch import nn
 from rlite.config import LoraConfig, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def quiet_transformers_progress():
+    """transformers draws no progress bars inside (its "Loading weights" and "Writing model shards"
+    bars would break rlite's own progress line); the previous setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The keyword under which ``model``'s forward (and ``generate``) takes a KV cache: ``cache`` in
+    transformers 5.x, where ``past_key_values`` still works but warns (a FutureWarning per model class)
+    on every run; ``past_key_values`` in the 4.x releases rlite also supports."""
+    unwrapped = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # peft
+    return _cache_kwarg_of(type(unwrapped))
+
+
+@functools.cache
+def _cache_kwarg_of(model_class: type) -> str:
+    # a deprecation decorator keeps the wrapped signature (functools.wraps), which has the new name
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def load_causal_lm(cfg: ModelConfig) -> nn.Module:

@@ -16,7 +16,8 @@ from typing import Any
 from rlite.config import RunConfig
 from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.engines.supervisor import EngineGaveUp
-from rlite.metrics import ProgressBar, StepProfiler
+from rlite.hf_models import quiet_transformers_progress
+from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
 from rlite.run.faults import NonFiniteGuard, Preemption, RunStopped, latest_checkpoint_text, stop_on_full_disk
@@ -40,6 +41,7 @@ def train(run: Run) -> dict[str, Any]:
     cfg, ctx, hook, timer = run.config, run.ctx, run.pm.hook, run.timer
     progress = ProgressBar(cfg.training.steps, run.start_step, cfg.logging.progress_bar and ctx.is_main,
                            plain_every=cfg.logging.log_every)
+    signal_watch = LearningSignalWatch(enabled=ctx.is_main and group_relative(run))  # most groups' rewards all equal?
     hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
@@ -122,6 +124,7 @@ def train(run: Run) -> dict[str, Any]:
         log_metrics(run, step, metrics)
         log_samples(run, step, batch)
         progress.update(step, metrics)
+        signal_watch.observe(step, metrics)
         profiler.after_step(step)
         last_metrics = metrics
         # after logging, so a run resumed from this checkpoint has every step's metrics exactly once
@@ -147,6 +150,14 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
     if step == run.config.training.steps:
         run.engine.release_memory()
     return metrics
+
+
+def group_relative(run: Run) -> bool:
+    """The advantage estimator's baseline comes from the other samples of a prompt (registered with
+    ``needs_group``): a group whose rewards are all equal then gets zero advantages. A critic's or a
+    greedy baseline's advantages do not vanish that way, so only these runs are watched for it."""
+    estimator = run.pm.registry("advantage_estimator").get(run.config.algorithm.advantage.name)
+    return bool(estimator.metadata.get("needs_group"))
 
 
 def update_critic(run: Run, batch) -> dict[str, float]:
@@ -182,23 +193,25 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
         preemption.set_timeout(cfg.checkpoint.preempt_timeout_s)
     try:
         # the write paths name themselves when a full disk stops them; anything else written (config.yaml,
-        # the loggers' first files, a profile, offloaded moments) stops as cleanly, naming the run folder
-        try:
-            with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir):
-                run = build_run(cfg, pm if pm is not None else get_plugin_manager())
-        except EngineGaveUp as failure:  # it kept dying while starting or at the first sync: nothing ran
-            raise RunStopped(f"{failure}. No step ran in this run; {latest_checkpoint_text(cfg.logging.run_dir)}") from None
-        run.preemption = preemption
-        try:
-            with stop_on_full_disk("the run's files", run.run_dir, run.run_dir):
-                summary = train(run)
-        except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
-            raise stop_after_engine_failure(run, failure) from None
-        finally:
-            run.rollouts.close()
-            run.engine.shutdown()
-            run.backend.close()
-            run.rollouts.rewards.close()
+        # the loggers' first files, a profile, offloaded moments) stops as cleanly, naming the run folder;
+        # transformers' own load/save bars would break rlite's progress line
+        with quiet_transformers_progress():
+            try:
+                with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir):
+                    run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+            except EngineGaveUp as failure:  # it kept dying while starting or at the first sync: nothing ran
+                raise RunStopped(f"{failure}. No step ran in this run; {latest_checkpoint_text(cfg.logging.run_dir)}") from None
+            run.preemption = preemption
+            try:
+                with stop_on_full_disk("the run's files", run.run_dir, run.run_dir):
+                    summary = train(run)
+            except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
+                raise stop_after_engine_failure(run, failure) from None
+            finally:
+                run.rollouts.close()
+                run.engine.shutdown()
+                run.backend.close()
+                run.rollouts.rewards.close()
         finished = True
         return summary
     finally:

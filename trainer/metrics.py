@@ -1,4 +1,5 @@
-"""Step timing, the live progress bar, the final plot and the one-screen summary (rank 0)."""
+"""Step timing, the live progress bar, the warning when nothing can learn, the final plot and the
+one-screen summary (rank 0)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("rlite")
+log = logging.getLogger(__name__)  # "rlite.metrics", under "rlite"
 
 
 class StepTimer:
@@ -63,11 +64,11 @@ class ProgressBar:
             TextColumn("[bold]rlite"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("reward {task.fields[reward]}  acc {task.fields[acc]}  {task.fields[tps]} tok/s"),
+            TextColumn("reward {task.fields[reward]}  acc {task.fields[acc]}{task.fields[spec]}  {task.fields[tps]} tok/s"),
             TimeRemainingColumn(),
             transient=False,
         )
-        self.task = self.progress.add_task("train", total=total, completed=start, reward="-", acc="-", tps="-")
+        self.task = self.progress.add_task("train", total=total, completed=start, reward="-", acc="-", spec="", tps="-")
         self.progress.start()
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
@@ -86,6 +87,8 @@ class ProgressBar:
             fields["reward"] = f"{metrics['reward/mean']:.3f}"
         if "eval/greedy_accuracy" in metrics:
             fields["acc"] = f"{metrics['eval/greedy_accuracy']:.3f}"
+        if "spec/acceptance_rate" in metrics:
+            fields["spec"] = f"  draft accept {metrics['spec/acceptance_rate']:.2f}"
         if "perf/tokens_per_s" in metrics:
             fields["tps"] = f"{metrics['perf/tokens_per_s']:.0f}"
         self.progress.update(self.task, completed=step, **fields)
@@ -93,6 +96,66 @@ class ProgressBar:
     def close(self) -> None:
         if self.enabled and not self.plain:
             self.progress.stop()
+
+
+ZERO_VARIANCE_KEY = "advantage/zero_variance_groups"
+"""The fraction of the step's groups whose samples all got the same reward: their GRPO-style
+advantages are all zero, so they teach the policy nothing."""
+NO_SIGNAL_FRACTION = 0.9
+"""A step with at least this fraction of zero-variance groups counts as one without a learning signal."""
+
+
+class LearningSignalWatch:
+    """Warns (rank 0, on stderr through ``logging``) when most groups have no reward variance step
+    after step: the progress line then shows a flat reward and nothing says why the run does not learn.
+    The loop enables it for group-relative advantage estimators (grpo, rloo, ...: registered with
+    ``needs_group``), whose advantages such groups zero.
+
+    The first warning comes after ``after_steps`` such steps in a row; later ones at most every
+    ``every_steps`` steps while it lasts. Each names the likely cause, read off the step's metrics."""
+
+    def __init__(self, enabled: bool = True, after_steps: int = 5, every_steps: int = 50) -> None:
+        self.enabled, self.after_steps, self.every_steps = enabled, after_steps, every_steps
+        self.steps_in_a_row = 0
+        self.last_warned: int | None = None
+
+    def observe(self, step: int, metrics: dict[str, float]) -> str | None:
+        """Count this step; the warning logged, if one is due."""
+        fraction = metrics.get(ZERO_VARIANCE_KEY)
+        if not self.enabled or fraction is None:
+            return None
+        if fraction < NO_SIGNAL_FRACTION:
+            self.steps_in_a_row = 0
+            return None
+        self.steps_in_a_row += 1
+        if self.steps_in_a_row < self.after_steps:
+            return None
+        if self.last_warned is not None and step - self.last_warned < self.every_steps:
+            return None
+        self.last_warned = step
+        message = no_learning_signal_message(self.steps_in_a_row, metrics)
+        log.warning(message)
+        return message
+
+
+def no_learning_signal_message(steps: int, metrics: dict[str, float]) -> str:
+    """What :class:`LearningSignalWatch` says: what is wrong, the likely cause, and what to watch."""
+    fraction = metrics[ZERO_VARIANCE_KEY]
+    mean, accuracy = metrics.get("reward/mean", float("nan")), metrics.get("reward/accuracy")
+    head = (f"no learning signal for {steps} steps in a row: in {fraction:.0%} of the groups every sample got the "
+            f"same reward (this step's reward mean {mean:.3f}), so their advantages are all zero and the update "
+            "learns nothing from them.")  # fmt: skip
+    if metrics.get("reward/std", 1.0) == 0.0 and not accuracy:
+        cause = ("No sample earned a reward: check that the reward function fires on a right answer and that the "
+                 "answer column (data.answer_key) holds what it compares with; samples.jsonl shows what the model "
+                 "was given (prompt_text) and what it wrote.")  # fmt: skip
+    elif accuracy is not None and accuracy >= 0.99:
+        cause = "Every sample is right: the prompts are too easy for this model; give it harder ones."
+    else:
+        cause = ("The samples of each prompt score alike: rollout.temperature may be too low for them to differ "
+                 "(or rollout.samples_per_prompt too small), or each prompt is too easy (all right) or too hard "
+                 "(all wrong) for this model.")  # fmt: skip
+    return f"{head} {cause} Watch {ZERO_VARIANCE_KEY} in metrics.jsonl (the share of such groups)."
 
 
 def format_duration(seconds: float) -> str:
@@ -104,7 +167,9 @@ def format_duration(seconds: float) -> str:
 def plain_progress_line(step: int, total: int, start: int, elapsed: float, metrics: dict[str, float],
                         accuracy: float | None) -> str:
     """``step 10/500 | reward 0.312 | eval acc 0.450 | 1234 tok/s | 0.35 s/step | elapsed 0:00:04 | eta 0:02:53``:
-    the reward of this step, the latest greedy held-out accuracy, and the ETA from this run's mean step time."""
+    the reward of this step, the latest greedy held-out accuracy, and the ETA from this run's mean step time;
+    with a speculative draft its acceptance rate (``draft accept 0.78``), and when most groups had equal
+    rewards their share (``no signal in 100% of groups``)."""
     done = max(step - start, 1)
     per_step = elapsed / done
     parts = [f"step {step}/{total}"]
@@ -112,6 +177,10 @@ def plain_progress_line(step: int, total: int, start: int, elapsed: float, metri
         parts.append(f"reward {metrics['reward/mean']:.3f}")
     if accuracy is not None:
         parts.append(f"eval acc {accuracy:.3f}")
+    if metrics.get(ZERO_VARIANCE_KEY, 0.0) >= NO_SIGNAL_FRACTION:
+        parts.append(f"no signal in {metrics[ZERO_VARIANCE_KEY]:.0%} of groups")
+    if "spec/acceptance_rate" in metrics:
+        parts.append(f"draft accept {metrics['spec/acceptance_rate']:.2f}")
     if "perf/tokens_per_s" in metrics:
         parts.append(f"{metrics['perf/tokens_per_s']:.0f} tok/s")
     parts += [f"{per_step:.2f} s/step", f"elapsed {format_duration(elapsed)}",
@@ -202,6 +271,11 @@ PLOT_PANELS = {
            ("mismatch/kl", "rollout vs trainer (mismatch)")),
 }
 """The panels of ``plot.png``: title -> (metric, label) curves; a metric the run did not log is left out."""
+SPECULATION_PANEL = {
+    "speculative decoding": (("spec/acceptance_rate", "draft acceptance rate (accepted / proposed)"),
+                             ("draft/top1_agreement", "draft top-1 agreement with the samples")),
+}
+"""A fifth panel, only for a run with a speculative draft (``rollout.draft``)."""
 
 
 def plot_run(metrics_file: str | Path, out_png: str | Path) -> Path | None:
@@ -226,8 +300,14 @@ def plot_figure(rows: list[dict[str, Any]]):
     """The matplotlib figure of :func:`plot_run` from the metrics rows."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (title, curves) in zip(axes.flat, PLOT_PANELS.items()):
+    panels = dict(PLOT_PANELS)
+    if any("spec/acceptance_rate" in r for r in rows):
+        panels.update(SPECULATION_PANEL)
+    grid_rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(grid_rows, 2, figsize=(11, 3.5 * grid_rows), sharex=True)
+    for ax in axes.flat[len(panels):]:
+        fig.delaxes(ax)
+    for ax, (title, curves) in zip(axes.flat, panels.items()):
         for key, label in curves:
             points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if not points:
@@ -244,8 +324,9 @@ def plot_figure(rows: list[dict[str, Any]]):
             ax.legend(fontsize=8)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    for ax in axes[-1]:
+    for ax in fig.axes[-2:]:
         ax.set_xlabel("step")
+        ax.xaxis.set_tick_params(labelbottom=True)  # the panel above a removed one has the last row's axis
     fig.tight_layout()
     return fig
 
@@ -273,6 +354,8 @@ def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:
     line = f"rlite: {summary.get('steps', '?')} steps done in {summary.get('wall_time', '?')} wall"
     if "exported_model" in summary:
         line += f"; model exported to {summary['exported_model']}"
+        if "run_dir" in summary:  # it expects prompts templated as in training: the command does that
+            line += f" (talk to it: rlite chat {summary['run_dir']})"
     print(line, flush=True)
 
 

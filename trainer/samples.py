@@ -8,12 +8,16 @@ JSON object per rollout, and hands the same rows to every logger that has a ``lo
 
 A row of a training step::
 
-    {"step": 10, "kind": "train", "group": 3, "prompt": "12+30=", "answer": "42",
+    {"step": 10, "kind": "train", "group": 3, "prompt": "12+30=",
+     "prompt_text": "<|im_start|>user\\n12+30=<|im_end|>\\n<|im_start|>assistant\\n", "answer": "42",
      "completion": "42", "reward": 1.0, "rewards": {"exact_match": 1.0},
      "advantage": 0.87, "response_length": 3, "finish_reason": "stop"}
 
-``prompt`` and ``answer`` are the data row's (a chat prompt stays a list of messages); ``reward`` is
-the weighted sum the trainer used and ``rewards`` each reward function's own (unweighted) value;
+``prompt`` and ``answer`` are the data row's (a chat prompt stays a list of messages); ``prompt_text``
+is the exact text the model was given: the prompt after the chat template (``data.chat_template``,
+on by default) with ``data.system_prompt`` (``rlite chat`` and ``rlite generate`` format prompts the
+same way). ``reward`` is the weighted sum the trainer used and ``rewards`` each reward function's own
+(unweighted) value;
 ``advantage`` is the mean of the sample's per-token advantages over its response tokens (the one
 value of GRPO-style estimators). An evaluation's rows have ``"kind": "eval"``, a ``mode`` (greedy or
 sampled) and no advantage. A resumed run drops the rows logged after its checkpoint, like
@@ -36,9 +40,10 @@ def _number(value: float) -> float | None:
 
 
 def train_sample_rows(batch: RolloutBatch, step: int, count: int, reward_names: list[str] | None = None,
-                      ) -> list[dict[str, Any]]:  # fmt: skip
+                      tokenizer=None) -> list[dict[str, Any]]:  # fmt: skip
     """The first ``count`` rollouts of a scored batch whose targets are filled, as rows; ``reward_names``:
-    the reward functions, one per column of ``batch.reward_components``."""
+    the reward functions, one per column of ``batch.reward_components``; ``tokenizer``: decodes each
+    prompt's tokens into ``prompt_text`` (special tokens kept: the template's markers are part of it)."""
     rows = []
     lengths = batch.response_lengths
     for i in range(min(count, len(batch))):
@@ -47,6 +52,10 @@ def train_sample_rows(batch: RolloutBatch, step: int, count: int, reward_names: 
             "kind": "train",
             "group": int(batch.group_ids[i]),
             "prompt": batch.samples[i].get("prompt"),
+        }
+        if tokenizer is not None:
+            row["prompt_text"] = tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist())
+        row |= {
             "answer": batch.samples[i].get("answer"),
             "completion": batch.completion_texts[i] if batch.completion_texts else None,
             "reward": None if batch.scores is None else _number(batch.scores[i]),
@@ -68,7 +77,7 @@ def eval_sample_rows(step: int, mode: str, items: list, texts: list[str], scores
     """An evaluation's first ``count`` generations (``items``: the held-out prompts) as rows."""
     return [
         {"step": step, "kind": "eval", "mode": mode, "prompt": item.row.get("prompt"),
-         "answer": item.row.get("answer"), "completion": text, "reward": _number(score)}
+         "prompt_text": item.prompt_text, "answer": item.row.get("answer"), "completion": text, "reward": _number(score)}
         for item, text, score in list(zip(items, texts, scores))[:count]
     ]  # fmt: skip
 
@@ -93,7 +102,7 @@ class SampleWriter:
 
 def samples_markdown(rows: list[dict[str, Any]]) -> str:
     """A markdown table of sample rows (TensorBoard's text plugin renders it)."""
-    columns = [c for c in ("group", "mode", "prompt", "answer", "completion", "reward", "advantage", "rewards")
+    columns = [c for c in ("group", "mode", "prompt", "prompt_text", "answer", "completion", "reward", "advantage", "rewards")
                if any(c in row for row in rows)]  # fmt: skip
 
     def cell(value: Any) -> str:

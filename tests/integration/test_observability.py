@@ -115,3 +115,4 @@ def test_piped_stdout_gets_plain_progress_lines_and_the_final_summary(piped_run)
     final = [line for line in stdout.splitlines() if line.startswith("rlite: ")]
     assert len(final) == 1 and f"{STEPS} steps done in 0:" in final[0]
     assert f"model exported to {exported}" in final[0]
+    assert final[0].endswith(f"(talk to it: rlite chat {run_dir})")

@@ -171,7 +171,8 @@ class DataConfig:
     seed: int = 0
     """Seed of the synthetic task generator and of the prompt shuffling."""
     chat_template: bool = True
-    """Wrap prompts with the tokenizer's chat template (needs one)."""
+    """Wrap prompts with the tokenizer's chat template (needs one). The trained model then answers templated
+    prompts only: talk to it with ``rlite chat`` / ``rlite generate``, which template prompts the same way."""
     system_prompt: Optional[str] = None
     """System message prepended when the chat template is used."""
     max_prompt_tokens: int = 256

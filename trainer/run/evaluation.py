@@ -8,6 +8,7 @@ from typing import Any
 
 from rlite.config import ConfigError, RunConfig
 from rlite.distributed import init_distributed, shutdown_distributed
+from rlite.hf_models import quiet_transformers_progress
 from rlite.loop import evaluate
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
@@ -26,7 +27,8 @@ def run_evaluation(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict
     ctx = init_distributed()
     finished = False
     try:
-        run = build_run(cfg, pm if pm is not None else get_plugin_manager(), evaluation_only=True)
+        with quiet_transformers_progress():
+            run = build_run(cfg, pm if pm is not None else get_plugin_manager(), evaluation_only=True)
         try:
             if not run.eval_prompts:
                 raise ConfigError("rlite eval: no held-out prompts; set data.eval_files (or use a built-in data.task)")

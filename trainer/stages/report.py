@@ -97,8 +97,10 @@ def speculation_metrics(per_rank: list[SpeculationStats]) -> dict[str, float]:
 
 
 def summarize_metrics(metrics_file: Path, last: dict[str, float]) -> dict[str, float]:
-    """Final reward and held-out accuracies, with the accuracy at the run's first evaluation."""
-    from rlite.metrics import read_metrics
+    """Final reward and held-out accuracies, with the accuracy at the run's first evaluation; with a
+    speculative draft its acceptance rate (first, final, mean) and estimated speed-up; the steps
+    without a learning signal, if any."""
+    from rlite.metrics import NO_SIGNAL_FRACTION, ZERO_VARIANCE_KEY, read_metrics
 
     rows = read_metrics(metrics_file) if metrics_file.is_file() else []
     trained = [r for r in rows if "reward/mean" in r] or [last]
@@ -114,4 +116,19 @@ def summarize_metrics(metrics_file: Path, last: dict[str, float]) -> dict[str, f
             out[f"eval_{mode}_accuracy_first (step {evals[0]['step']})"] = first
             out[f"eval_{mode}_accuracy_final (step {evals[-1]['step']})"] = final
             out[f"eval_{mode}_accuracy_gain"] = final - first
+    speculative = [r for r in trained if "spec/acceptance_rate" in r]
+    if speculative:  # a draft was on: how much of what it proposed the policy kept, and what that bought
+        first, final = speculative[0], speculative[-1]
+        out[f"draft_acceptance_first (step {first['step']})"] = first["spec/acceptance_rate"]
+        out[f"draft_acceptance_final (step {final['step']})"] = final["spec/acceptance_rate"]
+        out["draft_acceptance_mean"] = sum(r["spec/acceptance_rate"] for r in speculative) / len(speculative)
+        speedups = [r["spec/estimated_speedup"] for r in speculative if "spec/estimated_speedup" in r]
+        if speedups:
+            out["draft_estimated_speedup_mean"] = sum(speedups) / len(speedups)
+    silent = [r["step"] for r in trained if r.get(ZERO_VARIANCE_KEY, 0.0) >= NO_SIGNAL_FRACTION]
+    if silent:  # the steps that could not learn (the run warned about them as they happened)
+        out["steps_without_learning_signal"] = (
+            f"{len(silent)} of {len(trained)} (>= {NO_SIGNAL_FRACTION:.0%} of groups with equal rewards: "
+            f"{ZERO_VARIANCE_KEY})"
+        )
     return out

@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rlite.hf_models import cache_kwarg
+
 
 def _chunk_logprob_entropy(hidden, weight, bias, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
     logits = hidden @ weight.t()
@@ -344,8 +346,8 @@ class PolicyModel(nn.Module):
                 input_ids=input_ids[unique_rows, prompt],
                 attention_mask=attention_mask[unique_rows, prompt],
                 position_ids=position_ids[unique_rows, prompt],
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_kwarg(decoder): cache},
             )
         last_prompt_hidden = prompt_out.last_hidden_state[:, -1:][inverse]
         batch, width = input_ids.shape[0], input_ids.shape[1] - response_start
@@ -368,8 +370,8 @@ class PolicyModel(nn.Module):
                     input_ids=input_ids[index, responses],
                     attention_mask=attention_mask[index, : response_start + run],
                     position_ids=position_ids[index, responses],
-                    past_key_values=bucket_cache,
                     use_cache=True,
+                    **{cache_kwarg(decoder): bucket_cache},
                 ).last_hidden_state
             out = torch.nn.functional.pad(out, (0, 0, 0, width - 1 - run))
             hidden = hidden.index_copy(0, index, out)

@@ -106,6 +106,15 @@ def load_sharded(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
     return model
 
 
+def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Recompute each decoder layer in backward. transformers 5.x calls it ``activation_checkpointing_enable``
+    (the older ``gradient_checkpointing_enable`` still works there, with a FutureWarning)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: torch.device, *, trainable: bool):
     def wrap(lm: nn.Module) -> PolicyModel:
         if trainable and model_cfg.lora.enabled:
@@ -120,7 +129,7 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
             kwargs: dict[str, Any] = {"use_reentrant": False}
             if policy.routers is not None:  # recomputation in backward replays the forward's routing
                 kwargs["context_fn"] = policy.routers.checkpoint_context
-            causal_lm_of(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_activation_checkpointing(causal_lm_of(lm), kwargs)
         if not trainable:
             policy.requires_grad_(False)
         return policy

@@ -31,6 +31,7 @@ from rlite.engines.base import (
     SamplingParams,
     SpeculationStats,
 )
+from rlite.hf_models import cache_kwarg
 from rlite.moe_routing import RouterHooks
 
 
@@ -327,8 +328,8 @@ class TransformersEngine:
             input_ids=unique_ids[:, :-1],
             attention_mask=unique_mask[:, :-1],
             position_ids=position_ids_from_mask(unique_mask)[:, :-1],
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kwarg(self.model): cache},
         )
         if self._grid is not None:  # the prompts' routing, once per prompt, to each of its n rows
             columns = unique_ids.shape[1] - 1
@@ -339,7 +340,7 @@ class TransformersEngine:
 
     def _sample_generate(self, ids, mask, params: SamplingParams, stop_ids, cache=None):
         out = self.model.generate(
-            past_key_values=cache,
+            **{cache_kwarg(self.model): cache},
             input_ids=ids,
             attention_mask=mask,
             do_sample=not params.greedy,
@@ -384,9 +385,9 @@ class TransformersEngine:
                 input_ids=step_ids,
                 attention_mask=attention,
                 position_ids=step_positions,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{cache_kwarg(self.model): cache},
             ).logits[:, -1].float() / params.temperature
             self._record_routing(rows.cpu(), slice(first_column, first_column + step_ids.shape[1]), len(rows))
             first_column += step_ids.shape[1]

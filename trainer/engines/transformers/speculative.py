@@ -34,6 +34,7 @@ from rlite.engines.transformers.engine import (
     position_ids_from_mask,
     sample_categorical,
 )
+from rlite.hf_models import cache_kwarg
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -115,8 +116,8 @@ class RowCache:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=(query - self.pads[:, None]).clamp(min=0),
-            past_key_values=self,
             use_cache=True,
+            **{cache_kwarg(self.model): self},
         ).logits
         self.lengths = self.lengths + counts
         if logits_at is not None:

@@ -1,0 +1,173 @@
+"""``rlite chat`` and ``rlite generate`` give the model its prompts as training did (the chat
+template, the run's system prompt), from a model folder, a run's export or a run's checkpoint."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rlite.cli import main
+from rlite.tasks import make_task
+from rlite.tokenizer import build_tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[2]
+WARM_START = REPO / "examples" / "warmstart" / "addition-qwen2-1m"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def templated(tokenizer, prompt: str, system: str | None = None) -> str:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def accuracy(rows: list[dict]) -> float:
+    return sum(row["completion"].strip() == row["answer"] for row in rows) / len(rows)
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> Path:
+    """64 of the quickstart's held-out addition prompts (never trained on)."""
+    _, rows = make_task("addition", 2000, 256, 0, digits=2)
+    return write_jsonl(tmp_path_factory.mktemp("prompts") / "held_out.jsonl", rows[:64])
+
+
+def test_the_warm_start_answers_templated_prompts_and_not_raw_ones(held_out, tmp_path, capsys):
+    templated_out, raw_out = tmp_path / "templated.jsonl", tmp_path / "raw.jsonl"
+    assert main(["generate", str(WARM_START), "--prompts", str(held_out), "--out", str(templated_out)]) == 0
+    assert main(["generate", str(WARM_START), "--prompts", str(held_out), "--out", str(raw_out), "--raw"]) == 0
+    with_template, without = read_jsonl(templated_out), read_jsonl(raw_out)
+    tokenizer = AutoTokenizer.from_pretrained(WARM_START)
+    assert [row["prompt_text"] for row in with_template] == [templated(tokenizer, r["prompt"]) for r in with_template]
+    assert [row["prompt_text"] for row in without] == [row["prompt"] for row in without]
+    assert all(row["answer"] and row["operands"] for row in with_template)  # the input's columns are kept
+    # the model learnt addition inside the template only: outside it, it answers noise
+    assert accuracy(with_template) >= 0.3
+    assert accuracy(with_template) > accuracy(without) + 0.25
+
+
+def test_chat_reads_piped_turns_and_replies_as_generate_does(held_out, tmp_path, capsys, monkeypatch):
+    prompts = [row["prompt"] for row in read_jsonl(held_out)[:5]]
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", str(WARM_START), "--prompts", str(held_out), "--out", str(out)]) == 0
+    expected = [row["completion"] for row in read_jsonl(out)[:5]]
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(prompts[:2]) + "\n\n" + "\n".join(prompts[2:]) + "\n"))
+    assert main(["chat", str(WARM_START), "--show-prompt"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.splitlines() == expected  # one reply per non-empty line, nothing else on stdout
+    assert printed.err.count("<|im_start|>assistant") == 5  # --show-prompt: the templated prompts
+
+
+def test_multi_turn_chat_shows_the_model_the_earlier_turns(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("1+1=\n2+2=\n"))
+    assert main(["chat", str(WARM_START), "--multi-turn", "--show-prompt", "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr()
+    first_reply = printed.out.splitlines()[0]
+    second_prompt = printed.err.split("<|im_start|>user\n2+2=")[0]
+    assert f"<|im_start|>assistant\n{first_reply}<|im_end|>" in second_prompt
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A tiny run with a system prompt, an exported model and a final checkpoint."""
+    tmp = tmp_path_factory.mktemp("run")
+    model_dir = build_tiny_model_dir(tmp / "tiny")
+    run_dir = tmp / "run"
+    config = tmp / "run.yaml"
+    config.write_text(f"model: {{path: {model_dir}}}\ndata: {{task: addition, num_train: 32, num_eval: 4, "
+                      "system_prompt: Add the numbers.}\n")  # fmt: skip
+    assert main([
+        "train", str(config), "training.steps=2", "training.eval_every=0", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4", "training.micro_batch_size=8", "training.lr=1e-2",
+        f"logging.run_dir={run_dir}", "logging.loggers=[jsonl]", "logging.plot=false", "logging.progress_bar=false",
+        "checkpoint.resume=never", "checkpoint.save_final=true", "checkpoint.export_hf=true",
+    ]) == 0  # fmt: skip
+    return run_dir
+
+
+def test_a_run_folder_gives_its_system_prompt_and_its_checkpoint_equals_its_export(finished_run, held_out,
+                                                                                 tmp_path, capsys):  # fmt: skip
+    from_export = tmp_path / "export.jsonl"
+    assert main(["generate", str(finished_run), "--prompts", str(held_out), "--out", str(from_export)]) == 0
+    rows = read_jsonl(from_export)
+    tokenizer = AutoTokenizer.from_pretrained(finished_run / "hf_model")
+    assert [row["prompt_text"] for row in rows] == [templated(tokenizer, r["prompt"], "Add the numbers.") for r in rows]
+    # without the export, the latest checkpoint is loaded: the same weights, the same replies
+    shutil.move(finished_run / "hf_model", tmp_path / "moved")
+    try:
+        from_checkpoint = tmp_path / "checkpoint.jsonl"
+        assert main(["generate", str(finished_run), "--prompts", str(held_out), "--out", str(from_checkpoint)]) == 0
+    finally:
+        shutil.move(tmp_path / "moved", finished_run / "hf_model")
+    assert "checkpoints" in capsys.readouterr().err  # says what it loaded
+    assert read_jsonl(from_checkpoint) == rows
+
+
+def test_a_checkpoint_newer_than_the_export_is_loaded(finished_run, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1+1=\n")
+    exported = finished_run / "hf_model" / "config.json"
+    written = exported.stat().st_mtime
+    os.utime(exported, (written - 3600, written - 3600))  # as if exported before the run was resumed
+    try:
+        assert main(["generate", str(finished_run), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 0
+    finally:
+        os.utime(exported, (written, written))
+    assert "checkpoints/step_00000002" in capsys.readouterr().err
+
+
+def test_samples_of_the_run_carry_the_text_the_model_saw(finished_run):
+    tokenizer = AutoTokenizer.from_pretrained(finished_run / "hf_model")
+    rows = read_jsonl(finished_run / "samples.jsonl")
+    assert {row["kind"] for row in rows} == {"train", "eval"}
+    for row in rows:
+        assert row["prompt_text"] == templated(tokenizer, row["prompt"], "Add the numbers.")
+
+
+def test_a_txt_file_gives_one_prompt_per_line(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("22+95=\n\n12+30=\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", str(WARM_START), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "3"]) == 0
+    assert [row["prompt"] for row in read_jsonl(out)] == ["22+95=", "12+30="]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["chat", "no/such/folder"], "MODEL_OR_RUN 'no/such/folder' is not a folder"),
+        (["generate", str(REPO / "configs"), "--prompts", "p.txt", "--out", "o.jsonl"], "--prompts: 'p.txt' not found"),
+        (["chat", str(REPO / "configs")], "neither a run folder"),
+        (["chat", str(WARM_START), "--temperature", "-1"], "--temperature must be >= 0"),
+        (["chat", str(WARM_START), "--raw", "--multi-turn"], "--multi-turn needs the chat template"),
+    ],
+)
+def test_bad_input_exits_2_naming_what_is_wrong(args, message, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_prompts_line_is_named(tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1="}])
+    prompts.write_text(prompts.read_text() + "{not json\n")
+    assert main(["generate", str(WARM_START), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert f"{prompts} line 2 is not valid JSON" in capsys.readouterr().err
+    write_jsonl(prompts, [{"question": "1+1="}])
+    assert main(["generate", str(WARM_START), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "line 1 has no 'prompt' column (--prompt-key)" in capsys.readouterr().err
+
