@@ -32,7 +32,7 @@ from rlite.run.lifecycle import (
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
-from rlite.stages.update import update_policy
+from rlite.stages.update import micro_batching, update_policy
 
 
 def train(run: Run) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def update_critic(run: Run, batch) -> dict[str, float]:
     cfg = run.config
     return run.critic.update(
         batch,
-        micro_batch_size=cfg.training.micro_batch_size,
+        micro_batching=micro_batching(run.forward, run.layout.group),
         minibatches=cfg.algorithm.minibatches_per_step,
         agg_mode=cfg.algorithm.loss_agg_mode,
         horizon=run.loss.horizon,

@@ -24,6 +24,7 @@ from rlite.config import CriticConfig, ModelConfig, ParallelismConfig
 from rlite.distributed import all_reduce_sum
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
 from rlite.training.logprobs import causal_lm_of
+from rlite.training.micro_batching import MicroBatching
 
 
 class ValueModel(nn.Module):
@@ -103,20 +104,18 @@ class Critic:
         return pad_to_width(values, batch.response_ids.shape[1]).to(batch.response_mask.device)  # the batch's device
 
     @torch.no_grad()
-    def values(self, batch: RolloutBatch, micro_batch_size: int, exact_layout: bool, minibatches: int = 1) -> torch.Tensor:
+    def values(self, batch: RolloutBatch, micro_batching: MicroBatching, exact_layout: bool, minibatches: int = 1) -> torch.Tensor:
         """V_old on the same mini/micro-batch partition as :meth:`update` (same shapes, same rounding)."""
-        parts = []
+        out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         size = len(batch) // minibatches
         for index in range(minibatches):
             mini = batch.select(slice(index * size, (index + 1) * size))
-            parts += [
-                self._forward(mini.select(slice(i, i + micro_batch_size)), exact_layout)
-                for i in range(0, len(mini), micro_batch_size)
-            ]
-        return torch.cat(parts) * batch.response_mask
+            for rows in micro_batching.split(mini):
+                out[[index * size + r for r in rows]] = self._forward(mini.select(rows), exact_layout).to(out.dtype)
+        return out * batch.response_mask
 
     def update(
-        self, batch: RolloutBatch, *, micro_batch_size: int, minibatches: int, agg_mode: str, horizon: float,
+        self, batch: RolloutBatch, *, micro_batching: MicroBatching, minibatches: int, agg_mode: str, horizon: float,
         dp_size: int, exact_layout: bool,
     ) -> dict[str, float]:
         """One pass of the clipped value loss over the batch (``batch.targets``: old_values, returns, loss_mask)."""
@@ -128,8 +127,8 @@ class Critic:
             totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]))
             n_tok, n_seq = float(totals[0]), float(totals[1])
             step = defaultdict(float)
-            for start in range(0, len(mini), micro_batch_size):
-                mb = mini.select(slice(start, start + micro_batch_size))
+            for rows in micro_batching.split(mini):
+                mb = mini.select(rows)
                 mask = mb.targets.loss_mask
                 values = self._forward(mb, exact_layout)
                 per_token, clipped = value_loss(
