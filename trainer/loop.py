@@ -158,6 +158,7 @@ def update_critic(run: Run, batch) -> dict[str, float]:
         horizon=run.loss.horizon,
         dp_size=run.layout.size,
         exact_layout=cfg.rollout.true_on_policy,
+        packed=run.forward.pack_sequences,
     )
 
 

@@ -450,8 +450,9 @@ def test_metrics_file_holds_exactly_this_run(tmp_path, model_dir):
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("variant", [PPO_WITH_CRITIC, ("model.lora.enabled=true", "model.lora.rank=4")],
-                         ids=["ppo-critic", "lora"])
+@pytest.mark.parametrize("variant", [PPO_WITH_CRITIC, ("model.lora.enabled=true", "model.lora.rank=4"),
+                                     ("training.pack_sequences=true", *PPO_WITH_CRITIC)],
+                         ids=["ppo-critic", "lora", "packed-ppo-critic"])
 def test_token_budget_micro_batches_train_the_critic_and_lora_and_resume_bitwise(tmp_path, model_dir, variant):
     """``training.max_tokens_per_micro_batch`` through the whole loop (pi_old, the critic's values and
     update, LoRA): micro-batches stay within the budget, pad no more than fixed-size ones, and a resumed
@@ -476,6 +477,8 @@ def test_token_budget_micro_batches_train_the_critic_and_lora_and_resume_bitwise
         assert row["batching/tokens_per_micro_batch"] <= 48
     if "algorithm.critic.enabled=true" in variant:
         assert all(math.isfinite(r["critic/vf_loss"]) for r in rows)
+    if "training.pack_sequences=true" in variant:
+        assert all(r["batching/padding_fraction"] == 0.0 for r in rows)
     assert _metrics_without_timing(tmp_path / "straight" / "metrics.jsonl") == _metrics_without_timing(
         tmp_path / "resumed" / "metrics.jsonl"
     )

@@ -18,11 +18,11 @@ def model_dir(tmp_path_factory):
 
 
 def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1, share_prompts=False, offload="none",
-         plain=False, max_tokens=0):
+         plain=False, max_tokens=0, pack=False):
     out = tmp_path / f"{name}.pt"
     init = tmp_path / f"{name}.init"
     args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches, share_prompts, offload, plain,
-            "", False, max_tokens)
+            "", False, max_tokens, pack)
     if world_size == 1:
         fixed_batch_update(0, *args)
     else:
@@ -141,3 +141,13 @@ def test_token_budget_micro_batches_equal_the_whole_batch_at_world_size_1_and_2(
         assert run["metrics"]["batching/padding_fraction"] < run["metrics"]["batching/padding_fraction_fixed_size"]
     assert whole["metrics"]["batching/micro_batches"] == 1.0
     assert budget_ws2["metrics"]["batching/rank_imbalance"] >= 1.0
+
+
+def test_packed_sequences_with_a_token_budget_equal_the_padded_whole_batch_at_world_size_2(tmp_path, model_dir):
+    """``training.pack_sequences`` (each micro-batch's real tokens end to end) under a token budget, on
+    two FSDP2 ranks, gives the step of one padded pass over the whole batch on one rank."""
+    whole = _run(tmp_path, model_dir, 1, 16, "token-mean", "pack-whole")
+    packed_ws1 = _run(tmp_path, model_dir, 1, 16, "token-mean", "pack-ws1", pack=True)
+    packed_ws2 = _run(tmp_path, model_dir, 2, 16, "token-mean", "pack-ws2", max_tokens=30, pack=True)
+    _assert_same(whole, packed_ws1)
+    _assert_same(whole, packed_ws2)

@@ -353,6 +353,11 @@ class TrainingConfig:
     """Seed of sampling, dropout and initialisation."""
     micro_batch_size: int = 8
     """Sequences per forward/backward pass on each rank; gradients accumulate over micro-batches."""
+    pack_sequences: bool = False
+    """Padding-free forward and backward (fsdp2 backend): each micro-batch's sequences are laid end to end
+    with their own position ids and attention that never crosses a sequence boundary, so no padding is
+    computed (the policy, the reference model and the critic; the same log-probs to float rounding).
+    Not with ``rollout.true_on_policy`` (which scores the engine's padded layout on purpose)."""
     max_tokens_per_micro_batch: int = 0
     """A token budget per micro-batch (0: off): sequences sorted by length are grouped so that each
     micro-batch's padded size (sequences x (longest prompt + longest response)) stays within it, with at

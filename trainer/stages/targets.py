@@ -75,7 +75,8 @@ def prepare_training_targets(
         loss_mask[truncated] = 0.0
     old_values = None
     if critic is not None:
-        old_values = critic.values(batch, micro_batching(forward, layout.group), forward.exact_layout, spec.minibatches)
+        old_values = critic.values(batch, micro_batching(forward, layout.group), forward.exact_layout, spec.minibatches,
+                                   packed=forward.pack_sequences)
 
     # one collective: every rank's rows, so that batch statistics are global
     local = (batch.scores, batch.group_ids, batch.response_mask, token_rewards, old_values,

@@ -124,7 +124,9 @@ def update_policy(
             parts = cut.split(mini)
             if epoch == 0:
                 unbudgeted = padding_stats(mini, fixed.split(mini))[1]
-                shape += torch.tensor([*padding_stats(mini, parts), len(parts), 1, unbudgeted], dtype=torch.float64)
+                real, computed = padding_stats(mini, parts)
+                computed = real if fwd.pack_sequences and not fwd.exact_layout else computed  # packed: no padding
+                shape += torch.tensor([real, computed, len(parts), 1, unbudgeted], dtype=torch.float64)
             for rows in parts:
                 mb = mini.select(rows)
                 with phase("train/forward"):

@@ -58,6 +58,9 @@ class ForwardSpec:
     """Checkpoint output-layer chunks only when a micro-batch's response logits exceed this size."""
     share_prompts: bool = False
     """Run each distinct prompt of a micro-batch once and share its KV cache with its samples."""
+    pack_sequences: bool = False
+    """Run the forward on each micro-batch's real tokens laid end to end, computing no padding
+    (``training.pack_sequences``, :mod:`rlite.training.packing`)."""
     max_tokens_per_micro_batch: int = 0
     """A token budget per micro-batch (``training.max_tokens_per_micro_batch``; 0: fixed-size micro-batches),
     read by the stages that cut batches (:mod:`rlite.training.micro_batching`)."""
@@ -93,9 +96,13 @@ class ScoringModel(Protocol):
 class CriticModel(Protocol):
     """PPO's value model, built by :meth:`TrainingBackend.build_critic`."""
 
-    def values(self, batch: RolloutBatch, micro_batching: MicroBatching, exact_layout: bool, minibatches: int) -> torch.Tensor:
+    def values(
+        self, batch: RolloutBatch, micro_batching: MicroBatching, exact_layout: bool, minibatches: int, *,
+        packed: bool = False,
+    ) -> torch.Tensor:
         """``[B, T]`` value predictions for the response tokens (no gradient), over the same mini- and
-        micro-batches as :meth:`update` (``micro_batching.split`` of each mini-batch)."""
+        micro-batches as :meth:`update` (``micro_batching.split`` of each mini-batch); ``packed``: a
+        padding-free forward (``training.pack_sequences``)."""
 
     def update(
         self,
@@ -107,6 +114,7 @@ class CriticModel(Protocol):
         horizon: float | None,
         dp_size: int,
         exact_layout: bool,
+        packed: bool = False,
     ) -> dict[str, float]:
         """One pass of the clipped value loss over the batch (``batch.targets``: ``old_values``,
         ``returns``, ``loss_mask``); returns ``critic/*`` metrics averaged over optimizer steps."""

@@ -22,11 +22,12 @@ forward's shapes and pi_old is bitwise its log-probs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlite.rollout import RolloutBatch
+if TYPE_CHECKING:
+    from rlite.rollout import RolloutBatch
 
 
 @dataclass(frozen=True)
