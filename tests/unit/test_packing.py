@@ -16,14 +16,24 @@ from rlite.training.logprobs import PolicyModel
 from rlite.training.packing import PackedRows
 
 
-def test_packed_rows_concatenate_each_rows_real_tokens_and_map_back():
+def test_packed_rows_place_sequences_first_fit_longest_first_hand_computed():
+    from rlite.engines.transformers.engine import position_ids_from_mask
+
     mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 0]])
     ids = torch.arange(15).reshape(3, 5)
     rows = PackedRows.of(mask)
-    assert rows.pack(ids).tolist() == [[1, 2, 3, 5, 6, 7, 8, 9, 12, 13]]
-    assert rows.index.tolist() == [[-1, 0, 1, 2, -1], [3, 4, 5, 6, 7], [-1, -1, 8, 9, -1]]
-    back = rows.unpack(rows.pack(ids)[0], slice(1, 4))
+    # lengths 3, 5, 2; rows of 5: the 5 fills row 0, the 3 opens row 1, the 2 fits after it
+    assert (rows.rows, rows.width) == (2, 5)
+    assert rows.pack(ids).tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 12, 13]]
+    assert rows.positions(position_ids_from_mask(mask)).tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    assert rows.index.tolist() == [[-1, 5, 6, 7, -1], [0, 1, 2, 3, 4], [-1, -1, 8, 9, -1]]
+    back = rows.unpack(rows.pack(ids).flatten(), slice(1, 4))
     assert torch.equal(back[mask[:, 1:4].bool()], ids[:, 1:4][mask[:, 1:4].bool()])
+    # room left at a row's end is filler, its own sequence: positions from 0 again
+    short = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 1]])
+    rows = PackedRows.of(short)
+    assert rows.pack(torch.arange(8).reshape(2, 4), filler=-1).tolist() == [[0, 1, 2, 3], [7, -1, -1, -1]]
+    assert rows.positions(position_ids_from_mask(short)).tolist() == [[0, 1, 2, 3], [0, 0, 1, 2]]
 
 
 def _spec(packed: bool, **kwargs) -> ForwardSpec:
@@ -66,7 +76,8 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_forward(lora):
 
 
 def test_packing_is_not_a_no_op_it_runs_fewer_positions(monkeypatch):
-    """The decoder sees one row of exactly the batch's real tokens, no attention mask."""
+    """The decoder sees packed rows as long as the longest sequence, fewer than the padded micro-batch's,
+    and no attention mask."""
     model = PolicyModel(tiny_qwen2(vocab_size=250))
     batch = fixed_batch(num_prompts=3, samples=2, prompt_len=6, max_len=7, vocab=250)
     decoder = model.causal_lm.get_decoder()
@@ -81,7 +92,11 @@ def test_packing_is_not_a_no_op_it_runs_fewer_positions(monkeypatch):
     with torch.no_grad():
         policy_logprobs(model, batch, _spec(True))
     real = int(batch.prompt_mask.sum() + batch.response_mask.sum())
-    assert seen == [((1, real), None)]
+    rows = PackedRows.of(torch.cat([batch.prompt_mask, batch.response_mask], dim=1))
+    (shape, mask), = seen
+    assert shape == (rows.rows, rows.width) and mask is None
+    longest = int((batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).max())
+    assert rows.width == longest and real <= rows.rows * rows.width <= len(batch) * longest
 
 
 def test_packed_critic_values_equal_the_padded_ones():

@@ -306,13 +306,13 @@ class PolicyModel(nn.Module):
         if packed and not exact_layout:
             rows = PackedRows.of(attention_mask)
             routing_context = (contextlib.nullcontext() if routed_experts is None
-                               else self.routers.applying(routing, rows.pack(routed_experts)))
+                               else self.routers.applying(routing, rows.pack(routed_experts, filler=-1)))
             with routing_context:
                 # no attention mask: the restarting position ids make transformers build a
                 # block-diagonal causal mask (varlen attention where the implementation has it)
                 flat = lm.get_decoder()(
-                    input_ids=rows.pack(input_ids), position_ids=rows.pack(position_ids), use_cache=False
-                ).last_hidden_state[0]
+                    input_ids=rows.pack(input_ids), position_ids=rows.positions(position_ids), use_cache=False
+                ).last_hidden_state.flatten(0, 1)
             h = rows.unpack(flat, slice(response_start - 1, response_start - 1 + width))
             return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
                                entropy_grad, recompute_above_bytes)

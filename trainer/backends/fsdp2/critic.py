@@ -49,8 +49,8 @@ class ValueModel(nn.Module):
         columns = slice(response_start - 1, response_start - 1 + width)
         if packed:  # padding-free: the real tokens end to end (rlite.training.packing)
             rows = PackedRows.of(attention_mask)
-            flat = decoder(input_ids=rows.pack(input_ids), position_ids=rows.pack(position_ids),
-                           use_cache=False).last_hidden_state[0]
+            flat = decoder(input_ids=rows.pack(input_ids), position_ids=rows.positions(position_ids),
+                           use_cache=False).last_hidden_state.flatten(0, 1)
             states = rows.unpack(flat, columns)
         else:
             hidden = decoder(
