@@ -25,6 +25,8 @@ def test_budget_packs_longest_first_within_both_bounds_hand_computed():
     # row 3 joins row 1: 2 x (5 + 2) = 14 <= 16
     assert pack_by_budget(prompt, response, size=8, max_tokens=16) == [[2], [0], [1, 3]]
     assert padded_size([1, 3], prompt, response) == 14
+    # padding-free forwards: the budget counts real tokens: [2, 0] = 9 + 6, [1, 3] = 6 + 3
+    assert pack_by_budget(prompt, response, size=8, max_tokens=16, packed=True) == [[2, 0], [1, 3]]
     # the sequence bound holds as well as the token bound
     assert pack_by_budget([1] * 5, [1] * 5, size=2, max_tokens=100) == [[0, 1], [2, 3], [4]]
 

@@ -46,7 +46,8 @@ def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
 
 def micro_batching(spec: ForwardSpec, group: Any = None) -> MicroBatching:
     """The micro-batching ``spec`` asks for, agreed over the data-parallel ``group``."""
-    return MicroBatching(spec.micro_batch_size, spec.max_tokens_per_micro_batch, group)
+    return MicroBatching(spec.micro_batch_size, spec.max_tokens_per_micro_batch, group,
+                         packed=spec.pack_sequences and not spec.exact_layout)
 
 
 def split_minibatches(batch: RolloutBatch, count: int) -> list[RolloutBatch]:

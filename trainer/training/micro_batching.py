@@ -8,7 +8,8 @@ padding. That product is what a token budget bounds.
 - ``max_tokens == 0``: contiguous runs of ``size`` rows, in batch order (the historical behaviour).
 - ``max_tokens > 0``: rows sorted longest first (ties by row) and packed greedily into micro-batches
   of at most ``size`` rows whose padded size stays within ``max_tokens``; sorting puts rows of similar
-  length together, so little of each rectangle is padding. The data-parallel ranks then agree on one
+  length together, so little of each rectangle is padding. With padding-free forwards (``packed``)
+  the budget counts real tokens instead. The data-parallel ranks then agree on one
   count (the largest any rank needs; a collective over ``group``) and a rank that needs fewer splits
   its micro-batches with the most rows in two until it has as many, because every rank must run the
   same number of forwards and backwards (FSDP2 gathers parameters in each).
@@ -40,6 +41,8 @@ class MicroBatching:
     """At most this many padded token positions (rows x width) per micro-batch; 0: no budget."""
     group: Any = None
     """The data-parallel process group whose ranks agree on the number of micro-batches (None: all)."""
+    packed: bool = False
+    """The forward runs padding-free (``training.pack_sequences``): the budget counts real tokens."""
 
     def split(self, batch: RolloutBatch) -> list[list[int]]:
         """The row indices of each micro-batch of ``batch`` (every row in exactly one)."""
@@ -47,7 +50,7 @@ class MicroBatching:
         if self.max_tokens <= 0:
             return [list(range(start, min(start + self.size, rows))) for start in range(0, rows, self.size)]
         prompt, response = row_lengths(batch)
-        parts = pack_by_budget(prompt, response, self.size, self.max_tokens)
+        parts = pack_by_budget(prompt, response, self.size, self.max_tokens, packed=self.packed)
         return split_to_count(parts, agreed_count(len(parts), self.group))
 
 
@@ -62,12 +65,21 @@ def padded_size(rows: list[int], prompt: list[int], response: list[int]) -> int:
     return len(rows) * (max(prompt[r] for r in rows) + max(max(response[r] for r in rows), 1))
 
 
-def pack_by_budget(prompt: list[int], response: list[int], size: int, max_tokens: int) -> list[list[int]]:
-    """Rows longest first, each appended to the last micro-batch while it stays within both bounds."""
+def real_size(rows: list[int], prompt: list[int], response: list[int]) -> int:
+    """Token positions a padding-free micro-batch of these rows computes: their real tokens."""
+    return sum(prompt[r] + max(response[r], 1) for r in rows)
+
+
+def pack_by_budget(
+    prompt: list[int], response: list[int], size: int, max_tokens: int, *, packed: bool = False
+) -> list[list[int]]:
+    """Rows longest first, each appended to the last micro-batch while it stays within both bounds
+    (the budget counts padded positions, or real tokens when the forward is ``packed``)."""
+    cost = real_size if packed else padded_size
     order = sorted(range(len(prompt)), key=lambda r: (-(prompt[r] + response[r]), r))
     parts: list[list[int]] = []
     for row in order:
-        alone = padded_size([row], prompt, response)
+        alone = cost([row], prompt, response)
         if alone > max_tokens:
             raise ValueError(
                 f"training.max_tokens_per_micro_batch={max_tokens} is smaller than one sequence of this batch "
@@ -75,7 +87,7 @@ def pack_by_budget(prompt: list[int], response: list[int], size: int, max_tokens
                 "longest prompt plus the longest response (data.max_prompt_tokens + rollout.max_new_tokens, or "
                 "rollout.max_response_tokens for multi-turn runs)"
             )
-        if parts and len(parts[-1]) < size and padded_size([*parts[-1], row], prompt, response) <= max_tokens:
+        if parts and len(parts[-1]) < size and cost([*parts[-1], row], prompt, response) <= max_tokens:
             parts[-1].append(row)
         else:
             parts.append([row])
