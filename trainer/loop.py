@@ -34,7 +34,7 @@ from rlite.run.lifecycle import (
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
-from rlite.stages.update import update_policy
+from rlite.stages.update import micro_batching, update_policy
 
 
 def train(run: Run) -> dict[str, Any]:
@@ -164,12 +164,13 @@ def update_critic(run: Run, batch) -> dict[str, float]:
     cfg = run.config
     return run.critic.update(
         batch,
-        micro_batch_size=cfg.training.micro_batch_size,
+        micro_batching=micro_batching(run.forward, run.layout.group),
         minibatches=cfg.algorithm.minibatches_per_step,
         agg_mode=cfg.algorithm.loss_agg_mode,
         horizon=run.loss.horizon,
         dp_size=run.layout.size,
         exact_layout=cfg.rollout.true_on_policy,
+        packed=run.forward.pack_sequences,
     )
 
 

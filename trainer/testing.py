@@ -114,6 +114,8 @@ def fixed_batch_update(
     plain: bool = False,
     backend_choice: str = "",
     routing_replay: bool = False,
+    max_tokens: int = 0,
+    pack: bool = False,
 ) -> None:
     """One optimizer step of the real FSDP2 backend on a fixed global batch; rank r takes slice r.
 
@@ -125,7 +127,8 @@ def fixed_batch_update(
     differences. ``backend_choice`` (a ``parallelism.backend`` value such as
     ``{name: megatron, args: {expert_parallel: 2}}``) builds that backend through the plugin registry
     instead of FSDP2. ``routing_replay`` (an MoE model): the batch carries an engine's routing, which
-    the forward replays.
+    the forward replays. ``max_tokens``: a token budget per micro-batch (``training.max_tokens_per_micro_batch``);
+    ``pack``: padding-free forwards (``training.pack_sequences``).
     """
     import torch.distributed as dist
 
@@ -190,7 +193,8 @@ def fixed_batch_update(
             backend,
             local,
             ForwardSpec(micro_batch_size=micro_batch_size, temperature=1.0, chunk_size=16, exact_layout=False,
-                        share_prompts=share_prompts, routing=plan),
+                        share_prompts=share_prompts, routing=plan, max_tokens_per_micro_batch=max_tokens,
+                        pack_sequences=pack),
             LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), agg_mode, 7.0, None, 0.0, 0.01),
             minibatches=minibatches,
             epochs=1,

@@ -301,6 +301,11 @@ class MegatronBackend:
 
         if config.model.lora.enabled:
             raise ConfigError("model.lora.enabled: the megatron backend trains full weights; use parallelism.backend=fsdp2 for LoRA")
+        if config.training.pack_sequences:
+            raise ConfigError(
+                "training.pack_sequences=true with parallelism.backend=megatron: the megatron backend does not run "
+                "packed (THD) sequences yet; set training.pack_sequences=false (training.max_tokens_per_micro_batch works)"
+            )
         self.config, self.cfg, self.device = config, cfg, device
         self.cpu_shims = apply_cpu_shims()
         init_model_parallel(cfg.tensor_parallel, cfg.expert_parallel)

@@ -448,3 +448,40 @@ def test_metrics_file_holds_exactly_this_run(tmp_path, model_dir):
     run_training(tiny_config(model_dir, run_dir, "training.steps=2"))
     run_training(tiny_config(model_dir, run_dir, "training.steps=3"))  # fresh (resume=never): starts over
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("variant", [PPO_WITH_CRITIC, ("model.lora.enabled=true", "model.lora.rank=4"),
+                                     ("training.pack_sequences=true", *PPO_WITH_CRITIC)],
+                         ids=["ppo-critic", "lora", "packed-ppo-critic"])
+def test_token_budget_micro_batches_train_the_critic_and_lora_and_resume_bitwise(tmp_path, model_dir, variant):
+    """``training.max_tokens_per_micro_batch`` through the whole loop (pi_old, the critic's values and
+    update, LoRA): micro-batches stay within the budget, pad no more than fixed-size ones, and a resumed
+    run equals a straight one."""
+    common = ("training.max_tokens_per_micro_batch=48", "training.micro_batch_size=16", "checkpoint.every=2",
+              "training.eval_every=0", "checkpoint.export_hf=true", *variant, "training.steps=3")
+    run_training(tiny_config(model_dir, tmp_path / "straight", *common))
+    pm = build_plugin_manager(autoload=False)
+    pm.register(CrashAfterCheckpoint(2), name="crash")
+    set_plugin_manager(pm)
+    try:
+        with pytest.raises(SimulatedCrash):
+            run_training(tiny_config(model_dir, tmp_path / "resumed", *common, pm=pm))
+    finally:
+        set_plugin_manager(None)
+    run_training(tiny_config(model_dir, tmp_path / "resumed", *common, "checkpoint.resume=auto"))
+    rows = [r for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl") if "batching/micro_batches" in r]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["batching/micro_batches"] > 1
+        assert row["batching/padding_fraction"] <= row["batching/padding_fraction_fixed_size"]
+        assert row["batching/tokens_per_micro_batch"] <= 48
+    if "algorithm.critic.enabled=true" in variant:
+        assert all(math.isfinite(r["critic/vf_loss"]) for r in rows)
+    if "training.pack_sequences=true" in variant:
+        assert all(r["batching/padding_fraction"] == 0.0 for r in rows)
+    assert _metrics_without_timing(tmp_path / "straight" / "metrics.jsonl") == _metrics_without_timing(
+        tmp_path / "resumed" / "metrics.jsonl"
+    )
+    a = load_file(tmp_path / "straight" / "hf_model" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -18,10 +18,11 @@ def model_dir(tmp_path_factory):
 
 
 def _run(tmp_path, model_dir, world_size, micro, mode, name, minibatches=1, share_prompts=False, offload="none",
-         plain=False):
+         plain=False, max_tokens=0, pack=False):
     out = tmp_path / f"{name}.pt"
     init = tmp_path / f"{name}.init"
-    args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches, share_prompts, offload, plain)
+    args = (world_size, str(init), model_dir, str(out), micro, mode, minibatches, share_prompts, offload, plain,
+            "", False, max_tokens, pack)
     if world_size == 1:
         fixed_batch_update(0, *args)
     else:
@@ -123,3 +124,30 @@ def test_first_minibatch_of_an_on_policy_step_has_ratio_exactly_one(tmp_path, mo
             assert metrics["pg_clipfrac"].sum() == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_token_budget_micro_batches_equal_the_whole_batch_at_world_size_1_and_2(tmp_path, model_dir):
+    """``training.max_tokens_per_micro_batch``: rows regrouped by length into micro-batches of at most 30
+    padded positions (about 3 rows of this batch, so 5-6 micro-batches per rank, in another row order)
+    give the step of one pass over the whole batch, on one rank and on two (which agree on a count)."""
+    whole = _run(tmp_path, model_dir, 1, 16, "token-mean", "budget-whole")
+    budget_ws1 = _run(tmp_path, model_dir, 1, 16, "token-mean", "budget-ws1", max_tokens=30)
+    budget_ws2 = _run(tmp_path, model_dir, 2, 16, "seq-mean-token-sum", "budget-ws2", max_tokens=30)
+    whole_seq = _run(tmp_path, model_dir, 1, 16, "seq-mean-token-sum", "budget-whole-seq")
+    _assert_same(whole, budget_ws1)
+    _assert_same(whole_seq, budget_ws2)
+    for run in (budget_ws1, budget_ws2):
+        assert run["metrics"]["batching/micro_batches"] >= 4
+        assert run["metrics"]["batching/padding_fraction"] < run["metrics"]["batching/padding_fraction_fixed_size"]
+    assert whole["metrics"]["batching/micro_batches"] == 1.0
+    assert budget_ws2["metrics"]["batching/rank_imbalance"] >= 1.0
+
+
+def test_packed_sequences_with_a_token_budget_equal_the_padded_whole_batch_at_world_size_2(tmp_path, model_dir):
+    """``training.pack_sequences`` (each micro-batch's real tokens end to end) under a token budget, on
+    two FSDP2 ranks, gives the step of one padded pass over the whole batch on one rank."""
+    whole = _run(tmp_path, model_dir, 1, 16, "token-mean", "pack-whole")
+    packed_ws1 = _run(tmp_path, model_dir, 1, 16, "token-mean", "pack-ws1", pack=True)
+    packed_ws2 = _run(tmp_path, model_dir, 2, 16, "token-mean", "pack-ws2", max_tokens=30, pack=True)
+    _assert_same(whole, packed_ws1)
+    _assert_same(whole, packed_ws2)

@@ -217,6 +217,7 @@ def validate_choices(cfg: RunConfig, pm) -> None:
     check_draft_runs_on_engine(cfg, pm)
     check_bypass_corrections(cfg, pm)
     check_workflow(cfg, pm)
+    check_packing(cfg)
     kl_names = pm.registry("kl_estimator").names()
     if cfg.algorithm.kl.estimator not in kl_names:
         _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
@@ -286,6 +287,16 @@ def check_workflow(cfg: RunConfig, pm) -> None:
             raise ConfigError(
                 f"rollout.workflow={workflow.name} is multi-turn, which is not supported with this setting yet: set {key}"
             )
+
+
+def check_packing(cfg: RunConfig) -> None:
+    """Packed (padding-free) forwards score sequences end to end; true on-policy mode must score the
+    engine's own padded layout to be bitwise equal to it."""
+    if cfg.training.pack_sequences and cfg.rollout.true_on_policy:
+        raise ConfigError(
+            "training.pack_sequences=true with rollout.true_on_policy=true: true on-policy mode scores the engine's "
+            "padded layout so that the log-probs are bitwise the engine's; set one of them to false"
+        )
 
 
 def check_draft_runs_on_engine(cfg: RunConfig, pm) -> None:

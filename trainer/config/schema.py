@@ -382,6 +382,17 @@ class TrainingConfig:
     """Seed of sampling, dropout and initialisation."""
     micro_batch_size: int = 8
     """Sequences per forward/backward pass on each rank; gradients accumulate over micro-batches."""
+    pack_sequences: bool = False
+    """Padding-free forward and backward (fsdp2 backend): each micro-batch's sequences are laid end to end
+    with their own position ids and attention that never crosses a sequence boundary, so no padding is
+    computed (the policy, the reference model and the critic; the same log-probs to float rounding).
+    Not with ``rollout.true_on_policy`` (which scores the engine's padded layout on purpose)."""
+    max_tokens_per_micro_batch: int = 0
+    """A token budget per micro-batch (0: off): sequences sorted by length are grouped so that each
+    micro-batch's padded size (sequences x (longest prompt + longest response)) stays within it, with at
+    most ``micro_batch_size`` sequences; every data-parallel rank runs the same number of micro-batches.
+    Applies to pi_old, pi_ref, the critic and the update alike. Bounds a micro-batch's activation memory
+    when lengths vary, and cuts padding (``batching/padding_fraction``)."""
     lr: float = 1e-5
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
@@ -434,6 +445,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "training.steps must be >= 0")
         _check(self.micro_batch_size >= 1, "training.micro_batch_size must be >= 1")
+        _check(self.max_tokens_per_micro_batch >= 0,
+               "training.max_tokens_per_micro_batch must be >= 0 (0: no token budget)")
         _check(self.lr >= 0, "training.lr must be >= 0")
         _check(len(self.betas) == 2, f"training.betas must have two values, got {list(self.betas)}")
         for index, beta in enumerate(self.betas):

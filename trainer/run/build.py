@@ -161,6 +161,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         temperature=cfg.rollout.temperature,
         chunk_size=cfg.training.logprob_chunk_size,
         exact_layout=cfg.rollout.true_on_policy,
+        max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch,
+        pack_sequences=cfg.training.pack_sequences,
         use_liger=check_liger(cfg),
         entropy_grad=algo.entropy_coef != 0.0,
         recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20,

@@ -18,7 +18,7 @@ from rlite.distributed import DataLayout, all_gather_objects
 from rlite.kl_control import KLController, kl_reward_penalty, update_kl_controller
 from rlite.mismatch import OLD_LOGPROB_MODES, compose_corrections, mismatch_metrics
 from rlite.rollout import RolloutBatch, TrainTargets, pad_to_width
-from rlite.stages.update import LossSpec, score_logprobs
+from rlite.stages.update import LossSpec, micro_batching, score_logprobs
 from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainingBackend
 
 
@@ -59,9 +59,9 @@ def prepare_training_targets(
     need_old = not one_step_on_policy or bool(spec.corrections) or spec.kl_in_reward
     old = recomputed = None
     if need_old or not mode.recomputes:
-        recomputed = score_logprobs(policy, batch, forward, spec.minibatches) if mode.recomputes else None
+        recomputed = score_logprobs(policy, batch, forward, spec.minibatches, layout.group) if mode.recomputes else None
         old = mode.resolve(recomputed, batch.rollout_logprobs)
-    ref = None if reference is None else score_logprobs(reference, batch, forward, spec.minibatches)
+    ref = None if reference is None else score_logprobs(reference, batch, forward, spec.minibatches, layout.group)
     token_rewards = None
     if spec.kl_in_reward and ref is not None:
         kl = loss.kl_fn(old, ref).detach()
@@ -75,7 +75,8 @@ def prepare_training_targets(
         loss_mask[truncated] = 0.0
     old_values = None
     if critic is not None:
-        old_values = critic.values(batch, spec.micro_batch_size, forward.exact_layout, spec.minibatches)
+        old_values = critic.values(batch, micro_batching(forward, layout.group), forward.exact_layout, spec.minibatches,
+                                   packed=forward.pack_sequences)
 
     # one collective: every rank's rows, so that batch statistics are global
     local = (batch.scores, batch.group_ids, batch.response_mask, token_rewards, old_values,

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from rlite.algorithms import aggregate_loss
-from rlite.distributed import all_reduce_sum
+from rlite.distributed import all_reduce_max, all_reduce_sum
 from rlite.rollout import RolloutBatch
 from rlite.training.backend import ForwardSpec, ScoringModel, TrainingBackend
+from rlite.training.micro_batching import MicroBatching, padding_stats
 
 
 @dataclass
@@ -43,25 +44,37 @@ def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
     return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
 
 
+def micro_batching(spec: ForwardSpec, group: Any = None) -> MicroBatching:
+    """The micro-batching ``spec`` asks for, agreed over the data-parallel ``group``."""
+    return MicroBatching(spec.micro_batch_size, spec.max_tokens_per_micro_batch, group,
+                         packed=spec.pack_sequences and not spec.exact_layout)
+
+
 def split_minibatches(batch: RolloutBatch, count: int) -> list[RolloutBatch]:
     size = len(batch) // count
     return [batch.select(slice(i * size, (i + 1) * size)) for i in range(count)]
 
 
 @torch.no_grad()
-def score_logprobs(model: ScoringModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1) -> torch.Tensor:
+def score_logprobs(
+    model: ScoringModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1, group: Any = None
+) -> torch.Tensor:
     """Log-probs ``[B, T]`` of the batch's responses under ``model`` (no gradient).
 
     The batch is cut into exactly the mini- and micro-batches that :func:`update_policy` uses, so
     every row is scored with the same shapes (and so the same rounding) as in training: pi_old of the
-    first mini-batch equals its first training forward bit for bit (ratio exactly 1).
+    first mini-batch equals its first training forward bit for bit (ratio exactly 1). ``group``: the
+    data-parallel ranks, which agree on the number of micro-batches under a token budget.
     """
-    parts = [
-        model.logprobs(mb, spec)[0]
-        for mini in split_minibatches(batch, minibatches)
-        for mb in micro_batches(mini, spec.micro_batch_size)
-    ]
-    return torch.cat(parts, dim=0) * batch.response_mask
+    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    cut = micro_batching(spec, group)
+    offset = 0
+    for mini in split_minibatches(batch, minibatches):
+        for rows in cut.split(mini):
+            logprobs = model.logprobs(mini.select(rows), spec)[0]
+            out[[offset + r for r in rows], : logprobs.shape[1]] = logprobs.to(out.dtype)
+        offset += len(mini)
+    return out * batch.response_mask
 
 
 def update_policy(
@@ -98,6 +111,10 @@ def update_policy(
     first_pass_logprobs = torch.zeros_like(batch.response_mask)
     optimizer_steps = 0
     skipped: list[dict[str, float]] = []
+    cut = micro_batching(fwd, dp_group)
+    # real tokens, computed positions, micro-batches, mini-batches, positions of fixed-size micro-batches
+    shape = torch.zeros(5, dtype=torch.float64)
+    fixed = MicroBatching(fwd.micro_batch_size)
     for epoch in range(epochs):
         offset = 0
         for mini in split_minibatches(batch, minibatches):
@@ -105,16 +122,23 @@ def update_policy(
             counts = dict(global_tokens=float(totals[0]), global_sequences=float(totals[1]), dp_size=dp_size)
             # per-step sums stay tensors until the step ends: no host sync per micro-batch
             step_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-            for mb in micro_batches(mini, fwd.micro_batch_size):
+            parts = cut.split(mini)
+            if epoch == 0:
+                unbudgeted = padding_stats(mini, fixed.split(mini))[1]
+                real, computed = padding_stats(mini, parts)
+                computed = real if fwd.pack_sequences and not fwd.exact_layout else computed  # packed: no padding
+                shape += torch.tensor([real, computed, len(parts), 1, unbudgeted], dtype=torch.float64)
+            for rows in parts:
+                mb = mini.select(rows)
                 with phase("train/forward"):
                     logprobs, entropy = backend.logprobs(mb, fwd, with_entropy=True)
                     if epoch == 0:
-                        first_pass_logprobs[offset : offset + len(mb)] = logprobs.detach()
-                    offset += len(mb)
+                        first_pass_logprobs[[offset + r for r in rows], : logprobs.shape[1]] = logprobs.detach()
                     total = micro_batch_loss(mb, logprobs, entropy, loss, counts, step_sums)
                     step_sums[OBJECTIVE] += total.detach()
                 with phase("train/backward"):
                     backend.backward(total)
+            offset += len(mini)
             lr = backend.current_lr()
             # every summed value is this rank's share x dp_size: average over ranks. Reduced before the
             # optimizer step, so that every rank sees the same global loss and skips alike.
@@ -141,7 +165,26 @@ def update_policy(
             sums["actor/lr"] += lr
     metrics = {name: value / optimizer_steps for name, value in sums.items()}
     metrics["train/skipped_nonfinite"] = float(len(skipped))
+    metrics.update(batching_metrics(shape, dp_group))
     return metrics, first_pass_logprobs
+
+
+def batching_metrics(shape: torch.Tensor, dp_group: Any) -> dict[str, float]:
+    """What the micro-batching computed in the step's first epoch, over all ranks: the share of computed
+    token positions that were padding (and what fixed-size micro-batches of ``training.micro_batch_size``
+    would have padded), positions per micro-batch, micro-batches per mini-batch, and the imbalance
+    across ranks (the busiest rank's positions over the mean; 1 is balanced)."""
+    real, positions, micro, mini, unbudgeted = shape.tolist()
+    busiest = float(all_reduce_max(torch.tensor([int(positions)]), dp_group).item())
+    total = all_reduce_sum(torch.tensor([real, positions, micro, unbudgeted, 1.0]), dp_group).tolist()
+    real, positions, micro, unbudgeted, ranks = total
+    return {
+        "batching/padding_fraction": 1.0 - real / max(positions, 1.0),
+        "batching/padding_fraction_fixed_size": 1.0 - real / max(unbudgeted, 1.0),
+        "batching/tokens_per_micro_batch": positions / max(micro, 1.0),
+        "batching/micro_batches": micro / max(ranks * mini, 1.0),
+        "batching/rank_imbalance": busiest / max(positions / ranks, 1.0),
+    }
 
 
 OBJECTIVE = "train/objective"

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from rlite.distributed import DataLayout
     from rlite.moe_routing import RoutingPlan
     from rlite.rollout import RolloutBatch
+    from rlite.training.micro_batching import MicroBatching
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 """``(Hugging Face parameter name, full tensor)`` pairs, one tensor at a time."""
@@ -57,6 +58,12 @@ class ForwardSpec:
     """Checkpoint output-layer chunks only when a micro-batch's response logits exceed this size."""
     share_prompts: bool = False
     """Run each distinct prompt of a micro-batch once and share its KV cache with its samples."""
+    pack_sequences: bool = False
+    """Run the forward on each micro-batch's real tokens laid end to end, computing no padding
+    (``training.pack_sequences``, :mod:`rlite.training.packing`)."""
+    max_tokens_per_micro_batch: int = 0
+    """A token budget per micro-batch (``training.max_tokens_per_micro_batch``; 0: fixed-size micro-batches),
+    read by the stages that cut batches (:mod:`rlite.training.micro_batching`)."""
     routing: RoutingPlan | None = None
     """MoE models: replay the engine's routing of the batch (``batch.routed_experts``) or route
     naturally, and count agreement on the way (:mod:`rlite.moe_routing`); ``None``: route naturally.
@@ -89,19 +96,25 @@ class ScoringModel(Protocol):
 class CriticModel(Protocol):
     """PPO's value model, built by :meth:`TrainingBackend.build_critic`."""
 
-    def values(self, batch: RolloutBatch, micro_batch_size: int, exact_layout: bool, minibatches: int) -> torch.Tensor:
-        """``[B, T]`` value predictions for the response tokens (no gradient)."""
+    def values(
+        self, batch: RolloutBatch, micro_batching: MicroBatching, exact_layout: bool, minibatches: int, *,
+        packed: bool = False,
+    ) -> torch.Tensor:
+        """``[B, T]`` value predictions for the response tokens (no gradient), over the same mini- and
+        micro-batches as :meth:`update` (``micro_batching.split`` of each mini-batch); ``packed``: a
+        padding-free forward (``training.pack_sequences``)."""
 
     def update(
         self,
         batch: RolloutBatch,
         *,
-        micro_batch_size: int,
+        micro_batching: MicroBatching,
         minibatches: int,
         agg_mode: str,
         horizon: float | None,
         dp_size: int,
         exact_layout: bool,
+        packed: bool = False,
     ) -> dict[str, float]:
         """One pass of the clipped value loss over the batch (``batch.targets``: ``old_values``,
         ``returns``, ``loss_mask``); returns ``critic/*`` metrics averaged over optimizer steps."""

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlite.hf_models import cache_kwarg
+from rlite.training.packing import PackedRows
 
 
 def _chunk_logprob_entropy(hidden, weight, bias, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
@@ -279,9 +280,13 @@ class PolicyModel(nn.Module):
         share_prompts: bool = False,
         routed_experts: torch.Tensor | None = None,
         routing=None,
+        packed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``routed_experts`` ``[B, S, L, K]``: the engine's routing of ``input_ids``; ``routing`` (a
-        :class:`rlite.moe_routing.RoutingPlan`) says whether to replay it and what to count."""
+        :class:`rlite.moe_routing.RoutingPlan`) says whether to replay it and what to count.
+        ``packed``: run the decoder on the real tokens laid end to end (:class:`rlite.rollout.PackedRows`),
+        no padding computed; the same maths (a micro-batch whose prompts are shared takes the
+        shared-prompt forward instead, whose responses are already cut into length buckets)."""
         lm = self.causal_lm
         if self.routers is None or routing is None:
             routed_experts = None
@@ -299,6 +304,19 @@ class PolicyModel(nn.Module):
                 )
                 return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy,
                                    use_liger, entropy_grad, recompute_above_bytes)
+        if packed and not exact_layout:
+            rows = PackedRows.of(attention_mask)
+            routing_context = (contextlib.nullcontext() if routed_experts is None
+                               else self.routers.applying(routing, rows.pack(routed_experts, filler=-1)))
+            with routing_context:
+                # no attention mask: the restarting position ids make transformers build a
+                # block-diagonal causal mask (varlen attention where the implementation has it)
+                flat = lm.get_decoder()(
+                    input_ids=rows.pack(input_ids), position_ids=rows.positions(position_ids), use_cache=False
+                ).last_hidden_state.flatten(0, 1)
+            h = rows.unpack(flat, slice(response_start - 1, response_start - 1 + width))
+            return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
+                               entropy_grad, recompute_above_bytes)
         with route(slice(None), slice(None)):
             hidden = lm.get_decoder()(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False

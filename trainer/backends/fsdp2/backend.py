@@ -165,6 +165,7 @@ def policy_logprobs(
         share_prompts=spec.share_prompts,
         routed_experts=inputs.routed_experts,
         routing=spec.routing,
+        packed=spec.pack_sequences,
     )
     # back to the batch's device (the CPU): the rollout batch and the loss live there, the model may be on a GPU
     width, device = batch.response_ids.shape[1], batch.response_mask.device

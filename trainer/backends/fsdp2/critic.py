@@ -24,6 +24,8 @@ from rlite.config import CriticConfig, ModelConfig, ParallelismConfig
 from rlite.distributed import all_reduce_sum
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
 from rlite.training.logprobs import causal_lm_of
+from rlite.training.micro_batching import MicroBatching
+from rlite.training.packing import PackedRows
 
 
 class ValueModel(nn.Module):
@@ -41,12 +43,20 @@ class ValueModel(nn.Module):
     def causal_lm(self) -> nn.Module:
         return causal_lm_of(self.lm)
 
-    def forward(self, input_ids, attention_mask, position_ids, response_start: int, response_mask):
-        hidden = self.causal_lm.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+    def forward(self, input_ids, attention_mask, position_ids, response_start: int, response_mask, packed=False):
+        decoder = self.causal_lm.get_decoder()
         width = input_ids.shape[1] - response_start
-        states = hidden[:, response_start - 1 : response_start - 1 + width]
+        columns = slice(response_start - 1, response_start - 1 + width)
+        if packed:  # padding-free: the real tokens end to end (rlite.training.packing)
+            rows = PackedRows.of(attention_mask)
+            flat = decoder(input_ids=rows.pack(input_ids), position_ids=rows.positions(position_ids),
+                           use_cache=False).last_hidden_state.flatten(0, 1)
+            states = rows.unpack(flat, columns)
+        else:
+            hidden = decoder(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
+            states = hidden[:, columns]
         values = self.value_head(states).squeeze(-1).float()
         return values * response_mask.to(values.dtype)
 
@@ -95,29 +105,29 @@ class Critic:
             self.model, self.optimizer, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"]
         )
 
-    def _forward(self, batch: RolloutBatch, exact_layout: bool) -> torch.Tensor:
+    def _forward(self, batch: RolloutBatch, exact_layout: bool, packed: bool = False) -> torch.Tensor:
         inputs = model_inputs(batch, exact_layout=exact_layout)
         values = self.model(
-            inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_start, inputs.response_mask
+            inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_start, inputs.response_mask,
+            packed=packed and not exact_layout,
         )
         return pad_to_width(values, batch.response_ids.shape[1]).to(batch.response_mask.device)  # the batch's device
 
     @torch.no_grad()
-    def values(self, batch: RolloutBatch, micro_batch_size: int, exact_layout: bool, minibatches: int = 1) -> torch.Tensor:
+    def values(self, batch: RolloutBatch, micro_batching: MicroBatching, exact_layout: bool, minibatches: int = 1, *,
+               packed: bool = False) -> torch.Tensor:
         """V_old on the same mini/micro-batch partition as :meth:`update` (same shapes, same rounding)."""
-        parts = []
+        out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         size = len(batch) // minibatches
         for index in range(minibatches):
             mini = batch.select(slice(index * size, (index + 1) * size))
-            parts += [
-                self._forward(mini.select(slice(i, i + micro_batch_size)), exact_layout)
-                for i in range(0, len(mini), micro_batch_size)
-            ]
-        return torch.cat(parts) * batch.response_mask
+            for rows in micro_batching.split(mini):
+                out[[index * size + r for r in rows]] = self._forward(mini.select(rows), exact_layout, packed).to(out.dtype)
+        return out * batch.response_mask
 
     def update(
-        self, batch: RolloutBatch, *, micro_batch_size: int, minibatches: int, agg_mode: str, horizon: float,
-        dp_size: int, exact_layout: bool,
+        self, batch: RolloutBatch, *, micro_batching: MicroBatching, minibatches: int, agg_mode: str, horizon: float,
+        dp_size: int, exact_layout: bool, packed: bool = False,
     ) -> dict[str, float]:
         """One pass of the clipped value loss over the batch (``batch.targets``: old_values, returns, loss_mask)."""
         self.model.train()
@@ -128,10 +138,10 @@ class Critic:
             totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]))
             n_tok, n_seq = float(totals[0]), float(totals[1])
             step = defaultdict(float)
-            for start in range(0, len(mini), micro_batch_size):
-                mb = mini.select(slice(start, start + micro_batch_size))
+            for rows in micro_batching.split(mini):
+                mb = mini.select(rows)
                 mask = mb.targets.loss_mask
-                values = self._forward(mb, exact_layout)
+                values = self._forward(mb, exact_layout, packed)
                 per_token, clipped = value_loss(
                     values, mb.targets.old_values, mb.targets.returns, mask, self.cfg.value_clip
                 )
