@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rlite.config.compat import check_compatibility
 from rlite.config import ConfigError, RunConfig
 from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, broadcast_object
 from rlite.engines.base import RolloutEngine
@@ -63,12 +64,9 @@ def routing_setup(cfg: RunConfig, backend: TrainingBackend, engine: RolloutEngin
     algo = cfg.algorithm
     hf_config = backend.hf_config()
     replay = algo.routing_replay == "rollout"
-    if not num_experts_of(hf_config):
-        if replay:
-            raise ConfigError(
-                f"algorithm.routing_replay=rollout: the model {cfg.model.path!r} has no Mixture-of-Experts layers "
-                "(nothing to replay); set algorithm.routing_replay=none"
-            )
+    moe = bool(num_experts_of(hf_config))
+    check_compatibility(cfg, moe=moe)
+    if not moe:
         return None
     if not (replay or algo.routing_metrics):
         return None
