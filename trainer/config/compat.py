@@ -41,6 +41,14 @@ class Setting:
     shown: str
     described: Callable[[Mapping[str, Any]], str] | None = None
     """How a message names the setting when ``key`` is derived (the config keys it comes from)."""
+    example: tuple[str, ...] = ()
+    """Overrides that give a config this setting (the refusal tests use them)."""
+    names: tuple[str, ...] = ()
+    """The config keys a message about this setting names (default: ``key``)."""
+
+    @property
+    def named_keys(self) -> tuple[str, ...]:
+        return self.names or (self.key,)
 
     def describe(self, values: Mapping[str, Any]) -> str:
         """The setting as a run has it, for a message: ``key=value``."""
@@ -50,11 +58,11 @@ class Setting:
 
 
 def equals(key: str, value: Any) -> Setting:
-    return Setting(key, lambda v: v == value, f"{key}={_yaml(value)}")
+    return Setting(key, lambda v: v == value, f"{key}={_yaml(value)}", example=(f"{key}={_yaml(value)}",))
 
 
-def differs(key: str, value: Any) -> Setting:
-    return Setting(key, lambda v: v != value, f"{key}!={_yaml(value)}")
+def differs(key: str, value: Any, *example: str) -> Setting:
+    return Setting(key, lambda v: v != value, f"{key}!={_yaml(value)}", example=example)
 
 
 def _yaml(value: Any) -> str:
@@ -77,10 +85,12 @@ class Rule:
         """Checked when the run starts (a side is a run fact), not when the config loads."""
         return self.a.key in RUN_FACTS or self.b.key in RUN_FACTS
 
-    def applies(self, values: Mapping[str, Any]) -> bool:
+    def applies(self, values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
+        """Both sides match ``values`` (a key missing from them: not known yet, no match), and the
+        environment (``os.environ`` unless given) does not set :attr:`unless_env`."""
         if any(side.key not in values for side in (self.a, self.b)):
-            return False  # a run fact not known yet
-        if self.unless_env and os.environ.get(self.unless_env) == "1":
+            return False
+        if self.unless_env and (os.environ if env is None else env).get(self.unless_env) == "1":
             return False
         return self.a.matches(values[self.a.key]) and self.b.matches(values[self.b.key])
 
@@ -93,27 +103,33 @@ FLOAT32_ONLY = ("megatron-core's GPTModel here keeps float32 parameters, gradien
                 "precision), so this would be silently ignored")  # fmt: skip
 ON_FSDP2 = "or use parallelism.backend=fsdp2, which implements it"
 MULTI_TURN = Setting("rollout.multi_turn", bool, "a multi-turn rollout.workflow",
-                     lambda v: f"rollout.workflow={v['rollout.workflow']} (multi-turn)")
+                     lambda v: f"rollout.workflow={v['rollout.workflow']} (multi-turn)",
+                     example=("rollout.workflow=arithmetic_chain",), names=("rollout.workflow",))
 OVERLAPS = Setting("rollout.overlaps", bool, "rollout.mode=one_step_off, or async with max_staleness > 0",
                    lambda v: f"rollout.mode={v['rollout.mode']}" + (
-                       f" (rollout.max_staleness={v['rollout.max_staleness']})" if v["rollout.mode"] == "async" else ""))
+                       f" (rollout.max_staleness={v['rollout.max_staleness']})" if v["rollout.mode"] == "async" else ""),
+                   example=("rollout.mode=one_step_off",), names=("rollout.mode",))
 SHARES_WEIGHTS = Setting("rollout.engine_shares_weights", bool,
                          "the in-process transformers engine with rollout.engine.args.share_weights=true",
-                         lambda v: "rollout.engine=transformers in process with rollout.engine.args.share_weights=true")
-MANY_RANKS = Setting("world_size", lambda n: n > 1, "world size > 1", lambda v: f"{v['world_size']} ranks")
+                         lambda v: "rollout.engine=transformers in process with rollout.engine.args.share_weights=true",
+                         names=("rollout.engine.args.share_weights",))
+MANY_RANKS = Setting("world_size", lambda n: n > 1, "world size > 1", lambda v: f"{v['world_size']} ranks",
+                     names=("ranks",))
 DENSE_MODEL = Setting("model.moe", lambda moe: not moe, "a dense model (no Mixture-of-Experts layers)",
-                      lambda v: f"the dense model model.path={v['model.path']!r}")
-PARTIAL = differs("rollout.partial_segment_tokens", 0)
+                      lambda v: f"the dense model model.path={v['model.path']!r}", names=("model.path",))
+PARTIAL = differs("rollout.partial_segment_tokens", 0, "rollout.mode=async", "rollout.engine.args.process=true",
+                  "rollout.partial_segment_tokens=2")
 TRUE_ON_POLICY = equals("rollout.true_on_policy", True)
-DRAFT = differs("rollout.draft", "none")
+DRAFT = differs("rollout.draft", "none", "rollout.draft=ngram")
+
 
 RULES: tuple[Rule, ...] = (
     # -- the megatron backend implements none of FSDP2's memory settings ----------------------------
-    Rule(MEGATRON, differs("parallelism.param_dtype", "float32"), FLOAT32_ONLY,
+    Rule(MEGATRON, differs("parallelism.param_dtype", "float32", "parallelism.param_dtype=bfloat16"), FLOAT32_ONLY,
          f"set parallelism.param_dtype=float32, {ON_FSDP2}"),
-    Rule(MEGATRON, differs("parallelism.reduce_dtype", "float32"), FLOAT32_ONLY,
+    Rule(MEGATRON, differs("parallelism.reduce_dtype", "float32", "parallelism.reduce_dtype=bfloat16"), FLOAT32_ONLY,
          f"set parallelism.reduce_dtype=float32, {ON_FSDP2}"),
-    Rule(MEGATRON, differs("model.dtype", "float32"), FLOAT32_ONLY.replace("parameters", "master weights"),
+    Rule(MEGATRON, differs("model.dtype", "float32", "model.dtype=bfloat16"), FLOAT32_ONLY.replace("parameters", "master weights"),
          f"set model.dtype=float32, {ON_FSDP2}"),
     Rule(MEGATRON, equals("parallelism.activation_checkpointing", True),
          "the megatron backend does not recompute activations (it would be silently ignored)",
@@ -137,7 +153,7 @@ RULES: tuple[Rule, ...] = (
          "set rollout.true_on_policy=false (algorithm.old_logprob_mode=decoupled keeps the first ratio exactly 1), "
          "or use parallelism.backend=fsdp2"),
     # -- rollouts ---------------------------------------------------------------------------------
-    Rule(TRUE_ON_POLICY, differs("rollout.quantization", "none"),
+    Rule(TRUE_ON_POLICY, differs("rollout.quantization", "none", "rollout.quantization=fp8_blockwise"),
          "the engine samples with quantized weights, so its log-probs cannot equal the full-precision trainer's "
          "bitwise", "set rollout.quantization=none, or rollout.true_on_policy=false (a correction such as "
          "algorithm.corrections=[tis] handles the mismatch)"),
@@ -155,7 +171,7 @@ RULES: tuple[Rule, ...] = (
          "the engine samples while the trainer updates, so it needs its own copy of the weights",
          "set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true), or rollout.mode=sync"),
     # -- facts known when the run starts ------------------------------------------------------------
-    Rule(differs("rollout.mode", "sync"), MANY_RANKS,
+    Rule(differs("rollout.mode", "sync", "rollout.mode=one_step_off"), MANY_RANKS,
          "asynchronous rollouts over several ranks are experimental: in the test suite one rank died with SIGSEGV "
          "under load (2026-11-26, not yet understood)",
          f"use rollout.mode=sync or one process, or set {EXPERIMENTAL_ASYNC_RANKS}=1 to run them anyway",
