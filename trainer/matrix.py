@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlite.config.compat import RULES, Rule, derive, flat_values
+from rlite.config.compat import RULES, RUN_FACTS, Rule, derive, flat_values
 from rlite.config.schema import _SKIP_CHECKS, RunConfig
 
 # --------------------------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ class Value:
 
     def overrides(self, paths: Mapping[str, str]) -> list[str]:
         return [f"{key}={str(value).format(**paths) if isinstance(value, str) else _yaml(value)}"
-                for key, value in self.sets.items() if key not in ("world_size", "model.moe")]  # fmt: skip
+                for key, value in self.sets.items() if key not in RUN_FACTS]  # fmt: skip
 
 
 def _yaml(value: Any) -> str:
@@ -86,9 +86,12 @@ OPTIONS: tuple[Option, ...] = (
                      Value("draft_model", {"rollout.draft": "draft_model", "rollout.draft.args.path": "{draft_model}"}),
                      Value("ngram", {"rollout.draft": "ngram"}))),
     Option("lora", (Value("off", {"model.lora.enabled": False}), Value("on", {"model.lora.enabled": True}))),
-    Option("model", (Value("dense", {"model.moe": False, "algorithm.routing_replay": "none"}),
-                     Value("moe", {**MOE, "algorithm.routing_replay": "none"}),
-                     Value("moe_replay", {**MOE, "algorithm.routing_replay": "rollout"}))),
+    Option("model", (Value("dense", {"model.moe": False, "algorithm.routing_replay": "none",
+                                     "algorithm.routing_metrics": True}),
+                     Value("moe", {**MOE, "algorithm.routing_replay": "none", "algorithm.routing_metrics": False}),
+                     Value("moe_replay", {**MOE, "algorithm.routing_replay": "rollout",
+                                          "algorithm.routing_metrics": True})),
+           derived=("model.records_routing",)),
     Option("quantization", (Value("none", {"rollout.quantization": "none"}),
                             Value("fp8_blockwise", {"rollout.quantization": "fp8_blockwise"}))),
     Option("true_on_policy", (Value("off", {"rollout.true_on_policy": False}),

@@ -26,7 +26,7 @@ from rlite.config.schema import Choice, ConfigError
 EXPERIMENTAL_ASYNC_RANKS = "RLITE_EXPERIMENTAL_ASYNC_RANKS"
 """Set to 1 to run asynchronous rollouts over more than one rank (refused by default: see docs/multiturn.md)."""
 
-RUN_FACTS = ("world_size", "model.moe")
+RUN_FACTS = ("world_size", "model.moe", "model.records_routing")
 """Keys of :class:`Setting` s that the config alone does not decide: the number of data-parallel ranks
 and whether the model has Mixture-of-Experts layers. Rules on them are checked when the run starts."""
 
@@ -117,6 +117,12 @@ MANY_RANKS = Setting("world_size", lambda n: n > 1, "world size > 1", lambda v: 
                      names=("ranks",))
 DENSE_MODEL = Setting("model.moe", lambda moe: not moe, "a dense model (no Mixture-of-Experts layers)",
                       lambda v: f"the dense model model.path={v['model.path']!r}", names=("model.path",))
+RECORDS_ROUTING = Setting("model.records_routing", bool,
+                          "an MoE model with algorithm.routing_replay=rollout or algorithm.routing_metrics=true",
+                          lambda v: f"the MoE model model.path={v['model.path']!r} with algorithm.routing_replay="
+                                    f"{v['algorithm.routing_replay']} and algorithm.routing_metrics="
+                                    f"{_yaml(v['algorithm.routing_metrics'])}",
+                          names=("algorithm.routing_replay", "algorithm.routing_metrics"))
 PARTIAL = differs("rollout.partial_segment_tokens", 0, "rollout.mode=async", "rollout.engine.args.process=true",
                   "rollout.partial_segment_tokens=2")
 TRUE_ON_POLICY = equals("rollout.true_on_policy", True)
@@ -178,6 +184,12 @@ RULES: tuple[Rule, ...] = (
          unless_env=EXPERIMENTAL_ASYNC_RANKS),
     Rule(equals("algorithm.routing_replay", "rollout"), DENSE_MODEL,
          "the model has no Mixture-of-Experts layers (nothing to replay)", "set algorithm.routing_replay=none"),
+    Rule(MULTI_TURN, RECORDS_ROUTING, "MoE routing is not recorded for multi-turn rollouts yet",
+         "set algorithm.routing_replay=none and algorithm.routing_metrics=false"),
+    Rule(DRAFT, RECORDS_ROUTING,
+         "routing replay and routing metrics record the engine's routing token by token, which speculative "
+         "verification does not report", "set rollout.draft=none, or algorithm.routing_replay=none and "
+         "algorithm.routing_metrics=false"),
 )
 
 
@@ -209,6 +221,9 @@ def derive(values: dict[str, Any], single_turn: Callable[[str], bool] | None = N
     values["rollout.overlaps"] = mode == "one_step_off" or (mode == "async" and values["rollout.max_staleness"] > 0)
     in_process = values["rollout.engine"] == "transformers" and not values.get("rollout.engine.args.process", False)
     values["rollout.engine_shares_weights"] = in_process and values.get("rollout.engine.args.share_weights", True)
+    if "model.moe" in values:
+        records = values["algorithm.routing_replay"] == "rollout" or values["algorithm.routing_metrics"]
+        values["model.records_routing"] = values["model.moe"] and records
     return values
 
 
@@ -220,11 +235,12 @@ def check_compatibility(cfg: Any, pm: Any = None, **facts: Any) -> None:
     if pm is not None:
         workflows = pm.registry("rollout_workflow")
         single_turn = lambda name: bool(workflows.get(name).metadata.get("single_turn"))  # noqa: E731
-    values = derive(flat_values(cfg), single_turn)
+    values = flat_values(cfg)
     if "world_size" in facts:
         values["world_size"] = facts["world_size"]
     if "moe" in facts:
         values["model.moe"] = facts["moe"]
+    derive(values, single_turn)
     for rule in RULES if not facts else [r for r in RULES if r.at_start]:
         if rule.applies(values):
             raise ConfigError(rule.message(values))
