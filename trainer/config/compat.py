@@ -123,6 +123,8 @@ RECORDS_ROUTING = Setting("model.records_routing", bool,
                                     f"{v['algorithm.routing_replay']} and algorithm.routing_metrics="
                                     f"{_yaml(v['algorithm.routing_metrics'])}",
                           names=("algorithm.routing_replay", "algorithm.routing_metrics"))
+MOE_MODEL = Setting("model.moe", bool, "a Mixture-of-Experts model",
+                    lambda v: f"the Mixture-of-Experts model model.path={v['model.path']!r}", names=("model.path",))
 PARTIAL = differs("rollout.partial_segment_tokens", 0, "rollout.mode=async", "rollout.engine.args.process=true",
                   "rollout.partial_segment_tokens=2")
 TRUE_ON_POLICY = equals("rollout.true_on_policy", True)
@@ -184,6 +186,12 @@ RULES: tuple[Rule, ...] = (
          unless_env=EXPERIMENTAL_ASYNC_RANKS),
     Rule(equals("algorithm.routing_replay", "rollout"), DENSE_MODEL,
          "the model has no Mixture-of-Experts layers (nothing to replay)", "set algorithm.routing_replay=none"),
+    Rule(equals("model.lora.enabled", True), MOE_MODEL,
+         "peft wraps the fused expert weights of a Mixture-of-Experts model, and the weight sync cannot merge "
+         "those adapters yet (the first sync failed: LoRA layers left unmerged)",
+         "set model.lora.enabled=false (full fine-tuning) for a Mixture-of-Experts model"),
+    Rule(PARTIAL, RECORDS_ROUTING, "MoE routing is recorded per engine call and not joined across segments yet",
+         "set rollout.partial_segment_tokens=0, or algorithm.routing_replay=none and algorithm.routing_metrics=false"),
     Rule(MULTI_TURN, RECORDS_ROUTING, "MoE routing is not recorded for multi-turn rollouts yet",
          "set algorithm.routing_replay=none and algorithm.routing_metrics=false"),
     Rule(DRAFT, RECORDS_ROUTING,
