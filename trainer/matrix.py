@@ -231,6 +231,11 @@ def case_overrides(case: Case, paths: Mapping[str, str]) -> list[str]:
     return out
 
 
+def long_case(case: Case) -> bool:
+    """Two spawned ranks or the megatron backend: 15-60 s on two CPU cores, against 1-10 s for the rest."""
+    return case["world_size"] != "1" or case["backend"] == "megatron"
+
+
 def case_id(case: Case) -> str:
     """The case's non-default values (``default`` when there are none)."""
     parts = [f"{o.name}={case[o.name]}" for o in OPTIONS if case[o.name] != o.values[0].name]

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from rlite.config.compat import check_compatibility
 from rlite.config import ConfigError, RunConfig
+from rlite.config.compat import check_compatibility
 from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, broadcast_object
 from rlite.engines.base import RolloutEngine
 from rlite.mismatch import mismatch_metrics
