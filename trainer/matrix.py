@@ -298,21 +298,17 @@ def compatibility_markdown() -> str:
 
 
 def matrix_plugins():
-    """Built-in plugins plus the megatron backend (registered as its entry point would be)."""
-    from rlite.plugin_manager import build_plugin_manager
+    """Built-in plugins plus the megatron backend through its entry point, whatever the environment says
+    about autoloading (the matrix has a megatron option)."""
+    from rlite.plugin_manager import build_plugin_manager, load_entry_point_plugins
 
     pm = build_plugin_manager(autoload=False)
-    try:
-        import rlite.plugins.megatron as megatron_plugin
-
-        pm.register(megatron_plugin, name="rlite.plugins.megatron")
-    except ImportError:
-        pass
+    load_entry_point_plugins(pm, only=["megatron"])
     return pm
 
 
 def run_case(rank: int, world_size: int, init_file: str, model_dir: str, run_dir: str, out_dir: str,
-             overrides: Sequence[str]) -> None:  # fmt: skip
+             overrides: Sequence[str], hang_dump_s: float = 300.0) -> None:  # fmt: skip
     """Run one case (2 steps) on this rank and write what the invariants need to
     ``out_dir/rank<r>.json``: the metric rows (rank 0), each policy-loss call's max |lp - old|, and
     every sync's (step, engine version, digests equal)."""
@@ -324,6 +320,9 @@ def run_case(rank: int, world_size: int, init_file: str, model_dir: str, run_dir
 
     torch.set_num_threads(1)
     if world_size > 1:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(hang_dump_s, exit=False)  # a hung rank says where it waits
         os.environ["LOCAL_RANK"] = str(rank)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:

@@ -67,6 +67,8 @@ def test_docs_table_is_generated_from_the_rules():
 
 @pytest.mark.parametrize("rule", [r for r in RULES if not r.at_start], ids=lambda r: f"{r.a.key}+{r.b.key}")
 def test_each_rule_refuses_at_config_load_with_exit_2_naming_both_keys(tmp_path, models, capsys, rule):
+    if "parallelism.backend=megatron" in (*rule.a.example, *rule.b.example):
+        pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
     code = main(["train", str(config_file(tmp_path, models)), *rule.a.example, *rule.b.example])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -78,6 +80,8 @@ def test_each_rule_refuses_at_config_load_with_exit_2_naming_both_keys(tmp_path,
 @pytest.mark.parametrize("case,rule", [pytest.param(c, r, id=matrix.case_id(c), marks=[pytest.mark.matrix_long]
                                                     if c["world_size"] != "1" else []) for c, r in REFUSALS])  # fmt: skip
 def test_each_refused_pair_of_the_matrix_is_refused_by_its_rule(tmp_path, models, capsys, case, rule):
+    if case["backend"] == "megatron":
+        pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
     overrides = matrix.case_overrides(case, models)
     if rule.at_start and case["world_size"] == "2":
         env = run_in_subprocess_env()
@@ -108,6 +112,8 @@ def test_routing_replay_on_a_dense_model_is_refused_when_the_model_loads(tmp_pat
 @pytest.mark.parametrize("case", [pytest.param(c, id=matrix.case_id(c), marks=[pytest.mark.matrix_long] if matrix.long_case(c)
                                                else []) for c in CASES])  # fmt: skip
 def test_case_runs_and_keeps_the_invariants(tmp_path, models, case):
+    if case["backend"] == "megatron":
+        pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
     overrides = matrix.case_overrides(case, models)
     world_size = int(case["world_size"])
     out = tmp_path / "out"
