@@ -71,7 +71,8 @@ def routing_setup(cfg: RunConfig, backend: TrainingBackend, engine: RolloutEngin
     if not (replay or algo.routing_metrics):
         return None
     engine_reports = engine.capabilities.routed_experts if layout.leader else None
-    engine_reports = broadcast_object(engine_reports, layout.replica_leader, layout.replica_group)
+    if layout.replica_size > 1:  # a replica of one has no group of its own (None would be the whole world)
+        engine_reports = broadcast_object(engine_reports, layout.replica_leader, layout.replica_group)
     missing = []
     if not engine_reports:
         missing.append(f"the {cfg.rollout.engine.name!r} engine (rollout.engine) does not report routed experts")
