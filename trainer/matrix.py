@@ -12,7 +12,8 @@ gloo ranks at world size 2) and must keep three invariants: the first on-policy 
 (every policy-loss call is its step's first micro-batch here: one micro-batch, one optimizer step, so
 ``lp - old`` is 0 on every token), every weight sync delivers the step as the engine's version and the
 bytes the trainer's weights produce (SHA-256, :class:`rlite.audit.Probe`), and every logged metric is
-finite. With true on-policy sampling in sync mode the engine's log-probs equal the trainer's bitwise.
+finite. With true on-policy sampling in sync mode the engine's log-probs equal the trainer's bitwise,
+and a draft, routing replay, the critic, KL and dynamic sampling each show in their metrics (:data:`EFFECTS`).
 """
 
 from __future__ import annotations
@@ -357,6 +358,18 @@ def every_call_probe():
     return EveryCallProbe()
 
 
+EFFECTS: dict[tuple[str, str], tuple[str, str]] = {
+    ("draft", "draft_model"): ("spec/proposed_per_target_forward", "positive"),
+    ("draft", "ngram"): ("spec/proposed_per_target_forward", "present"),  # prompt lookup may find nothing
+    ("model", "moe_replay"): ("routing/agreement_with_replay", "one"),
+    ("critic", "gae"): ("critic/vf_loss", "present"),
+    ("kl", "in_loss"): ("actor/kl_loss", "present"),
+    ("kl", "in_reward"): ("actor/reward_kl_penalty", "present"),
+    ("dynamic_sampling", "on"): ("dynamic_sampling/rounds", "present"),
+}
+"""A metric that shows an option value took effect (not silently ignored), and what every step must log."""
+
+
 def invariant_failures(case: Case, records: Sequence[Mapping[str, Any]], steps: int) -> list[str]:
     """What a finished case broke (empty: nothing)."""
     failures = []
@@ -374,6 +387,14 @@ def invariant_failures(case: Case, records: Sequence[Mapping[str, Any]], steps: 
         bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
             failures.append(f"step {row.get('step')}: non-finite metrics {bad}")
+    for (option, value), (metric, expect) in EFFECTS.items():
+        if case[option] != value:
+            continue
+        seen = [r.get(metric) for r in rows]
+        ok = {"present": all(v is not None for v in seen), "one": all(v == 1.0 for v in seen),
+              "positive": all(v is not None for v in seen) and any(v > 0 for v in seen)}[expect]  # fmt: skip
+        if not ok:
+            failures.append(f"{option}={value} shows no effect: {metric} per step {seen} (expected {expect})")
     if case["true_on_policy"] == "on" and case["mode"] == "sync":
         fractions = [r.get("mismatch/bitwise_equal_fraction") for r in rows]
         if any(f != 1.0 for f in fractions):
