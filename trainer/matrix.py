@@ -364,7 +364,7 @@ EFFECTS: dict[tuple[str, str], tuple[str, str]] = {
     ("model", "moe_replay"): ("routing/agreement_with_replay", "one"),
     ("critic", "gae"): ("critic/vf_loss", "present"),
     ("kl", "in_loss"): ("actor/kl_loss", "present"),
-    ("kl", "in_reward"): ("actor/reward_kl_penalty", "present"),
+    ("kl", "in_reward"): ("actor/reward_kl", "present"),
     ("dynamic_sampling", "on"): ("dynamic_sampling/rounds", "present"),
 }
 """A metric that shows an option value took effect (not silently ignored), and what every step must log."""
