@@ -1,5 +1,6 @@
 """Features compose: every pair of the options users combine either runs, keeping rlite's invariants,
-or is refused before anything loads with exit status 2 and a message naming both keys.
+or is refused up front (when the config loads, or for a fact of the run such as its number of ranks when the
+run starts, before any step) with exit status 2 and a message naming both keys.
 
 The cases come from :mod:`rlite.matrix` (an all-pairs covering set over its ``OPTIONS``), the refusals
 from :data:`rlite.config.compat.RULES`; ``docs/compatibility.md`` is generated from the same two.

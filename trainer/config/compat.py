@@ -157,7 +157,8 @@ RULES: tuple[Rule, ...] = (
          "use an estimator without a critic (algorithm.advantage=grpo), or parallelism.backend=fsdp2 for PPO with GAE"),
     Rule(MEGATRON, TRUE_ON_POLICY,
          "true on-policy sampling makes the engine's log-probs equal the trainer's bitwise by running the "
-         "trainer's own Hugging Face forward, and megatron's GPTModel computes in another order",
+         "trainer's own Hugging Face forward, and megatron's GPTModel computes in another order (measured on a tiny "
+         "model: 75-91% of sampled tokens bitwise equal)",
          "set rollout.true_on_policy=false (algorithm.old_logprob_mode=decoupled keeps the first ratio exactly 1), "
          "or use parallelism.backend=fsdp2"),
     # -- rollouts ---------------------------------------------------------------------------------
