@@ -126,3 +126,28 @@ def test_case_runs_and_keeps_the_invariants(tmp_path, models, case):
         spawn_ranks(matrix.run_case, args, nprocs=world_size, timeout_s=500)
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     assert matrix.invariant_failures(case, records, STEPS) == []
+
+
+def test_rules_read_the_registry_and_the_environment(tmp_path, models, monkeypatch):
+    from rlite.config import ConfigError
+    from rlite.config.compat import EXPERIMENTAL_ASYNC_RANKS, check_compatibility
+    from rlite.hookspecs import hookimpl
+    from rlite.plugin_manager import build_plugin_manager
+    from rlite.testing import tiny_config
+
+    class Plugin:
+        @hookimpl
+        def register_rollout_workflows(self, register):
+            register("one_shot", lambda cfg, tokenizer: None, single_turn=True)
+
+    pm = build_plugin_manager(autoload=False)
+    pm.register(Plugin(), name="one-shot")
+    # a plugin's single-turn workflow is single-turn for the rules (its registration says so, not its name)
+    cfg = tiny_config(models["model"], tmp_path, "rollout.workflow=one_shot", "rollout.draft=ngram", pm=pm)
+    cfg.rollout.mode, cfg.rollout.engine.args["process"] = "one_step_off", True
+    monkeypatch.delenv(EXPERIMENTAL_ASYNC_RANKS, raising=False)
+    with pytest.raises(ConfigError, match="rollout.mode=one_step_off with 2 ranks"):
+        check_compatibility(cfg, pm, world_size=2)
+    check_compatibility(cfg, pm, world_size=1)
+    monkeypatch.setenv(EXPERIMENTAL_ASYNC_RANKS, "1")
+    check_compatibility(cfg, pm, world_size=2)  # the experimental pair, asked for
