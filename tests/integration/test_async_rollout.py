@@ -86,9 +86,9 @@ def test_staleness_never_exceeds_the_bound(tmp_path, model_dir, mode, bound):
 
 def test_async_needs_an_engine_with_its_own_weights(tmp_path, model_dir):
     pm = build_plugin_manager(autoload=False)
-    cfg = tiny_config(model_dir, tmp_path, "rollout.mode=one_step_off", pm=pm)
-    with pytest.raises(ConfigError, match="share_weights=false"):
-        run_training(cfg, pm)
+    with pytest.raises(ConfigError, match="rollout.mode=one_step_off with rollout.engine=transformers in process "
+                                          "with rollout.engine.args.share_weights=true: .*share_weights=false"):
+        tiny_config(model_dir, tmp_path, "rollout.mode=one_step_off", pm=pm)  # refused as the config loads
     with pytest.raises(ConfigError, match="rollout.mode"):
         tiny_config(model_dir, tmp_path, "rollout.mode=later", pm=pm)
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
@@ -100,7 +100,8 @@ def test_async_refuses_tensor_parallel_replicas(tmp_path, model_dir):
     from rlite.engines.base import IdleEngine
     from rlite.run.build import build_rollouts
 
-    cfg = tiny_config(model_dir, tmp_path, "rollout.mode=async", pm=build_plugin_manager(autoload=False))
+    cfg = tiny_config(model_dir, tmp_path, "rollout.mode=async", "rollout.engine.args.share_weights=false",
+                      pm=build_plugin_manager(autoload=False))
     layout = DataLayout(rank=0, size=1, replica_rank=0, replica_size=2)  # two ranks share one batch
     with pytest.raises(ConfigError, match="rollout.mode=async: .*replicas of 2 ranks"):
         build_rollouts(cfg, IdleEngine(), None, None, None, layout, None, None)
@@ -112,7 +113,8 @@ def test_async_over_several_ranks_is_refused_unless_asked_for(tmp_path, model_di
     from rlite.run.build import EXPERIMENTAL_ASYNC_RANKS, build_rollouts
 
     monkeypatch.delenv(EXPERIMENTAL_ASYNC_RANKS, raising=False)
-    cfg = tiny_config(model_dir, tmp_path, "rollout.mode=one_step_off", pm=build_plugin_manager(autoload=False))
+    cfg = tiny_config(model_dir, tmp_path, "rollout.mode=one_step_off", "rollout.engine.args.share_weights=false",
+                      pm=build_plugin_manager(autoload=False))
     layout = DataLayout(rank=0, size=2, replica_rank=0, replica_size=1)
     with pytest.raises(ConfigError, match=f"rollout.mode=one_step_off with 2 ranks: .*experimental.*{EXPERIMENTAL_ASYNC_RANKS}=1"):
         build_rollouts(cfg, IdleEngine(), None, None, None, layout, None, None)

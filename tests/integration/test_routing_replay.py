@@ -80,7 +80,7 @@ def test_routing_metrics_off_and_dense_models(tmp_path, moe_dir):
     assert not any(k.startswith("routing/") for k in rows[-1])
     dense = build_tiny_model_dir(tmp_path / "dense", hidden=32, layers=2)
     assert not any(k.startswith("routing/") for k in run(tmp_path, dense, "dense", "rollout.quantization=none")[-1])
-    with pytest.raises(ConfigError, match="algorithm.routing_replay=rollout: the model .* has no Mixture-of-Experts"):
+    with pytest.raises(ConfigError, match="algorithm.routing_replay=rollout with the dense model model.path=.*no Mixture-of-Experts"):
         run(tmp_path, dense, "dense-replay", "algorithm.routing_replay=rollout")
     with pytest.raises(ConfigError, match="algorithm.routing_replay"):
         run(tmp_path, dense, "bad", "algorithm.routing_replay=always")

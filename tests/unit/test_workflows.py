@@ -277,7 +277,7 @@ def test_workflow_config_is_checked(tmp_path, model_dir):
     pm = build_plugin_manager(autoload=False)
     with pytest.raises(ConfigError, match=r"rollout.workflow: unknown .*'calculatr'.*Did you mean 'calculator'"):
         tiny_config(model_dir, tmp_path, "rollout.workflow=calculatr", pm=pm)
-    with pytest.raises(ConfigError, match="rollout.workflow=calculator is multi-turn.*rollout.true_on_policy=false"):
+    with pytest.raises(ConfigError, match="rollout.workflow=calculator \\(multi-turn\\) with rollout.true_on_policy=true.*set rollout.true_on_policy=false"):
         tiny_config(model_dir, tmp_path, "rollout.workflow=calculator", "rollout.true_on_policy=true", pm=pm)
     with pytest.raises(ConfigError, match="rollout.workflow.args: need steps >= 1"):
         tiny_config(model_dir, tmp_path, "rollout.workflow={name: arithmetic_chain, args: {steps: 0}}", pm=pm)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rlite.config.choices import CHOICE_KEYS, REGISTRY_KINDS
+from rlite.config.compat import check_compatibility
 from rlite.config.schema import (
     _SKIP_CHECKS,
     Choice,
@@ -216,8 +217,6 @@ def validate_choices(cfg: RunConfig, pm) -> None:
     check_group_size(cfg, pm.registry("advantage_estimator"))
     check_draft_runs_on_engine(cfg, pm)
     check_bypass_corrections(cfg, pm)
-    check_workflow(cfg, pm)
-    check_packing(cfg)
     kl_names = pm.registry("kl_estimator").names()
     if cfg.algorithm.kl.estimator not in kl_names:
         _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
@@ -273,30 +272,6 @@ def check_bypass_corrections(cfg: RunConfig, pm) -> None:
                 "use algorithm.old_logprob_mode=decoupled (pi_old recomputed by the trainer), or for truncated IS "
                 "against the rollout in bypass mode algorithm.policy_loss=reinforce_tis"
             )
-
-
-def check_workflow(cfg: RunConfig, pm) -> None:
-    """A multi-turn workflow samples turn by turn from growing contexts: what needs one fixed-shape call per
-    sample (true on-policy sampling, speculative drafts fed the policy's top log-probs) is refused."""
-    workflow = pm.registry("rollout_workflow").get(cfg.rollout.workflow.name)
-    if workflow.metadata.get("single_turn"):
-        return
-    for on, key in ((cfg.rollout.true_on_policy, "rollout.true_on_policy=false"),
-                    (cfg.rollout.draft.name != "none", "rollout.draft=none")):  # fmt: skip
-        if on:
-            raise ConfigError(
-                f"rollout.workflow={workflow.name} is multi-turn, which is not supported with this setting yet: set {key}"
-            )
-
-
-def check_packing(cfg: RunConfig) -> None:
-    """Packed (padding-free) forwards score sequences end to end; true on-policy mode must score the
-    engine's own padded layout to be bitwise equal to it."""
-    if cfg.training.pack_sequences and cfg.rollout.true_on_policy:
-        raise ConfigError(
-            "training.pack_sequences=true with rollout.true_on_policy=true: true on-policy mode scores the engine's "
-            "padded layout so that the log-probs are bitwise the engine's; set one of them to false"
-        )
 
 
 def check_draft_runs_on_engine(cfg: RunConfig, pm) -> None:
@@ -372,6 +347,7 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), p
         raise TypeError("load_config: pass the plugin manager whose registries check the config (or pm=False)")
     if pm is not False:
         validate_choices(cfg, pm)
+    check_compatibility(cfg, pm or None)
     return cfg
 
 

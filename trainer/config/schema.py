@@ -267,10 +267,6 @@ class RolloutConfig:
             _check(self.mode == "async" and self.max_staleness > 0,
                    "rollout.partial_segment_tokens: segments let a weight sync into a generation, which only "
                    "rollout.mode=async with rollout.max_staleness > 0 does; set rollout.partial_segment_tokens=0")
-            for on, key in ((self.true_on_policy, "rollout.true_on_policy=false"),
-                            (self.draft.name != "none", "rollout.draft=none")):  # fmt: skip
-                _check(not on, f"rollout.partial_segment_tokens: segments are not joined for this setting yet; set {key} "
-                               "or rollout.partial_segment_tokens=0")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlite.config import ConfigError, RunConfig, config_to_yaml
+from rlite.config.compat import EXPERIMENTAL_ASYNC_RANKS, check_compatibility  # noqa: F401 (the name tests use)
 from rlite.data import PromptSampler, PromptSet, load_prompt_splits
 from rlite.distributed import DataLayout, DistContext, init_distributed, new_side_group
 from rlite.drafts import DraftContext, SpeculativeDraft
@@ -337,10 +338,6 @@ def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, res
     return record
 
 
-EXPERIMENTAL_ASYNC_RANKS = "RLITE_EXPERIMENTAL_ASYNC_RANKS"
-"""Set to 1 to run asynchronous rollouts over more than one rank (refused by default: see docs/multiturn.md)."""
-
-
 def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: DataLayout, hooks,
                    timer: StepTimer) -> Rollouts:
     """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``)."""
@@ -348,12 +345,7 @@ def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: 
     mode = cfg.rollout.mode
     if mode == "sync":
         return Rollouts(*args)
-    if layout.size > 1 and os.environ.get(EXPERIMENTAL_ASYNC_RANKS) != "1":
-        raise ConfigError(
-            f"rollout.mode={mode} with {layout.size} ranks: asynchronous rollouts over several ranks are experimental: "
-            "in the test suite one rank died with SIGSEGV under load (2026-11-26, not yet understood). Use "
-            f"rollout.mode=sync or one process, or set {EXPERIMENTAL_ASYNC_RANKS}=1 to run them anyway"
-        )
+    check_compatibility(cfg, world_size=layout.size)
     if layout.replica_size > 1:
         raise ConfigError(
             f"rollout.mode={mode}: asynchronous rollouts need every rank to sample its own batch, and this backend "
@@ -361,7 +353,7 @@ def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: 
             "use rollout.mode=sync, or a backend without tensor parallelism (fsdp2)"
         )
     overlaps = mode == "one_step_off" or cfg.rollout.max_staleness > 0
-    if overlaps and engine.capabilities.shares_weights:
+    if overlaps and engine.capabilities.shares_weights:  # a third-party engine's (the built-in's is a config rule)
         raise ConfigError(
             f"rollout.mode={mode}: the engine samples while the trainer updates, so it needs its own copy of the "
             "weights; set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true)"

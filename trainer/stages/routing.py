@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rlite.config import ConfigError, RunConfig
+from rlite.config.compat import check_compatibility
 from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, broadcast_object
 from rlite.engines.base import RolloutEngine
 from rlite.mismatch import mismatch_metrics
@@ -63,17 +64,15 @@ def routing_setup(cfg: RunConfig, backend: TrainingBackend, engine: RolloutEngin
     algo = cfg.algorithm
     hf_config = backend.hf_config()
     replay = algo.routing_replay == "rollout"
-    if not num_experts_of(hf_config):
-        if replay:
-            raise ConfigError(
-                f"algorithm.routing_replay=rollout: the model {cfg.model.path!r} has no Mixture-of-Experts layers "
-                "(nothing to replay); set algorithm.routing_replay=none"
-            )
+    moe = bool(num_experts_of(hf_config))
+    check_compatibility(cfg, moe=moe)
+    if not moe:
         return None
     if not (replay or algo.routing_metrics):
         return None
     engine_reports = engine.capabilities.routed_experts if layout.leader else None
-    engine_reports = broadcast_object(engine_reports, layout.replica_leader, layout.replica_group)
+    if layout.replica_size > 1:  # a replica of one has no group of its own (None would be the whole world)
+        engine_reports = broadcast_object(engine_reports, layout.replica_leader, layout.replica_group)
     missing = []
     if not engine_reports:
         missing.append(f"the {cfg.rollout.engine.name!r} engine (rollout.engine) does not report routed experts")
