@@ -104,6 +104,9 @@ OPTIONS: tuple[Option, ...] = (
                   Value("in_reward", {"algorithm.kl.coef": 0.01, "algorithm.kl.in_reward": True}))),
     Option("dynamic_sampling", (Value("off", {"algorithm.dynamic_sampling": False}),
                                 Value("on", {"algorithm.dynamic_sampling": True}))),
+    Option("batching", (Value("padded", {"training.pack_sequences": False, "training.max_tokens_per_micro_batch": 0}),
+                        Value("packed_budget", {"training.pack_sequences": True,
+                                                "training.max_tokens_per_micro_batch": 256}))),
     Option("world_size", (Value("1", {"world_size": 1}), Value("2", {"world_size": 2}))),
 )
 
