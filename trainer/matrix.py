@@ -9,8 +9,8 @@ writes ``docs/compatibility.md`` from the same rules and options.
 
 Each case runs 2 steps on tiny models (:func:`run_case`: in this process at world size 1, two spawned
 gloo ranks at world size 2) and must keep three invariants: the first on-policy ratio is exactly 1
-(every policy-loss call is its step's first micro-batch here: one micro-batch, one optimizer step, so
-``lp - old`` is 0 on every token), every weight sync delivers the step as the engine's version and the
+(every policy-loss call comes before its step's one optimizer step here: one mini-batch, one epoch, one
+micro-batch or, under a token budget, a few; so ``lp - old`` is 0 on every token of every call), every weight sync delivers the step as the engine's version and the
 bytes the trainer's weights produce (SHA-256, :class:`rlite.audit.Probe`), and every logged metric is
 finite. With true on-policy sampling in sync mode the engine's log-probs equal the trainer's bitwise,
 and a draft, routing replay, the critic, KL and dynamic sampling each show in their metrics (:data:`EFFECTS`).
@@ -344,7 +344,8 @@ def run_case(rank: int, world_size: int, init_file: str, model_dir: str, run_dir
 
 
 def every_call_probe():
-    """A :class:`rlite.audit.Probe` that records every policy-loss call (each is a first micro-batch here)."""
+    """A :class:`rlite.audit.Probe` that records every policy-loss call (each comes before its step's only
+    optimizer step here)."""
     from rlite.audit import Probe
 
     class EveryCallProbe(Probe):
@@ -381,7 +382,7 @@ def invariant_failures(case: Case, records: Sequence[Mapping[str, Any]], steps: 
         failures.append(f"{len(rows)} training rows logged, expected {steps}")
     for rank, record in enumerate(records):
         gaps = record["ratio_gaps"]
-        if len(gaps) != steps or any(g != 0.0 for g in gaps):
+        if len(gaps) < steps or any(g != 0.0 for g in gaps):  # a token budget may cut a step into several
             failures.append(f"rank {rank}: first on-policy ratio not exactly 1: max |lp - old| per step {gaps}")
         syncs = record["syncs"]
         if [s[0] for s in syncs] != list(range(1, steps + 1)) or any(s[1] != s[0] or not s[2] for s in syncs):
