@@ -106,7 +106,8 @@ def test_a_nan_loss_skips_the_update_and_leaves_weights_and_optimizer_untouched(
     before = _weights(backend)
     outcomes = []
     metrics, _ = update_policy(backend, batch, fwd, loss, minibatches=1, epochs=1, dp_size=1, outcomes=outcomes)
-    assert metrics == {"train/skipped_nonfinite": 1.0}
+    # no average of the skipped step's numbers; what the micro-batching computed is reported regardless
+    assert {k: v for k, v in metrics.items() if not k.startswith("batching/")} == {"train/skipped_nonfinite": 1.0}
     assert len(outcomes) == 1 and outcomes[0]["loss"] != outcomes[0]["loss"]
     after = _weights(backend)
     assert all(torch.equal(before[n], after[n]) for n in before)

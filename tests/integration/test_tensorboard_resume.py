@@ -42,4 +42,4 @@ def test_resumed_run_logs_each_step_once_to_tensorboard(tmp_path):
     texts = served.Tensors("samples/train/text_summary")
     assert [e.step for e in texts] == [1, 2, 3, 4]
     header = texts[-1].tensor_proto.string_val[0].decode().splitlines()[0]
-    assert header.startswith("| group | prompt | answer | completion | reward | advantage | rewards |")
+    assert header.startswith("| group | prompt | prompt_text | answer | completion | reward | advantage | rewards |")

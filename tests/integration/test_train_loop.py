@@ -438,9 +438,13 @@ def test_damaged_checkpoint_is_reported_not_crashed(tmp_path, model_dir):
 
     with pytest.raises(ConfigError, match="checkpoint.resume=auto: every checkpoint .* is damaged"):
         run_training(tiny_config(model_dir, run_dir, "checkpoint.resume=auto", "training.steps=3"))
-    (ckpt / "MANIFEST.json").unlink()  # without its manifest, the damage shows when the shards are read
-    with pytest.raises(ConfigError, match="checkpoint.resume: cannot load"):
+    (ckpt / "MANIFEST.json").unlink()  # without its manifest it is refused unless checkpoint.verify=false
+    with pytest.raises(ConfigError, match="has no MANIFEST.json.*checkpoint.verify=false"):
         run_training(tiny_config(model_dir, run_dir, "checkpoint.resume=auto", "training.steps=3"))
+    # trusted without checks, the damage shows when the shards are read
+    with pytest.raises(ConfigError, match="damaged|cannot load"):
+        run_training(tiny_config(model_dir, run_dir, "checkpoint.resume=auto", "checkpoint.verify=false",
+                                 "training.steps=3"))
 
 
 def test_metrics_file_holds_exactly_this_run(tmp_path, model_dir):

@@ -406,6 +406,7 @@ def refuse_another_model(path: Path, metadata: Any, model_state: dict[str, Any])
     """Refuse (:class:`~rlite.config.ConfigError`) a checkpoint whose weights (the :data:`WEIGHT_SECTIONS`
     of ``model_state``) have other keys than the model's, or any of whose tensors has another shape: DCP
     itself loads a 2-layer model from a 4-layer checkpoint, silently, by ignoring the other layers."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -417,8 +418,17 @@ def refuse_another_model(path: Path, metadata: Any, model_state: dict[str, Any])
     def weights(keys) -> set[str]:  # an optimizer's entries may come and go with its state (disk offload)
         return {key for key in keys if key.split(".", 1)[0] in WEIGHT_SECTIONS}
 
-    only_saved = sorted(weights(saved) - weights(flat))
-    only_model = sorted(weights(flat) - weights(saved))
+    model_keys = weights(flat)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # ranks may hold different keys (megatron's tensor-parallel shards are named per rank): the
+        # checkpoint holds the union of every rank's
+        every_rank: list[set[str]] = [set() for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every_rank, model_keys)
+        all_keys = set().union(*every_rank)
+    else:
+        all_keys = model_keys
+    only_saved = sorted(weights(saved) - all_keys)
+    only_model = sorted(model_keys - weights(saved))
     shapes = []
     for key in sorted(set(saved) & set(flat)):
         entry, value = saved[key], flat[key]
