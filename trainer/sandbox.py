@@ -115,6 +115,8 @@ class SandboxResult:
     """CPU seconds of the program's main process and its waited-for children, when known."""
     detail: str = ""
     """Why, for ``setup`` and ``timeout``."""
+    uid: int | None = None
+    """The uid the program ran as (a fresh one per run as root; None when it kept the user's)."""
 
     @property
     def ok(self) -> bool:
@@ -281,10 +283,11 @@ def _hidden_paths(limits: SandboxLimits, interpreter: str) -> list[str]:
         path = os.path.realpath(path)
         if path == "/":
             continue
-        for needed in (os.path.realpath(interpreter), INIT_SCRIPT):
-            if needed == path or needed.startswith(path + os.sep):
-                raise ValueError(f"hidden_paths: {path} holds {needed}, which the sandbox needs; install the "
-                                 "interpreter elsewhere or run from another working folder")
+        # (the init script and the trainer's Python are loaded before the paths are hidden)
+        needed = os.path.realpath(interpreter)
+        if needed == path or needed.startswith(path + os.sep):
+            raise ValueError(f"hidden_paths: {path} holds the interpreter {needed}, which the program needs; set "
+                             "another interpreter or run from another working folder")
         hidden.append(path)
     return hidden
 
@@ -319,7 +322,7 @@ def _run_isolated(isolation: Isolation, interpreter: str, stdin: str, files: dic
             result = _supervise(command, stdin, limits, pass_fds=(status_write,), status_fd=status_read)
         finally:
             os.close(status_read)
-        return result
+        return dataclasses.replace(result, uid=payload["uid"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -407,12 +410,12 @@ def _supervise(command: list[str], stdin: str, limits: SandboxLimits, pass_fds: 
         if stopped:
             break
     if stopped:
-        _kill_group(process)
+        _kill_group(process, status_fd is not None)
     try:
         process.wait(timeout=KILL_WAIT_S if stopped else max(KILL_WAIT_S, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         stopped = stopped or "timeout"
-        _kill_group(process)
+        _kill_group(process, status_fd is not None)
         process.wait(timeout=KILL_WAIT_S)
     selector.close()
     for stream in (process.stdin, process.stdout, process.stderr):
@@ -442,10 +445,30 @@ def _supervise(command: list[str], stdin: str, limits: SandboxLimits, pass_fds: 
     return SandboxResult(kind, code, sig, stdout, stderr, wall, status.get("cpu_s"))
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the sandbox's process group: unshare and the namespace's init, whose death takes every
-    process of the PID namespace with it."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _kill_group(process: subprocess.Popen, isolated: bool) -> None:
+    """SIGKILL the run. With namespaces: the PID namespace's init (``unshare``'s child) first, whose
+    death makes the kernel kill, and wait for, every process of the namespace, and then ``unshare``
+    returns; so once it has, nothing of the run is left. Then (or without namespaces) the whole
+    process group."""
+    children = []
+    if isolated:
+        try:
+            with open(f"/proc/{process.pid}/task/{process.pid}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+        except OSError:
+            pass
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if children:
+        try:
+            process.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+    if process.returncode is None:  # (a reaped group id could be reused)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -24,7 +24,10 @@ import signal
 import sys
 
 CLONE_NEWNS = 0x00020000
-MS_NOSUID, MS_NODEV, MS_RDONLY, MS_BIND, MS_REMOUNT = 2, 4, 1, 4096, 32
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+KEPT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
+              "relatime": 1 << 21}
+"""Per-mount flags a read-only remount must repeat (a user namespace may not clear them)."""
 PR_SET_NO_NEW_PRIVS = 38
 GRACE_S = 1.0
 
@@ -40,7 +43,29 @@ def mount(libc, source, target, fstype, flags, data):
         raise OSError(errno, f"mount {fstype or 'bind'} on {target}: {os.strerror(errno)}")
 
 
+def remount_read_only(libc):
+    """Every mount of the new mount namespace read-only, so that the program can write nowhere on the
+    machine (world-writable folders included) but in its own tmpfs; returns the mount points that
+    refused."""
+    refused = []
+    with open("/proc/self/mountinfo") as f:
+        entries = [line.split() for line in f]
+    for fields in entries:
+        target = fields[4].encode().decode("unicode_escape")  # octal escapes such as \040
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for option in fields[5].split(","):
+            flags |= KEPT_FLAGS.get(option, 0)
+        try:
+            mount(libc, "none", target, None, flags, None)
+        except OSError:
+            refused.append(target)
+    return refused
+
+
 def prepare_filesystem(libc, payload):
+    refused = [t for t in remount_read_only(libc) if not t.startswith(("/proc/", "/sys/"))]
+    if refused:
+        raise OSError(0, f"could not make {', '.join(refused[:5])} read-only")
     disk = f"size={payload['disk_bytes']},mode=1777"
     mount(libc, "rlite-sandbox", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, disk)
     for other in ("/var/tmp", "/dev/shm"):
