@@ -24,9 +24,16 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
 
-from rlite.api import SANDBOX_KINDS, ConfigError, RewardOutcome, SandboxLimits, hookimpl, probe_isolation, run_untrusted
+from rlite.api import (
+    SANDBOX_KINDS,
+    ConfigError,
+    RewardOutcome,
+    SandboxLimits,
+    hookimpl,
+    probe_isolation,
+    run_untrusted,
+)
 
 END_TEXTS = ["<|im_end|>", "<|endoftext|>"]
 EXTRACTS = ("fence_or_whole", "fence", "whole")

@@ -50,7 +50,14 @@ from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
 from rlite.rewards import RewardOutcome
 from rlite.rollout import RolloutBatch, TrainTargets, model_inputs, pad_to_width
 from rlite.sandbox import KINDS as SANDBOX_KINDS
-from rlite.sandbox import Isolation, SandboxLimits, SandboxResult, SandboxUnavailable, probe_isolation, run_untrusted
+from rlite.sandbox import (
+    Isolation,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
+    probe_isolation,
+    run_untrusted,
+)
 from rlite.training.backend import (
     BackendCapabilities,
     CriticModel,
