@@ -32,7 +32,7 @@ import functools
 import json
 import logging
 import os
-import random
+import secrets
 import selectors
 import shutil
 import signal
@@ -301,7 +301,7 @@ def _run_isolated(isolation: Isolation, interpreter: str, stdin: str, files: dic
     nproc = limits.nproc if isolation.as_root else _user_tasks() + limits.nproc
     payload = {
         "files": files,
-        "uid": UID_BASE + random.randrange(UID_SPAN) if isolation.as_root else None,
+        "uid": UID_BASE + secrets.randbelow(UID_SPAN) if isolation.as_root else None,  # not `random`: seeded alike in workers
         "hidden_paths": hidden,
         "disk_bytes": limits.disk_mb << 20,
         "limits": {"cpu": limits.cpu_s, "as": limits.memory_mb << 20, "fsize": limits.disk_mb << 20,
@@ -313,7 +313,7 @@ def _run_isolated(isolation: Isolation, interpreter: str, stdin: str, files: dic
     scratch = tempfile.mkdtemp(prefix="rlite-sandbox-")  # 0700: only the trainer's user reads the payload
     try:
         payload_path = os.path.join(scratch, "payload.json")
-        with open(payload_path, "w") as f:
+        with open(payload_path, "w", encoding="utf-8") as f:
             json.dump(payload, f)
         status_read, status_write = os.pipe()
         command = [*_unshare_command(isolation.user_namespace), sys.executable, "-I", "-S", INIT_SCRIPT,
@@ -333,7 +333,7 @@ def _run_unisolated(interpreter: str, stdin: str, files: dict[str, str], limits:
         for name, content in files.items():
             path = os.path.join(work, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
+            with open(path, "w", encoding="utf-8") as f:
                 f.write(content)
         script = (
             "import os, resource, sys\n"

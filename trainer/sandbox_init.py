@@ -76,7 +76,7 @@ def prepare_filesystem(libc, payload):
     for name, content in payload["files"].items():
         path = os.path.join(work, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        with open(path, "w", encoding="utf-8") as f:
             f.write(content)
     uid = payload["uid"]
     if uid is not None:
@@ -122,7 +122,7 @@ def report(status_fd, **fields):
 
 def main():
     payload_path, status_fd = sys.argv[1], int(sys.argv[2])
-    with open(payload_path) as f:
+    with open(payload_path, encoding="utf-8") as f:
         payload = json.load(f)
     libc = _libc()
     try:

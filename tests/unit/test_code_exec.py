@@ -86,8 +86,8 @@ def test_a_wrong_or_missing_program_scores_0_and_partial_credit_is_a_fraction() 
 @needs_namespaces
 def test_files_and_stdin_reach_the_program_in_its_own_working_directory() -> None:
     result = run_untrusted("import os\nprint(open('data/in.txt').read() + input(), os.getcwd())",
-                           stdin="world\n", files={"data/in.txt": "hello "})
-    assert result.kind == "ok" and result.stdout == "hello world /tmp/work\n"
+                           stdin="wörld\n", files={"data/in.txt": "héllo "})
+    assert result.kind == "ok" and result.stdout == "héllo wörld /tmp/work\n"
     with pytest.raises(ValueError, match="files: '../x' must be a relative path"):
         run_untrusted("print(1)", files={"../x": ""})
 
