@@ -28,7 +28,10 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32,
 KEPT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
               "relatime": 1 << 21}
 """Per-mount flags a read-only remount must repeat (a user namespace may not clear them)."""
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 28, 47, 4
+SECBIT_NOROOT_AND_LOCKED = 0b11
+"""uid 0 gains no capability at execve, for good: the program, root inside a user namespace, cannot
+mount, unmount (uncover a hidden path) or remount the filesystem writable."""
 GRACE_S = 1.0
 
 
@@ -91,6 +94,15 @@ def prepare_filesystem(libc, payload):
     return work
 
 
+def drop_capabilities(libc):
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:  # EINVAL: no such cap
+            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # (fails harmlessly on kernels before 4.3)
+    if libc.prctl(PR_SET_SECUREBITS, SECBIT_NOROOT_AND_LOCKED, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECUREBITS)")
+
+
 def become_program(libc, payload, work):
     """In the forked child: everything that must hold before the untrusted program's first instruction."""
     os.setsid()
@@ -105,6 +117,7 @@ def become_program(libc, payload, work):
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
+    drop_capabilities(libc)
     uid = payload["uid"]
     if uid is not None:  # real root: become an unprivileged uid that owns nothing outside the workdir
         os.setgroups([])

@@ -147,3 +147,27 @@ def test_without_namespaces_it_refuses_unless_told_and_then_warns(monkeypatch, c
     assert "UNTRUSTED CODE RUNS WITHOUT ISOLATION" in caplog.text
     looping = run_untrusted("while True: pass", limits=SandboxLimits(allow_unisolated=True, timeout_s=30, cpu_s=1))
     assert looping.kind == "cpu"
+
+
+@needs_namespaces
+def test_the_user_namespace_path_isolates_network_and_files(monkeypatch) -> None:
+    """What a non-root trainer gets (forced here: root may also make a user namespace)."""
+    user_namespace = sandbox.Isolation(True, True, False)
+    try:
+        sandbox.subprocess.run([*sandbox._unshare_command(True), "true"], check=True, capture_output=True, timeout=30)
+    except (OSError, sandbox.subprocess.SubprocessError):
+        pytest.skip("user namespaces are not allowed here")
+    monkeypatch.setattr(sandbox, "probe_isolation", lambda: user_namespace)
+    hidden = sandbox.os.getcwd()
+    program = ("import ctypes, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(os.getuid())\n"
+               "def umount():\n    if libc.umount2(%r.encode(), 2) != 0:\n        raise OSError(ctypes.get_errno(), 'umount')\n"
+               "def remount():\n    if libc.mount(b'none', b'/', None, 32 | 4096, None) != 0:\n"
+               "        raise OSError(ctypes.get_errno(), 'remount')\n"
+               "for attempt in (lambda: socket.create_connection(('127.0.0.1', 9)), lambda: os.listdir(%r),"
+               " lambda: open('/etc/rlite-escaped', 'w'), umount, remount):\n"
+               "    try:\n        print(attempt())\n    except OSError as e:\n        print(e.errno)\n") % (hidden, hidden)
+    result = run_untrusted(program)
+    assert result.kind == "ok" and result.uid is None
+    # root inside its namespace, without capabilities: no network (ENETUNREACH); the working folder
+    # hidden (EACCES); the filesystem read-only (EROFS); no unmounting or remounting (EPERM)
+    assert result.stdout.split() == ["0", "101", "13", "30", "1", "1"]
