@@ -7,8 +7,8 @@ what the machine offers (``docs/code_rewards.md`` says which hold where):
   connection to anything, 127.0.0.1 included), a new PID namespace (the program sees only its own
   processes; when the run ends its init exits and the kernel kills every process left in it), a new
   mount namespace (a fresh ``/proc``; ``/tmp``, ``/var/tmp`` and ``/dev/shm`` replaced by one
-  size-limited tmpfs that holds the working directory; the trainer's working folder and
-  ``hidden_paths`` covered by an empty, unreadable tmpfs);
+  size-limited tmpfs that holds the working directory; every other mount read-only; the trainer's
+  working folder, ``/run`` (Unix sockets) and ``hidden_paths`` covered by an empty, unreadable tmpfs);
 * **an unprivileged uid** when the trainer is root (a fresh uid per run, so ``RLIMIT_NPROC``, which
   root ignores, binds it and it owns no file outside its tmpfs), with ``no_new_privs``; without root,
   a user namespace (the program keeps the user's uid, mapped to root inside);
@@ -55,6 +55,9 @@ passed ``output_bytes``), ``crash`` (killed by a signal such as SIGSEGV or SIGAB
 UID_BASE = 1_500_000_000
 """Sandbox runs as root take a uid in ``[UID_BASE, UID_BASE + UID_SPAN)``, owned by nobody."""
 UID_SPAN = 1_000_000
+ALWAYS_HIDDEN = ("/run",)
+"""Hidden in every run besides the trainer's working folder: the home of the machine's Unix sockets,
+which a network namespace does not cover and a read-only mount does not stop (connecting is allowed)."""
 KILL_WAIT_S = 5.0
 """How long to wait for the killed sandbox's processes to go (SIGKILL takes microseconds)."""
 
@@ -279,7 +282,7 @@ def run_untrusted(
 
 def _hidden_paths(limits: SandboxLimits, interpreter: str) -> list[str]:
     hidden = []
-    for path in (os.getcwd(), *limits.hidden_paths):
+    for path in (os.getcwd(), *ALWAYS_HIDDEN, *limits.hidden_paths):
         path = os.path.realpath(path)
         if path == "/":
             continue

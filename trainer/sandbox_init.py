@@ -87,6 +87,8 @@ def prepare_filesystem(libc, payload):
             for name in [*dirs, *files, None]:
                 os.chown(os.path.join(folder, name) if name else folder, uid, uid)
     for hidden in payload["hidden_paths"]:
+        if os.path.islink(hidden):
+            continue
         if os.path.isdir(hidden):
             mount(libc, "rlite-hidden", hidden, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=000")
         elif os.path.exists(hidden):

@@ -140,6 +140,29 @@ def test_a_connection_to_a_local_server_never_arrives(runs, trainer_child) -> No
     assert_contained(result, trainer_child)
 
 
+@pytest.mark.skipif(not os.access("/run", os.W_OK), reason="needs a folder of its own in /run")
+def test_a_world_writable_unix_socket_in_run_cannot_be_reached(runs, trainer_child) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="rlite-sandbox-test-", dir="/run"))
+    try:
+        folder.chmod(0o755)
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(folder / "socket"))
+            (folder / "socket").chmod(0o777)  # like a system bus socket: anyone may connect
+            server.listen(8)
+            client = f"import socket\nsocket.socket(socket.AF_UNIX).connect({str(folder / 'socket')!r})\n"
+            value, kind, result = score(client, runs)
+            assert (value, kind) == (0.0, "error")
+            assert "PermissionError" in result.stderr or "FileNotFoundError" in result.stderr
+            server.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                server.accept()
+        assert_contained(result, trainer_child)
+    finally:
+        for path in folder.iterdir():
+            path.unlink()
+        folder.rmdir()
+
+
 def test_the_run_folder_and_hidden_paths_cannot_be_read(runs, trainer_child, monkeypatch) -> None:
     here = Path(__file__).parent
     run_folder = Path(tempfile.mkdtemp(prefix=".sandbox-test-run-", dir=here))
