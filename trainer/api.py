@@ -9,7 +9,9 @@ Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendC
 :class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`), :class:`RolloutEngine` (with
 :class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`, and for speculative decoding
 :class:`DraftSpec` and :class:`SpeculationStats`) and :class:`SpeculativeDraft` (with
-:class:`DraftContext`; built on :class:`ModelDraft` or :class:`FixedDraft`). Hook specs:
+:class:`DraftContext`; built on :class:`ModelDraft` or :class:`FixedDraft`). Rewards that run a
+model's code: :func:`run_untrusted` (with :class:`SandboxLimits`, :class:`SandboxResult`), and a reward
+may return a :class:`RewardOutcome` to report counts. Hook specs:
 :mod:`rlite.hookspecs`; writing plugins: ``docs/plugins.md``.
 """
 
@@ -45,7 +47,17 @@ from rlite.mismatch import (
     weight_stats,
 )
 from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
+from rlite.rewards import RewardOutcome
 from rlite.rollout import RolloutBatch, TrainTargets, model_inputs, pad_to_width
+from rlite.sandbox import KINDS as SANDBOX_KINDS
+from rlite.sandbox import (
+    Isolation,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
+    probe_isolation,
+    run_untrusted,
+)
 from rlite.training.backend import (
     BackendCapabilities,
     CriticModel,
@@ -102,19 +114,25 @@ __all__ = [
     "EngineDied",
     "EngineError",
     "Environment",
+    "Isolation",
     "FixedDraft",
     "ForwardSpec",
     "LoraAdapter",
     "ModelDraft",
     "Register",
     "RankDevice",
+    "RewardOutcome",
     "RolloutBatch",
     "RolloutEngine",
     "RouterHooks",
     "RoutingPlan",
     "RoutingStats",
     "RunConfig",
+    "SANDBOX_KINDS",
     "SamplingParams",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxUnavailable",
     "ScoringModel",
     "SingleTurn",
     "SpeculationStats",
@@ -132,6 +150,8 @@ __all__ = [
     "model_inputs",
     "optimizer_state_bytes_to_come",
     "pad_to_width",
+    "probe_isolation",
+    "run_untrusted",
     "sequence_mean",
     "sequence_sum",
     "weight_stats",

@@ -33,6 +33,7 @@ DEFAULT_PLUGINS: list[str] = [
     "rlite.plugins.backends",
     "rlite.plugins.engines",
     "rlite.plugins.rewards",
+    "rlite.plugins.code_exec",
     "rlite.plugins.workflows",
     "rlite.plugins.loggers",
 ]

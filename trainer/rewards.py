@@ -34,6 +34,10 @@ fail or time out, or when a function's failures (or timeouts) over the run pass 
 fraction of its calls, :meth:`RewardRunner.score` reports the problem, with the first failure's
 traceback, in :attr:`RewardScores.error`, and the training loop stops with it.
 
+**Counts.** A function may return a :class:`RewardOutcome` instead of a float: its ``value`` is the
+reward and its ``counts`` (e.g. ``{"timeout": 1}``) are summed over the batch into the stats as
+``reward/<name>/n_<count>`` (``code_exec`` reports how its runs ended this way).
+
 **Batched functions** (``batched=True`` at registration) are called once per batch as
 ``fn(completions, samples, cfg) -> list[float]``; each returned value is checked like a single call's.
 """
@@ -49,6 +53,7 @@ import numbers
 import os
 import pickle
 import queue
+import re
 import signal
 import sys
 import threading
@@ -127,6 +132,25 @@ class RewardScores:
     function (``RewardRunner.names``), failed and timed-out calls 0."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardOutcome:
+    """A reward value with counts to report: what a reward function may return instead of a float."""
+
+    value: float
+    """The reward."""
+    counts: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Summed over the batch into ``reward/<name>/n_<key>`` (module docstring)."""
+
+
+COUNT_STATS = ("reward/failures", "reward/timeouts")
+_COUNT_STAT = re.compile(r"reward/[^/]+/n_[\w.-]+")
+
+
+def is_count_stat(key: str) -> bool:
+    """Whether the reward stat ``key`` is a count (summed over ranks and rounds) rather than a mean."""
+    return key in COUNT_STATS or _COUNT_STAT.fullmatch(key) is not None
+
+
 class RewardFailureError(RuntimeError):
     """Reward functions failed or timed out more often than the run allows (``RewardScores.error``)."""
 
@@ -163,7 +187,9 @@ class _RateLimitedWarnings:
         logger.warning("reward function %r %s: %s%s", name, kind, message, extra)
 
 
-def _check_value(value: Any) -> float:
+def _check_value(value: Any) -> float | RewardOutcome:
+    if isinstance(value, RewardOutcome):
+        return dataclasses.replace(value, value=_check_value(value.value))
     if isinstance(value, numbers.Real):
         value = float(value)
         if math.isfinite(value):
@@ -579,6 +605,7 @@ class RewardRunner:
         failures = [0] * len(self.entries)
         timeouts = [0] * len(self.entries)
         first: list[tuple[int, _Failure] | None] = [None] * len(self.entries)
+        counts: dict[str, float] = {}
         for call in calls:
             j, name = call.entry, self.entries[call.entry].name
             if call.outcome is _TIMED_OUT:
@@ -591,12 +618,18 @@ class RewardRunner:
                     if first[j] is None:
                         first[j] = (i, outcome)
                     self._warnings.warn(name, "failed", f"{outcome.summary}; scored 0")
+                elif isinstance(outcome, RewardOutcome):
+                    values[i][j] = outcome.value
+                    for key, count in outcome.counts.items():
+                        stat = f"reward/{name}/n_{key}"
+                        counts[stat] = counts.get(stat, 0.0) + float(count)
                 else:
                     values[i][j] = outcome
         totals = [sum(entry.weight * v for entry, v in zip(self.entries, row)) for row in values]
         stats = {"reward/failures": float(sum(failures)), "reward/timeouts": float(sum(timeouts))}
         for j, entry in enumerate(self.entries):
             stats[f"reward/{entry.name}"] = sum(row[j] for row in values) / n if n else 0.0
+        stats.update(counts)
         errors = []
         for j, entry in enumerate(self.entries):
             self.calls[entry.name] += n

@@ -127,12 +127,29 @@ def spell_digits(rng: random.Random, min_digits: int = 6, max_digits: int = 8) -
     }
 
 
+def python_expression(rng: random.Random, digits: int = 2) -> dict[str, Any]:
+    """``"x=12+35="`` -> a Python expression whose value is 47 (``47``, ``12+35``, ``50-3``): the
+    completion is run in the sandbox as ``print(<completion>)`` by the ``code_exec`` reward against
+    the row's ``tests`` (one case: empty stdin, stdout ``47``). Made for the code-execution recipe
+    (``configs/code_exec.yaml``): the addition warm start knows the digits, not this prompt."""
+    _check_int("digits", digits, 1, 18)
+    a, b = rng.randrange(10**digits), rng.randrange(10**digits)
+    return {
+        "prompt": f"x={a}+{b}=",
+        "answer": str(a + b),
+        "task": "python_expression",
+        "operands": [a, b],
+        "tests": [{"stdin": "", "stdout": str(a + b)}],
+    }
+
+
 TASKS: dict[str, TaskFn] = {
     "addition": addition,
     "reversal": reversal,
     "sorting": sorting,
     "word_problems": word_problems,
     "spell_digits": spell_digits,
+    "python_expression": python_expression,
 }
 """Built-in synthetic tasks by name (``data.task``)."""
 
@@ -152,9 +169,10 @@ def exact_answer(completion: str, answer: Any) -> bool:
     return completion.strip() == str(answer).strip()
 
 
-TASK_CHECKS: dict[str, Callable[[str, Any], bool]] = {name: exact_answer for name in TASKS}
-"""Answer check of each built-in task: ``check(completion, answer) -> bool``. Every built-in task's
-answer is one canonical string (a number, a word, a list of digits or words), so each checks equality."""
+TASK_CHECKS: dict[str, Callable[[str, Any], bool]] = {name: exact_answer for name in TASKS if name != "python_expression"}
+"""Answer check of each built-in task: ``check(completion, answer) -> bool``. These tasks' answers are
+one canonical string (a number, a word, a list of digits or words), so each checks equality;
+``python_expression`` has many right answers (any expression of the value), judged by its reward."""
 
 DEFAULT_ACCURACY_THRESHOLD = 1.0
 

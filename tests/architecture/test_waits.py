@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "trainer"
-SCANNED = ["loop.py", "rewards.py", "distributed.py", "stages", "engines", "sync", "run"]
+SCANNED = ["loop.py", "rewards.py", "sandbox.py", "sandbox_init.py", "distributed.py", "stages", "engines", "sync", "run"]
 WAITS = {"join", "wait", "recv", "recv_bytes", "result", "communicate", "acquire", "accept", "urlopen"}
 
 BOUNDED_ELSEWHERE = {

@@ -24,7 +24,7 @@ from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, br
 from rlite.drafts import SpeculativeDraft
 from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
-from rlite.rewards import RewardFailureError, RewardRunner, RewardScores
+from rlite.rewards import RewardFailureError, RewardRunner, RewardScores, is_count_stat
 from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
 from rlite.samples import eval_sample_rows
 from rlite.stages.partial import SegmentedGeneration
@@ -189,7 +189,7 @@ class Rollouts:
         groups = (kept + spare)[:per_rank]
         batch = concat_batches(groups, self.tokenizer.pad_token_id)
         batch.group_ids = self.layout.rank * per_rank + torch.arange(len(batch)) // self.rollout.samples_per_prompt
-        stats = {key: value if key in ("reward/failures", "reward/timeouts") else value / rounds
+        stats = {key: value if is_count_stat(key) else value / rounds
                  for key, value in stats_sum.items()}
         stats["dynamic_sampling/rounds"] = float(rounds)
         stats["dynamic_sampling/dropped_groups"] = float(dropped)

@@ -34,6 +34,7 @@ import torch
 from rlite.distributed import all_gather_objects
 from rlite.engines.base import SpeculationStats
 from rlite.mismatch import mismatch_metrics
+from rlite.rewards import is_count_stat
 from rlite.rollout import RolloutBatch, pad_to_width
 
 COUNTS = ("reward/failures", "reward/timeouts", "dynamic_sampling/dropped_groups")
@@ -70,9 +71,9 @@ def step_metrics(
         width = max(p[1][2].shape[1] for p in parts)
         train, roll, m = (torch.cat([pad_to_width(p[1][i], width) for p in parts]) for i in range(3))
         metrics.update(mismatch_metrics(train, roll, m))
-    for key in reward_stats:
-        values = [float(p[2][key]) for p in parts]
-        metrics[key] = sum(values) if key in COUNTS else sum(values) / len(values)
+    for key in dict.fromkeys(key for p in parts for key in p[2]):  # a count may be missing on a rank
+        values = [float(p[2].get(key, 0.0)) for p in parts]
+        metrics[key] = sum(values) if key in COUNTS or is_count_stat(key) else sum(values) / len(values)
     if speculation is not None:
         metrics.update(speculation_metrics([p[3] for p in parts]))
     return metrics, tokens
