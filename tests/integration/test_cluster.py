@@ -3,9 +3,9 @@
 * Two torchrun agents (``--nnodes 2 --nproc_per_node 2``, c10d rendezvous on 127.0.0.1) run ``rlite train``
   at world size 4, for fsdp2 and for megatron (expert parallel 2 x data parallel 2 on a tiny MoE model): the
   exported weights equal a one-process run's within the tolerance of tests/invariants.
-* A rank SIGKILLed at step 3 under ``--max-restarts 1``: the group restarts, resumes from the step-2
-  checkpoint and ends bitwise where an uninterrupted two-rank run ends. Without restarts the other rank
-  leaves at once (torchrun tears it down) and torchrun's report names the dead rank.
+* Rank 3 of those two agents SIGKILLed at step 3 under ``--max-restarts 1``: the group restarts, resumes
+  from the step-2 checkpoint and ends bitwise where an uninterrupted four-rank run ends. Without restarts
+  the other ranks leave at once (their next collective fails) and torchrun's report names the dead rank.
 
 Every command runs through :func:`_launch`, which kills the whole process group of a command that
 outlives its timeout, so no test leaves agents or ranks behind.
@@ -31,10 +31,13 @@ from rlite.tokenizer import build_tiny_model_dir
 
 # A plugin for the launched ranks, installed as an entry point: a reward that a random model can learn
 # (the fraction of digits), and a rank that SIGKILLs itself after the optimizer step of
-# RLITE_TEST_KILL_STEP when its global rank is RLITE_TEST_KILL_RANK, on torchrun's first attempt only.
+# RLITE_TEST_KILL_STEP when its global rank is RLITE_TEST_KILL_RANK, once: the file RLITE_TEST_KILL_ONCE marks
+# that it happened. (TORCHELASTIC_RESTART_COUNT would not do across nodes: each agent counts its own
+# restarts, and the agent of a node whose ranks did not fail restarts them without counting.)
 PROBE = '''
 import os
 import signal
+from pathlib import Path
 
 from rlite import hookimpl
 
@@ -46,10 +49,12 @@ def register_reward_functions(register):
 
 @hookimpl
 def after_optimizer_step(step, model, metrics):
-    if (os.environ.get("RLITE_TEST_KILL_STEP") == str(step)
-            and os.environ.get("RANK") == os.environ.get("RLITE_TEST_KILL_RANK")
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("RLITE_TEST_KILL_STEP") == str(step) and os.environ.get("RANK") == os.environ.get(
+            "RLITE_TEST_KILL_RANK"):
+        once = Path(os.environ["RLITE_TEST_KILL_ONCE"])
+        if not once.exists():
+            once.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
 '''
 
 # As tests/integration/test_async_rollout.py: top_k=1 samples the same tokens whatever the rank's seed, so N
@@ -123,17 +128,22 @@ def _one_process(run_dir: Path, model_dir: Path, overrides: list[str], env: dict
     assert rc == 0, stderr[-3000:]
 
 
-def _two_nodes(run_dir: Path, model_dir: Path, overrides: list[str], env: dict[str, str]) -> None:
+def _two_nodes(run_dir: Path, model_dir: Path, overrides: list[str], env: dict[str, str], max_restarts: int = 0,
+               timeout_s: float = TIMEOUT_S) -> list[tuple[int, str]]:
     """Two torchrun agents of two ranks each, joined by a c10d rendezvous on 127.0.0.1: agent 0 hosts the
-    rendezvous store (``is_host=1``), agent 1 connects to it, as on two machines."""
+    rendezvous store (``is_host=1``), agent 1 connects to it, as on two machines. Each agent's (status, stderr)."""
     endpoint = f"127.0.0.1:{_free_port()}"
     cmds = [
         _torchrun("--nnodes", "2", "--nproc_per_node", "2", "--node-rank", str(node), "--rdzv_backend", "c10d",
                   "--rdzv_endpoint", endpoint, "--rdzv_id", "two-nodes", "--rdzv_conf", f"is_host={int(node == 0)}",
-                  "--max-restarts", "0", *_rlite_train(run_dir, model_dir, overrides))
+                  "--max-restarts", str(max_restarts), *_rlite_train(run_dir, model_dir, overrides))
         for node in (0, 1)
     ]  # fmt: skip
-    for rc, stderr in _launch(cmds, env):
+    return _launch(cmds, env, timeout_s)
+
+
+def _succeeded(results: list[tuple[int, str]]) -> None:
+    for rc, stderr in results:
         assert rc == 0, stderr[-3000:]
 
 
@@ -159,7 +169,7 @@ def test_two_nodes_of_two_ranks_equal_one_process(tmp_path, probe_site, one_rank
     overrides = ["training.steps=2", "checkpoint.every=0"]
     env = _env(probe_site)
     _one_process(tmp_path / "one", model_dir, [f"parallelism.backend={one_rank}", *overrides], env)
-    _two_nodes(tmp_path / "four", model_dir, [f"parallelism.backend={four_ranks}", *overrides], env)
+    _succeeded(_two_nodes(tmp_path / "four", model_dir, [f"parallelism.backend={four_ranks}", *overrides], env))
     assert (_world_size(tmp_path / "one"), _world_size(tmp_path / "four")) == (1, 4)
     one, four = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "four" / "metrics.jsonl")
     assert [r["step"] for r in four] == [r["step"] for r in one]
@@ -179,39 +189,41 @@ def _exported_initial(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(next(Path(model_dir).glob("*.safetensors")))
 
 
-def _standalone(max_restarts: int, run_dir: Path, model_dir: Path, overrides: list[str]) -> list[str]:
-    return _torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", str(max_restarts),
-                     *_rlite_train(run_dir, model_dir, overrides))  # fmt: skip
+# global rank 3 (on the second agent to join) SIGKILLs itself after the optimizer step of step 3, once
+def _kill_rank_3_at_step_3(tmp_path: Path) -> dict[str, str]:
+    return {"RLITE_TEST_KILL_STEP": "3", "RLITE_TEST_KILL_RANK": "3", "RLITE_TEST_KILL_ONCE": str(tmp_path / "kill-once")}
 
 
-KILL_RANK_1_AT_STEP_3 = {"RLITE_TEST_KILL_STEP": "3", "RLITE_TEST_KILL_RANK": "1"}
 # a restarted group reads its rendezvous keys from a store of its own, not from the one that still holds the
 # dead group's addresses (pytorch issue 135712: without it the restart failed to connect in 2 of 3 runs here)
 OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def test_a_rank_killed_mid_run_restarts_resumes_and_ends_bitwise_equal(tmp_path, probe_site):
+def test_a_rank_killed_mid_run_restarts_the_group_which_resumes_and_ends_bitwise_equal(tmp_path, probe_site):
     model_dir = build_tiny_model_dir(tmp_path / "model", hidden=32, layers=2)
     overrides = ["training.steps=4", "checkpoint.every=1"]
-    ((rc, stderr),) = _launch([_standalone(0, tmp_path / "straight", model_dir, overrides)], _env(probe_site))
-    assert rc == 0, stderr[-3000:]
-    ((rc, stderr),) = _launch([_standalone(1, tmp_path / "killed", model_dir, overrides)],
-                              _env(probe_site, **KILL_RANK_1_AT_STEP_3, **OWN_STORE))  # fmt: skip
-    assert rc == 0, stderr[-3000:]
-    assert "failed (exitcode: -9) local_rank: 1" in stderr  # torchrun saw the kill, and restarted
+    _succeeded(_two_nodes(tmp_path / "straight", model_dir, overrides, _env(probe_site, **OWN_STORE)))
+    results = _two_nodes(tmp_path / "killed", model_dir, overrides, max_restarts=1,
+                         env=_env(probe_site, **_kill_rank_3_at_step_3(tmp_path), **OWN_STORE))  # fmt: skip
+    _succeeded(results)
+    stderr = "".join(err for _, err in results)
+    assert (tmp_path / "kill-once").is_file() and "failed (exitcode: -9) local_rank: 1" in stderr  # torchrun saw it
     assert "(step 2)" in stderr  # "resumed from ... (step 2)": the last checkpoint before the kill
     a, b = _exported(tmp_path / "straight"), _exported(tmp_path / "killed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_without_restarts_the_other_rank_leaves_and_torchrun_names_the_dead_one(tmp_path, probe_site):
+def test_without_restarts_every_rank_leaves_and_torchrun_names_the_dead_one(tmp_path, probe_site):
     model_dir = build_tiny_model_dir(tmp_path / "model", hidden=32, layers=2)
     overrides = ["training.steps=6", "checkpoint.every=1"]
-    # _launch fails the test if the surviving rank were still waiting in a collective after the timeout
-    ((rc, stderr),) = _launch([_standalone(0, tmp_path / "run", model_dir, overrides)],
-                              _env(probe_site, **KILL_RANK_1_AT_STEP_3), timeout_s=300)  # fmt: skip
-    assert rc != 0
-    assert "rank      : 1 (local_rank: 1)" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+    # _launch fails the test if a surviving rank were still waiting in a collective after the timeout
+    results = _two_nodes(tmp_path / "run", model_dir, overrides, _env(probe_site, **_kill_rank_3_at_step_3(tmp_path)),
+                         timeout_s=300)  # fmt: skip
+    assert all(rc != 0 for rc, _ in results)
+    stderr = "".join(err for _, err in results)
+    # the dead rank's agent names it; the other ranks failed at once in a collective (gloo), no timeout
+    assert "rank      : 3 (local_rank: 1)" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+    assert "Connection reset by peer" in stderr or "Connection closed by peer" in stderr
 
 
 def test_a_restartable_group_on_the_shared_rendezvous_store_is_warned_about():
