@@ -13,12 +13,15 @@ outlives its timeout, so no test leaves agents or ranks behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -96,21 +99,44 @@ def _free_port() -> int:
 
 
 def _launch(cmds: list[list[str]], env: dict[str, str], timeout_s: float = TIMEOUT_S) -> list[tuple[int, str]]:
-    """Start every command at once, each in a session of its own; wait for all of them. A command still
-    running after ``timeout_s`` is killed with everything it started, and the test fails."""
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for cmd in cmds]  # fmt: skip
-    results = []
+    """Start every command at once and wait for all of them; each one's (status, stderr). Commands still
+    running after ``timeout_s`` are killed with every process they started (torchrun starts each rank in
+    a session of its own, so their process groups would miss the ranks), and the test fails."""
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]  # files, not pipes: a full pipe would stall a rank
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+             for cmd, log in zip(cmds, logs)]  # fmt: skip
+    deadline = time.monotonic() + timeout_s
     try:
         for proc in procs:
-            _, stderr = proc.communicate(timeout=timeout_s)
-            results.append((proc.returncode, stderr))
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in [*_descendants(proc.pid), proc.pid]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 proc.wait()
+    results = []
+    for proc, log in zip(procs, logs):
+        log.seek(0)
+        results.append((proc.returncode, log.read()))
+        log.close()
     return results
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def _rlite_train(run_dir: Path, model_dir: Path, overrides: list[str]) -> list[str]:
