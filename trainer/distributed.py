@@ -60,8 +60,8 @@ def init_distributed(timeout_s: float = 1800.0) -> DistContext:
 
     ``timeout_s`` bounds a collective whose peer is alive but silent (a hung rank); a rank whose process died
     fails its peers' collectives at once (gloo: "Connection reset by peer"), and torchrun then stops the rest."""
-    if restarts_share_the_rendezvous_store(dict(os.environ)):
-        logger.warning(SHARED_STORE_RESTARTS_HINT)
+    if restarts_share_the_rendezvous_store(dict(os.environ)) and os.environ.get("LOCAL_RANK", "0") == "0":
+        logger.warning(SHARED_STORE_RESTARTS_HINT)  # once per node
     use_cuda = torch.cuda.is_available()
     backend = process_group_backend(use_cuda)
     owns = False
