@@ -7,6 +7,7 @@ one from an in-memory store: no port, no launcher.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,8 +42,26 @@ def process_group_backend(use_cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
 
 
+SHARED_STORE_RESTARTS_HINT = (
+    "torchrun restarts this group (--max-restarts > 0) and its workers share the rendezvous store: a restarted "
+    "group can read the dead group's addresses from it and fail to connect (pytorch issue 135712). Start "
+    "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/cluster.md)"
+)
+
+
+def restarts_share_the_rendezvous_store(env: dict[str, str]) -> bool:
+    """Whether torchrun (``env``: a worker's environment) may restart this group while its workers use the
+    agent's rendezvous store for their own keys, which outlive the group that wrote them."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+
+
 def init_distributed(timeout_s: float = 1800.0) -> DistContext:
-    """Initialise (or reuse) the default process group and pick this rank's device."""
+    """Initialise (or reuse) the default process group and pick this rank's device.
+
+    ``timeout_s`` bounds a collective whose peer is alive but silent (a hung rank); a rank whose process died
+    fails its peers' collectives at once (gloo: "Connection reset by peer"), and torchrun then stops the rest."""
+    if restarts_share_the_rendezvous_store(dict(os.environ)) and os.environ.get("LOCAL_RANK", "0") == "0":
+        logger.warning(SHARED_STORE_RESTARTS_HINT)  # once per node
     use_cuda = torch.cuda.is_available()
     backend = process_group_backend(use_cuda)
     owns = False
