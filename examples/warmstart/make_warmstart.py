@@ -1,9 +1,11 @@
-"""Build the quickstart's starting model: a ~0.8M-parameter Qwen2 that is partly competent at
+"""Build the quickstart's starting model: a ~1M-parameter Qwen2 that is partly competent at
 2-digit addition, made by a few hundred plain supervised steps. Deterministic (seeded, one thread):
-re-running it rewrites the same weights.
+re-running it rewrites the same weights, and the SHA-256 of the tensors it prints is recorded, for
+each warm start and for a 3-step run, in ``examples/warmstart/HASHES.json``
+(``tests/integration/test_warmstart_script.py`` checks both).
 
-    python examples/warmstart/make_warmstart.py [--out examples/warmstart/addition-qwen2-1m] [--steps 240]
-    python examples/warmstart/make_warmstart.py --moe   # examples/warmstart/addition-qwen3moe (MoE recipe)
+    python examples/warmstart/make_warmstart.py               # examples/warmstart/addition-qwen2-1m
+    python examples/warmstart/make_warmstart.py --moe         # examples/warmstart/addition-qwen3moe (MoE recipe)
     python examples/warmstart/make_warmstart.py --multiturn   # examples/warmstart/multiturn-qwen2-1m
 
 ``--multiturn`` trains the same Qwen2 on chat conversations instead of single prompts, for the
@@ -24,6 +26,7 @@ prompts that the quickstart evaluates on.
 from __future__ import annotations
 
 import argparse
+import hashlib
 from pathlib import Path
 
 import torch
@@ -33,6 +36,25 @@ from rlite.tasks import make_task
 from rlite.tokenizer import build_byte_tokenizer
 
 HERE = Path(__file__).parent
+
+DEFAULT_STEPS = {"addition-qwen2-1m": 600, "multiturn-qwen2-1m": 600, "addition-qwen3moe": 400}
+"""Supervised steps of each warm start (named by its folder) when ``--steps`` is not given."""
+
+
+def warm_start_name(moe: bool, multiturn: bool) -> str:
+    return "addition-qwen3moe" if moe else "multiturn-qwen2-1m" if multiturn else "addition-qwen2-1m"
+
+
+def tensors_sha256(model_dir: str | Path) -> str:
+    """SHA-256 over a saved model's tensors (name, dtype, shape and bytes, in name order): what
+    ``HASHES.json`` records. Unlike the file's own hash it ignores how safetensors lays the file out."""
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(Path(model_dir) / "model.safetensors").items()):
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def build_moe_model(tokenizer):
@@ -190,13 +212,20 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of the dense Qwen2")
     parser.add_argument("--multiturn", action="store_true", help="train on chat conversations (multi-turn recipes)")
-    parser.add_argument("--steps", type=int, default=None, help="600 (dense) or 250 (MoE): partly competent")
+    defaults = ", ".join(f"{steps} for {name}" for name, steps in DEFAULT_STEPS.items())
+    parser.add_argument("--steps", type=int, default=None, help=f"supervised steps (default: {defaults})")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=0)
     args = parser.parse_args()
+    if args.moe and args.multiturn:
+        parser.error("--moe and --multiturn make different warm starts: give one of them")
+    name = warm_start_name(args.moe, args.multiturn)
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS[name]
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
 
-    args.steps = args.steps or (400 if args.moe else 600)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer = build_byte_tokenizer()
@@ -221,11 +250,11 @@ def main() -> None:
     print(f"final held-out greedy accuracy: {greedy_accuracy(model, tokenizer, eval_rows):.3f}")
     if args.multiturn:
         print(f"held-out greedy accuracy per turn of a three-problem chain: {chain_accuracy(model, tokenizer, eval_rows)}")
-    name = "addition-qwen3moe" if args.moe else "multiturn-qwen2-1m" if args.multiturn else "addition-qwen2-1m"
     out = Path(args.out or HERE / name)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     print(f"saved {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters to {out}")
+    print(f"tensors sha256: {tensors_sha256(out)}")
 
 
 if __name__ == "__main__":
