@@ -47,6 +47,7 @@ from rlite.mismatch import (
 from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
 from rlite.rollout import RolloutBatch, TrainTargets, model_inputs, pad_to_width
 from rlite.training.backend import (
+    BackendBase,
     BackendCapabilities,
     CriticModel,
     ForwardSpec,
@@ -88,6 +89,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Action",
     "AdvantageInput",
+    "BackendBase",
     "BackendCapabilities",
     "Completion",
     "ConfigError",
