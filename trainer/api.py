@@ -45,6 +45,7 @@ from rlite.mismatch import (
     weight_stats,
 )
 from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
+from rlite.plugin_manager import registered
 from rlite.rollout import RolloutBatch, TrainTargets, model_inputs, pad_to_width
 from rlite.training.backend import (
     BackendBase,
@@ -87,6 +88,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "registered",
     "Action",
     "AdvantageInput",
     "BackendBase",

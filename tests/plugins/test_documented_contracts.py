@@ -117,3 +117,23 @@ def test_documented_backend_skips_a_nonfinite_update_and_trains_on(tmp_path, mod
     norm = backend.step(lambda: calls.append(1))
     assert norm > 0 and calls == [1] and backend.skipped_steps == 2
     assert not torch.equal(first, before[next(iter(before))])
+
+
+def test_documented_wrapper_engine_composes_the_registered_transformers_engine(tmp_path, model_dir, monkeypatch) -> None:
+    """The wrapper of docs/plugins.md gets the built-in engine through rlite.api.registered, from the run's
+    own plugin manager (a plugin registered only there is found), and trains with it."""
+    from rlite.api import registered
+
+    docs = example_defining("class CountingEngine:", monkeypatch)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(docs, name="docs-wrapper")
+    made = []
+    original = docs.CountingEngine.__init__
+    monkeypatch.setattr(docs.CountingEngine, "__init__", lambda self, inner: (made.append(self), original(self, inner))[1])
+    run_training(tiny_config(model_dir, tmp_path / "run", "rollout.engine=counting", pm=pm), pm)
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    (engine,) = made
+    assert engine.prompts_generated > 0
+    with pytest.raises(Exception, match="counting"):  # the run's manager was in use only while building
+        registered("rollout_engine", "counting")
