@@ -47,6 +47,7 @@ from rlite.mismatch import (
     weight_stats,
 )
 from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
+from rlite.plugin_manager import registered
 from rlite.rewards import RewardOutcome
 from rlite.rollout import RolloutBatch, TrainTargets, model_inputs, pad_to_width
 from rlite.sandbox import KINDS as SANDBOX_KINDS
@@ -59,6 +60,7 @@ from rlite.sandbox import (
     run_untrusted,
 )
 from rlite.training.backend import (
+    BackendBase,
     BackendCapabilities,
     CriticModel,
     ForwardSpec,
@@ -98,8 +100,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "registered",
     "Action",
     "AdvantageInput",
+    "BackendBase",
     "BackendCapabilities",
     "Completion",
     "ConfigError",

@@ -18,7 +18,7 @@ from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.engines.supervisor import EngineGaveUp
 from rlite.hf_models import quiet_transformers_progress
 from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler
-from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
+from rlite.plugin_manager import RlitePluginManager, get_plugin_manager, plugin_manager_in_use
 from rlite.run.build import Run, build_run
 from rlite.run.faults import NonFiniteGuard, Preemption, RunStopped, latest_checkpoint_text, stop_on_full_disk
 from rlite.run.lifecycle import (
@@ -198,8 +198,9 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
         # transformers' own load/save bars would break rlite's progress line
         with quiet_transformers_progress():
             try:
-                with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir):
-                    run = build_run(cfg, pm if pm is not None else get_plugin_manager())
+                with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir), \
+                        plugin_manager_in_use(pm if pm is not None else get_plugin_manager()) as run_pm:
+                    run = build_run(cfg, run_pm)
             except EngineGaveUp as failure:  # it kept dying while starting or at the first sync: nothing ran
                 raise RunStopped(f"{failure}. No step ran in this run; {latest_checkpoint_text(cfg.logging.run_dir)}") from None
             run.preemption = preemption

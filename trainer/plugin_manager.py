@@ -9,11 +9,13 @@ is set (to anything but ``0``/empty) or when ``plugins.autoload: false`` in the 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.metadata
 import os
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,3 +250,26 @@ def resolve_choice(registry: Registry, choice) -> tuple[Any, Any]:
     entry = registry.get(choice.name)
     cfg = entry.config_cls(**choice.args) if entry.config_cls is not None else None
     return entry.implementation, cfg
+
+
+@contextlib.contextmanager
+def plugin_manager_in_use(pm: RlitePluginManager) -> Iterator[RlitePluginManager]:
+    """Make ``pm`` the process-wide manager while a run is built, so that :func:`registered` called from
+    a plugin's factory sees the run's plugins (``plugins.enable`` included)."""
+    global _DEFAULT_PM
+    previous, _DEFAULT_PM = _DEFAULT_PM, pm
+    try:
+        yield pm
+    finally:
+        _DEFAULT_PM = previous
+
+
+def registered(kind: str, name: str) -> Registered:
+    """The entry (``implementation``, ``config_cls``, ``plugin``, ``metadata``) registered as ``name`` among the ``kind`` choices (``"rollout_engine"``,
+    ``"training_backend"``, ``"advantage_estimator"``, ... : the keys of ``REGISTRY_KINDS``), from the
+    process-wide manager: the one the running rlite built (respecting ``plugins.enable``). A wrapper
+    plugin composes a built-in through it instead of importing rlite's private modules. An unknown name
+    raises and lists the registered ones."""
+    if kind not in REGISTRY_KINDS:
+        raise KeyError(unknown_choice_message("kind", kind, sorted(REGISTRY_KINDS), "registry kind"))
+    return get_plugin_manager().registry(kind).get(name)

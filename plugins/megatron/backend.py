@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from rlite.api import (
+    BackendBase,
     BackendCapabilities,
     ConfigError,
     DataLayout,
@@ -291,7 +292,7 @@ def hf_weights(model_cfg) -> tuple[Any, Mapping[str, Any], Mapping[str, torch.Te
     return hf.config, state, state
 
 
-class MegatronBackend:
+class MegatronBackend(BackendBase):
     """A megatron-core ``GPTModel`` with AdamW and rlite's LR schedule."""
 
     capabilities = BackendCapabilities(lora=False, critic=False, weight_views=False, routing_replay=True)
@@ -395,20 +396,14 @@ class MegatronBackend:
             dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
         return (dense + expert).sqrt()
 
-    def step(self, before_step=None, *, skip: bool = False) -> float:
+    def clip_gradients(self) -> float:
         self._reduce_gradients()
         norm = float(self._grad_norm())
-        if not skip and math.isfinite(norm):  # the norm is global: every rank skips alike
-            if self.grad_clip > 0 and norm > self.grad_clip:
-                scale = self.grad_clip / (norm + 1e-6)  # torch's clip_grad_norm_ rule
-                for param in self.model.parameters():
-                    if param.grad is not None:
-                        param.grad.mul_(scale)
-            if before_step is not None:
-                before_step()
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if math.isfinite(norm) and self.grad_clip > 0 and norm > self.grad_clip:
+            scale = self.grad_clip / (norm + 1e-6)  # torch's clip_grad_norm_ rule
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(scale)
         return norm
 
     def current_lr(self) -> float:

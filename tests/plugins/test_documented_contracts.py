@@ -3,6 +3,7 @@ of a real (tiny, CPU) run, checkpoints, resumes and exports, registered like a t
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import types
@@ -45,7 +46,7 @@ class DigitsReward:
 
 
 def test_documented_backend_trains_resumes_and_exports(tmp_path, model_dir, monkeypatch) -> None:
-    docs = example_defining("class SingleDeviceBackend:", monkeypatch)
+    docs = example_defining("class SingleDeviceBackend(BackendBase):", monkeypatch)
     pm = build_plugin_manager(autoload=False)
     pm.register(docs, name="docs-backend")
     pm.register(DigitsReward(), name="digits-reward")
@@ -92,3 +93,47 @@ def test_documented_drafts_run_in_a_real_loop(tmp_path, model_dir, monkeypatch):
     assert [r["step"] for r in rows] == [1, 2] and all("spec/acceptance_rate" in r for r in rows)
     with pytest.raises(Exception, match="rollout.draft.args.path: missing value"):
         tiny_config(model_dir, tmp_path / "other", "rollout.draft=distilled_draft", pm=pm)
+
+
+def test_documented_backend_skips_a_nonfinite_update_and_trains_on(tmp_path, model_dir, monkeypatch) -> None:
+    """The documented backend inherits BackendBase's step: an update whose loss is NaN (the loop passes
+    ``skip=True``) or whose gradient norm is NaN leaves the weights as they were; a finite one moves them."""
+    docs = example_defining("class SingleDeviceBackend(BackendBase):", monkeypatch)
+    pm = build_plugin_manager(autoload=False)
+    backend = docs.SingleDeviceBackend(tiny_config(model_dir, tmp_path / "probe", pm=pm), torch.device("cpu"), 1)
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+    calls = []
+    first = next(backend.model.parameters())
+
+    backend.backward((first * float("nan")).sum())
+    assert math.isnan(backend.step(lambda: calls.append(1), skip=True))  # the loop's call: no TypeError
+    backend.backward((first * float("nan")).sum())
+    assert math.isnan(backend.step(lambda: calls.append(1)))  # a NaN norm alone skips too
+    assert calls == [] and backend.skipped_steps == 2
+    assert all(torch.equal(p, before[n]) for n, p in backend.model.named_parameters())
+    assert all(p.grad is None for p in backend.model.parameters())
+
+    backend.backward(first.square().sum())
+    norm = backend.step(lambda: calls.append(1))
+    assert norm > 0 and calls == [1] and backend.skipped_steps == 2
+    assert not torch.equal(first, before[next(iter(before))])
+
+
+def test_documented_wrapper_engine_composes_the_registered_transformers_engine(tmp_path, model_dir, monkeypatch) -> None:
+    """The wrapper of docs/plugins.md gets the built-in engine through rlite.api.registered, from the run's
+    own plugin manager (a plugin registered only there is found), and trains with it."""
+    from rlite.api import registered
+
+    docs = example_defining("class CountingEngine:", monkeypatch)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(docs, name="docs-wrapper")
+    made = []
+    original = docs.CountingEngine.__init__
+    monkeypatch.setattr(docs.CountingEngine, "__init__", lambda self, inner: (made.append(self), original(self, inner))[1])
+    run_training(tiny_config(model_dir, tmp_path / "run", "rollout.engine=counting", pm=pm), pm)
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    (engine,) = made
+    assert engine.prompts_generated > 0
+    with pytest.raises(Exception, match="counting"):  # the run's manager was in use only while building
+        registered("rollout_engine", "counting")

@@ -170,7 +170,10 @@ def _explain_omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
     return ConfigError(text)
 
 
-def _validate_choice_args(key: str, choice: Choice, registry) -> Choice:
+def _validate_choice_args(key: str, choice: Choice, registry, registries=None) -> Choice:
+    """``choice.args`` against the entry's config dataclass. A field that names another registered choice
+    (declared ``field(metadata={"choice_of": "rollout_engine"})``, its options in the sibling field
+    ``<name>_args``: a wrapper's inner engine) is validated the same way, recursively."""
     entry = registry.get(choice.name)
     if entry.config_cls is None:
         if choice.args:
@@ -186,6 +189,18 @@ def _validate_choice_args(key: str, choice: Choice, registry) -> Choice:
         raise ConfigError(f"{key}.args.{str(inner)}") from None
     except (ValueError, TypeError) as exc:  # a plugin's own __post_init__ check (ConfigError included)
         raise ConfigError(f"{key}.args: {exc}") from None
+    for option in dataclasses.fields(obj):
+        kind = option.metadata.get("choice_of")
+        if kind is None or registries is None:
+            continue
+        args_name = f"{option.name}_args"
+        inner = Choice(getattr(obj, option.name), dict(getattr(obj, args_name, None) or {}))
+        try:
+            checked = _validate_choice_args(f"{key}.args.{args_name}", inner, registries[kind], registries)
+        except UnknownChoiceError as exc:
+            raise ConfigError(str(exc).replace(registries[kind].config_key, f"{key}.args.{option.name}", 1)) from None
+        if hasattr(obj, args_name):
+            setattr(obj, args_name, checked.args)
     return Choice(choice.name, dataclasses.asdict(obj))
 
 
@@ -204,7 +219,7 @@ def validate_choices(cfg: RunConfig, pm) -> None:
                 validated.append(choice)
                 continue
             try:
-                validated.append(_validate_choice_args(path, choice, registry))
+                validated.append(_validate_choice_args(path, choice, registry, pm.registries))
             except UnknownChoiceError as exc:
                 msg = str(exc).replace(registry.config_key, path, 1)
                 raise ConfigError(msg) from None

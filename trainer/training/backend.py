@@ -22,6 +22,7 @@ Batches are :class:`rlite.rollout.RolloutBatch` (prompts left-padded, responses 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -239,3 +240,41 @@ def optimizer_state_bytes_to_come(optimizer: torch.optim.Optimizer, device: torc
             if param.requires_grad and local.device == device:
                 total += 2 * local.numel() * local.element_size()
     return total
+
+
+class BackendBase:
+    """The optimizer step every backend shares, written once: subclass it and implement
+    :meth:`clip_gradients` (and override :meth:`optimizer_step` / :meth:`zero_grad` where the backend's
+    optimizer differs). Expects ``self.optimizer`` and ``self.scheduler`` (torch-style).
+
+    :meth:`step` computes the global gradient norm, skips a non-finite update (gradients dropped, no
+    ``before_step``, no optimizer or scheduler step, ``skipped_steps`` counted) and otherwise steps."""
+
+    skipped_steps: int = 0
+    """Optimizer steps this backend skipped because the loss or the gradient norm was not finite."""
+
+    def clip_gradients(self) -> float:
+        """Return the global gradient norm before clipping (the same on every rank) and clip the
+        accumulated gradients to the configured maximum norm when it is finite."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        """Apply the (clipped) gradients: the optimizer's step, then the LR scheduler's."""
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, before_step: Callable[[], None] | None = None, *, skip: bool = False) -> float:
+        """As :meth:`TrainingBackend.step`."""
+        norm = self.clip_gradients()
+        if skip or not math.isfinite(norm):  # the norm is global: every rank skips alike
+            self.skipped_steps += 1
+        else:
+            if before_step is not None:
+                before_step()
+            self.optimizer_step()
+        self.zero_grad()
+        return norm

@@ -9,7 +9,6 @@ gradients are then added into ``.grad`` in place (:mod:`rlite.backends.fsdp2.gra
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from rlite.distributed import DataLayout
 from rlite.hf_models import DTYPES, apply_lora, load_causal_lm
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
 from rlite.training.backend import (
+    BackendBase,
     BackendCapabilities,
     ForwardSpec,
     LoraAdapter,
@@ -183,7 +183,7 @@ class FrozenPolicy:
 
 
 @dataclass
-class FSDP2Backend:
+class FSDP2Backend(BackendBase):
     """Policy model on FSDP2 with AdamW and an LR schedule (the :class:`~rlite.training.backend.TrainingBackend`
     contract)."""
 
@@ -245,20 +245,12 @@ class FSDP2Backend:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def step(self, before_step=None, *, skip: bool = False) -> float:
-        params = self.trainable_parameters()
+    def clip_gradients(self) -> float:
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):  # the global norm: every rank decides the same below
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # the global norm: every rank decides the same
             norm = norm.full_tensor()
-        norm = float(norm)
-        if not skip and math.isfinite(norm):
-            if before_step is not None:
-                before_step()
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return float(norm)
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
