@@ -4,8 +4,9 @@
 run (the shipped files, where shipped) and of a 3-step run of the same command. The fast tests check
 that the shipped files are the recorded full runs and that the script, run for 3 steps, still writes
 the recorded 3-step weights (so a change to the script, the task data, the tokenizer, transformers or
-torch that alters the training path fails here). The ``slow`` tests run each documented command in
-full and compare its output with the shipped files byte for byte.
+torch that alters the training path fails here). The ``slow`` tests (left out of the default run:
+``pytest -m slow tests/integration/test_warmstart_script.py``, minutes of CPU each) run each documented
+command in full and compare its output with the recorded hash and the shipped files byte for byte.
 """
 
 from __future__ import annotations
