@@ -326,6 +326,7 @@ def run_case(rank: int, world_size: int, init_file: str, model_dir: str, run_dir
     if world_size > 1:
         import faulthandler
 
+        faulthandler.enable(all_threads=True)  # a rank that dies of a signal (heap corruption) says where
         faulthandler.dump_traceback_later(hang_dump_s, exit=False)  # a hung rank says where it waits
         os.environ["LOCAL_RANK"] = str(rank)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
