@@ -163,14 +163,18 @@ def save_checkpoint(
 def _attempt(write) -> str:
     """Run ``write()``; the error it raised as text ("" when it succeeded). DCP wraps a rank's error
     in a ``CheckpointException`` (a ``BaseException``); a full disk there reads ``[Errno 28]``."""
+    from rlite.run.faults import stop_now_requested
+
     try:
         write()
     except CheckpointException as exc:  # the first rank's own error
         rank, (error, _) = next(iter(exc.failures.items()))
-        if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C during the save: stop now, not a write failure
+        if isinstance(error, KeyboardInterrupt) or stop_now_requested():  # a second Ctrl-C: stop, not a failure
             raise KeyboardInterrupt from None
         return f"rank {rank}: {type(error).__name__}: {error}"
     except (OSError, RuntimeError) as exc:
+        if stop_now_requested():  # torch.save's writer turns the Ctrl-C it was interrupted by into a RuntimeError
+            raise KeyboardInterrupt from None
         return f"{type(exc).__name__}: {exc}"
     return ""
 

@@ -57,6 +57,16 @@ DISK_FULL_TEXTS = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]", "No spa
 ENOSPC as ``[enforce fail at inline_container.cc] unexpected pos`` or ``file write failed``, without the errno."""
 
 
+_STOP_NOW = False
+"""Set by a second Ctrl-C: a write it interrupted fails with whatever the writer makes of it (torch.save's
+zip writer: ``unexpected pos``), which must read as the interrupt, not as a full disk."""
+
+
+def stop_now_requested() -> bool:
+    """Whether a second Ctrl-C asked the run to stop at once."""
+    return _STOP_NOW
+
+
 def is_disk_full(error: BaseException | str) -> bool:
     """Whether ``error`` (an exception, or its text) says the disk or the quota is full."""
     if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
@@ -95,6 +105,8 @@ def stop_on_full_disk(what: str, folder: str | Path, run_dir: str | Path) -> Ite
     try:
         yield
     except (OSError, RuntimeError) as exc:
+        if stop_now_requested():  # a second Ctrl-C interrupted the write: stop now (status 130)
+            raise KeyboardInterrupt from None
         if not is_disk_full(exc):
             raise
         raise RunStopped(disk_full_message(what, folder, exc, run_dir)) from None
@@ -212,6 +224,8 @@ class Preemption:
         name = signal.Signals(signum).name
         if self.signal_name is not None:
             if signum == signal.SIGINT:
+                global _STOP_NOW
+                _STOP_NOW = True
                 raise KeyboardInterrupt
             return
         self.signal_name = name
