@@ -116,7 +116,9 @@ def test_writing_outside_the_working_directory_fails(runs, trainer_child, monkey
         writer = f"open({str(outside / 'escaped')!r}, 'w').write('out')\n"
         value, kind, result = score(writer, runs)
         assert (value, kind) == (0.0, "error")
-        assert "Read-only file system" in result.stderr
+        # read-only where the host folder shows through; absent where the sandbox's private /tmp covers it
+        # (a checkout under /tmp, as CI's fresh clone may be)
+        assert "Read-only file system" in result.stderr or "No such file or directory" in result.stderr
         assert not (outside / "escaped").exists()
         assert_contained(result, trainer_child)
     finally:
@@ -179,7 +181,9 @@ def test_the_run_folder_and_hidden_paths_cannot_be_read(runs, trainer_child, mon
         value, kind, result = score(reader, runs, hidden_paths=[str(data_folder)])
         assert value == 0.0 and kind == "ok"  # it ran, and read what any program may read
         assert "secret" not in result.stdout
-        assert result.stdout.splitlines()[1:] == ["PermissionError", "PermissionError"]
+        # unreadable, or (a checkout under /tmp, which the sandbox's private /tmp covers) not there at all
+        assert all(line in ("PermissionError", "FileNotFoundError") for line in result.stdout.splitlines()[1:])
+        assert len(result.stdout.splitlines()) == 3
         assert_contained(result, trainer_child)
     finally:
         for folder in (run_folder, data_folder):
