@@ -169,5 +169,8 @@ def test_the_user_namespace_path_isolates_network_and_files(monkeypatch) -> None
     result = run_untrusted(program)
     assert result.kind == "ok" and result.uid is None
     # root inside its namespace, without capabilities: no network (ENETUNREACH); the working folder
-    # hidden (EACCES); the filesystem read-only (EROFS); no unmounting or remounting (EPERM)
-    assert result.stdout.split() == ["0", "101", "13", "30", "1", "1"]
+    # hidden (EACCES; ENOENT for a checkout under /tmp, which the sandbox's private /tmp covers, so there
+    # is nothing to unmount either); the filesystem read-only (EROFS); no unmounting or remounting (EPERM)
+    uid, network, folder, write, umount, remount = result.stdout.split()
+    assert [uid, network, write, remount] == ["0", "101", "30", "1"]
+    assert (folder, umount) in (("13", "1"), ("2", "2"))
