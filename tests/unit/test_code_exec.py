@@ -160,12 +160,12 @@ def test_the_user_namespace_path_isolates_network_and_files(monkeypatch) -> None
     monkeypatch.setattr(sandbox, "probe_isolation", lambda: user_namespace)
     hidden = sandbox.os.getcwd()
     program = ("import ctypes, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(os.getuid())\n"
-               "def umount():\n    if libc.umount2(%r.encode(), 2) != 0:\n        raise OSError(ctypes.get_errno(), 'umount')\n"
+               f"def umount():\n    if libc.umount2({hidden!r}.encode(), 2) != 0:\n        raise OSError(ctypes.get_errno(), 'umount')\n"
                "def remount():\n    if libc.mount(b'none', b'/', None, 32 | 4096, None) != 0:\n"
                "        raise OSError(ctypes.get_errno(), 'remount')\n"
-               "for attempt in (lambda: socket.create_connection(('127.0.0.1', 9)), lambda: os.listdir(%r),"
+               f"for attempt in (lambda: socket.create_connection(('127.0.0.1', 9)), lambda: os.listdir({hidden!r}),"
                " lambda: open('/etc/rlite-escaped', 'w'), umount, remount):\n"
-               "    try:\n        print(attempt())\n    except OSError as e:\n        print(e.errno)\n") % (hidden, hidden)
+               "    try:\n        print(attempt())\n    except OSError as e:\n        print(e.errno)\n")
     result = run_untrusted(program)
     assert result.kind == "ok" and result.uid is None
     # root inside its namespace, without capabilities: no network (ENETUNREACH); the working folder
