@@ -10,7 +10,13 @@ import torch.distributed as dist
 
 from rlite.testing import fixed_batch
 from rlite.training.backend import ForwardSpec
-from rlite.training.micro_batching import MicroBatching, pack_by_budget, padded_size, padding_stats, split_to_count
+from rlite.training.micro_batching import (
+    MicroBatching,
+    pack_by_budget,
+    padded_size,
+    padding_stats,
+    split_to_count,
+)
 
 
 def test_fixed_size_micro_batches_are_contiguous_runs_in_batch_order():
