@@ -121,6 +121,18 @@ class CrashAfterCheckpoint:
             raise SimulatedCrash(f"crash after the step-{step} checkpoint")
 
 
+def crash_after_checkpoint(model_dir, run_dir, common, step: int) -> None:
+    """Run ``common`` in ``run_dir`` until it crashes right after its step-``step`` checkpoint."""
+    pm = build_plugin_manager(autoload=False)
+    pm.register(CrashAfterCheckpoint(step), name="crash")
+    set_plugin_manager(pm)
+    try:
+        with pytest.raises(SimulatedCrash):
+            run_training(tiny_config(model_dir, run_dir, *common, pm=pm))
+    finally:
+        set_plugin_manager(None)
+
+
 PPO_WITH_CRITIC = (
     "algorithm.advantage=gae", "algorithm.critic.enabled=true", "algorithm.minibatches_per_step=2",
     "algorithm.kl.coef=0.05", "algorithm.kl.in_reward=true", "algorithm.kl.estimator=k1",
@@ -135,14 +147,7 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir, variant):
     run_training(straight)
 
     # the same run crashes right after its step-3 checkpoint, then is started again
-    pm = build_plugin_manager(autoload=False)
-    pm.register(CrashAfterCheckpoint(3), name="crash")
-    set_plugin_manager(pm)
-    try:
-        with pytest.raises(SimulatedCrash):
-            run_training(tiny_config(model_dir, tmp_path / "resumed", *common, pm=pm))
-    finally:
-        set_plugin_manager(None)
+    crash_after_checkpoint(model_dir, tmp_path / "resumed", common, step=3)
     assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step_00000003"]
     second = tiny_config(model_dir, tmp_path / "resumed", *common, "checkpoint.resume=auto")
     run_training(second)
@@ -464,14 +469,7 @@ def test_token_budget_micro_batches_train_the_critic_and_lora_and_resume_bitwise
     common = ("training.max_tokens_per_micro_batch=48", "training.micro_batch_size=16", "checkpoint.every=2",
               "training.eval_every=0", "checkpoint.export_hf=true", *variant, "training.steps=3")
     run_training(tiny_config(model_dir, tmp_path / "straight", *common))
-    pm = build_plugin_manager(autoload=False)
-    pm.register(CrashAfterCheckpoint(2), name="crash")
-    set_plugin_manager(pm)
-    try:
-        with pytest.raises(SimulatedCrash):
-            run_training(tiny_config(model_dir, tmp_path / "resumed", *common, pm=pm))
-    finally:
-        set_plugin_manager(None)
+    crash_after_checkpoint(model_dir, tmp_path / "resumed", common, step=2)
     run_training(tiny_config(model_dir, tmp_path / "resumed", *common, "checkpoint.resume=auto"))
     rows = [r for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl") if "batching/micro_batches" in r]
     assert len(rows) == 3
