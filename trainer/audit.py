@@ -417,14 +417,14 @@ def update_worker(rank: int, world_size: int, init_file: str, out_file: str, spe
 
 
 def run_update(spec: UpdateSpec, world_size: int, micro: int, workdir: Path, name: str) -> dict:
-    import torch.multiprocessing as mp
+    from rlite.distributed import spawn_local_ranks
 
     out, init = workdir / f"{name}.pt", workdir / f"{name}.init"
     args = (world_size, str(init), str(out), spec, micro)
     if world_size == 1:
         update_worker(0, *args)
-    else:
-        mp.start_processes(update_worker, args=args, nprocs=world_size, start_method="spawn", join=True)
+    else:  # each rank leaves through os._exit once its work is done (see leave_rank_process)
+        spawn_local_ranks(update_worker, args, nprocs=world_size)
     return torch.load(out, weights_only=True)  # metrics (floats) and tensors: nothing to unpickle but data
 
 

@@ -161,6 +161,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     args.process_entry = argv is None  # the ``rlite`` command itself, not a call from Python
+    if args.process_entry and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        _run_as_rank(args)  # never returns
+    return dispatch(args)
+
+
+def _run_as_rank(args: argparse.Namespace) -> None:
+    """A rank of a multi-rank launch (torchrun): run the command, then leave through ``os._exit`` with
+    its status (:func:`rlite.distributed.leave_rank_process`), so the interpreter's teardown cannot
+    turn a finished run into an abort; an unexpected error still prints its traceback, exit 1."""
+    import traceback
+
+    from rlite.distributed import leave_rank_process
+
+    try:
+        code = dispatch(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001  (printed as the interpreter would, then the status)
+        traceback.print_exc()
+        code = 1
+    leave_rank_process(code)
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run the parsed command; the problems a user fixes become one line and an exit status."""
     try:
         return args.func(args)
     except (ConfigError, PluginError) as exc:  # problems the user fixes: one line, no traceback
