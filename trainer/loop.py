@@ -36,6 +36,8 @@ from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
 from rlite.stages.update import micro_batching, update_policy
 
+log = logging.getLogger(__name__)
+
 
 def train(run: Run) -> dict[str, Any]:
     cfg, ctx, hook, timer = run.config, run.ctx, run.pm.hook, run.timer
@@ -174,6 +176,17 @@ def update_critic(run: Run, batch) -> dict[str, float]:
     )
 
 
+def close_loggers_after_failure(run: Run) -> None:
+    """Close the loggers of a run that stopped early (a normal end closes them in ``finish_run``): what
+    they buffer reaches their files and W&B ends its run, also for a rank that leaves through
+    ``os._exit`` (:func:`rlite.distributed.leave_rank_process`), where no interpreter exit would."""
+    for logger in run.loggers:
+        try:
+            logger.close()
+        except Exception as exc:  # noqa: BLE001  (the failure that stopped the run is the one to report)
+            log.warning("closing the %s logger after the run stopped failed: %s", type(logger).__name__, exc)
+
+
 def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
                  preemption: Preemption | None = None) -> dict[str, Any]:
     """Build everything from the config (with the plugins of ``pm``, by default the process-wide
@@ -208,7 +221,11 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
                 with stop_on_full_disk("the run's files", run.run_dir, run.run_dir):
                     summary = train(run)
             except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
+                close_loggers_after_failure(run)
                 raise stop_after_engine_failure(run, failure) from None
+            except BaseException:
+                close_loggers_after_failure(run)
+                raise
             finally:
                 run.rollouts.close()
                 run.engine.shutdown()

@@ -126,7 +126,8 @@ def summarize_metrics(metrics_file: Path, last: dict[str, float]) -> dict[str, f
         speedups = [r["spec/estimated_speedup"] for r in speculative if "spec/estimated_speedup" in r]
         if speedups:
             out["draft_estimated_speedup_mean"] = sum(speedups) / len(speedups)
-    silent = [r["step"] for r in trained if r.get(ZERO_VARIANCE_KEY, 0.0) >= NO_SIGNAL_FRACTION]
+    # rows of metrics.jsonl, or only the last step's metrics (no "step") when the jsonl logger is off
+    silent = [r for r in trained if r.get(ZERO_VARIANCE_KEY, 0.0) >= NO_SIGNAL_FRACTION]
     if silent:  # the steps that could not learn (the run warned about them as they happened)
         out["steps_without_learning_signal"] = (
             f"{len(silent)} of {len(trained)} (>= {NO_SIGNAL_FRACTION:.0%} of groups with equal rewards: "
