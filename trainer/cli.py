@@ -358,8 +358,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
             raise
         raise ConfigError(missing_model_message(args.config, args.overrides)) from None
     from rlite.audit import FAIL, print_table, run_audit
+    from rlite.hf_models import quiet_transformers_progress
 
-    checks, note = run_audit(args.config, list(args.overrides), pm, args.workdir)
+    with quiet_transformers_progress():  # its replicas' load/save bars would come between rlite's lines
+        checks, note = run_audit(args.config, list(args.overrides), pm, args.workdir)
     print_table(checks, f"rlite audit {args.config}: replica {note}")
     failed = [c.name for c in checks if c.result == FAIL]
     if failed:

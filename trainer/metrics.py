@@ -267,7 +267,7 @@ PLOT_PANELS = {
                ("eval/sampled_accuracy", "eval accuracy (sampled)")),
     "response length": (("response/length", "mean response length (tokens)"),),
     "entropy": (("actor/entropy", "policy entropy (nats/token)"),),
-    "KL": (("actor/kl_loss", "KL to the reference (loss term)"), ("actor/reward_kl_penalty", "KL penalty in the reward"),
+    "KL": (("actor/kl_loss", "KL to the reference (loss term)"), ("actor/reward_kl", "KL in the reward (penalised)"),
            ("mismatch/kl", "rollout vs trainer (mismatch)")),
 }
 """The panels of ``plot.png``: title -> (metric, label) curves; a metric the run did not log is left out."""

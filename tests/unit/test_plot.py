@@ -62,3 +62,28 @@ def test_plain_progress_lines_without_a_terminal():
     assert [line.split(" | ")[0] for line in lines] == ["step 5/25", "step 10/25", "step 20/25", "step 25/25"]
     assert "eval acc" not in lines[1] and "eval acc 0.500" in lines[2]
     assert "\x1b" not in out.getvalue()
+
+
+@pytest.mark.parametrize("in_reward", [False, True])
+def test_the_kl_panel_draws_what_a_run_with_a_kl_term_logs(tmp_path, in_reward):
+    """Each KL curve is a metric the loop logs (the panel once named ``actor/reward_kl_penalty``, a key
+    rlite never logs, so the reward's KL was never drawn)."""
+    import torch
+
+    from rlite.loop import run_training
+    from rlite.metrics import PLOT_PANELS
+    from rlite.testing import tiny_config
+    from rlite.tokenizer import build_tiny_model_dir
+
+    torch.set_num_threads(1)
+    model_dir = build_tiny_model_dir(tmp_path / "tiny")
+    run_dir = tmp_path / "run"
+    run_training(tiny_config(model_dir, run_dir, "algorithm.kl.coef=0.1", f"algorithm.kl.in_reward={in_reward}"))
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    fig = plot_figure(rows)
+    (kl_axes,) = [ax for ax in fig.axes if ax.get_title() == "KL"]
+    drawn = {line.get_label() for line in kl_axes.lines}
+    labels = dict(PLOT_PANELS["KL"])
+    expected = labels["actor/reward_kl"] if in_reward else labels["actor/kl_loss"]
+    assert expected in drawn
+    assert labels["mismatch/kl"] in drawn
