@@ -66,12 +66,12 @@ def train(run: Run) -> dict[str, Any]:
 
         # 3. pi_old and pi_ref log-probs, KL-in-reward, corrections, advantages
         with timer.phase("logprobs"):
-            target_metrics = prepare_training_targets(
+            prepared = prepare_training_targets(
                 batch, run.targets, policy=run.backend, reference=run.reference, critic=run.critic,
                 forward=run.forward, loss=run.loss, kl_controller=run.kl_controller, layout=run.layout,
             )
             if run.routing is not None and run.routing.metrics:  # MoE: routing with and without replay
-                target_metrics.update(measure_routing(
+                prepared.metrics.update(measure_routing(
                     run.backend, batch, run.forward, run.routing, minibatches=cfg.algorithm.minibatches_per_step,
                     layout=run.layout,
                 ))
@@ -113,10 +113,10 @@ def train(run: Run) -> dict[str, Any]:
 
         # 6. metrics, evaluation, then checkpoint
         metrics, generated_tokens = step_metrics(
-            batch, train_logprobs, reward_stats, measure_mismatch="mismatch/kl" not in target_metrics,
+            batch, train_logprobs, reward_stats, measure_mismatch=not prepared.mismatch_measured,
             dp_group=run.layout.group, speculation=run.rollouts.speculation,
         )
-        metrics.update(target_metrics)
+        metrics.update(prepared.metrics)
         metrics.update(train_metrics)
         if cfg.training.eval_every and step % cfg.training.eval_every == 0 or step == cfg.training.steps:
             with timer.phase("eval"):

@@ -9,7 +9,7 @@ corrections that normalise over the batch give the same numbers at every world s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -39,6 +39,61 @@ class TargetsSpec:
     """Weight of each reward function (``AdvantageInput.reward_weights``)."""
 
 
+@dataclass
+class PreparedTargets:
+    metrics: dict[str, float]
+    """Made on the way, global over ranks."""
+    mismatch_measured: bool
+    """The trainer recomputed pi_old, so ``metrics`` holds the mismatch metrics; else the step's report
+    measures the mismatch against the first training forward."""
+
+
+TOKEN = {"token": True}
+"""Field metadata of a ``[B, T]`` column (padded to the widest rank's T when gathered)."""
+
+
+@dataclass
+class RankColumns:
+    """The columns the batch statistics need, one row per sample: this rank's rows, or (gathered) every
+    rank's in rank order. Optional columns are None on every rank alike."""
+
+    scores: torch.Tensor
+    group_ids: torch.Tensor
+    response_mask: torch.Tensor = field(metadata=TOKEN)
+    token_rewards: torch.Tensor | None = field(metadata=TOKEN)
+    old_values: torch.Tensor | None = field(metadata=TOKEN)
+    old_logprobs: torch.Tensor | None = field(metadata=TOKEN)
+    rollout_logprobs: torch.Tensor | None = field(metadata=TOKEN)
+    loss_mask: torch.Tensor = field(metadata=TOKEN)
+    baseline_scores: torch.Tensor | None
+    reward_components: torch.Tensor | None
+    """``[B, K]``, K reward functions (the same K on every rank)."""
+
+
+@dataclass
+class GatheredColumns:
+    columns: RankColumns
+    """Every rank's rows, concatenated in rank order."""
+    rank_sizes: list[int]
+    """Each rank's number of rows (where a rank's rows start)."""
+
+
+def gather_columns(local: RankColumns, layout: DataLayout) -> GatheredColumns:
+    """Every rank's :class:`RankColumns` in one collective, concatenated column by column."""
+    parts: list[RankColumns] = all_gather_objects(local, layout.group)
+    width = max(p.response_mask.shape[1] for p in parts)
+    joined = {}
+    for f in fields(RankColumns):
+        values = [getattr(p, f.name) for p in parts]
+        if values[0] is None:
+            joined[f.name] = None
+        elif f.metadata.get("token"):
+            joined[f.name] = torch.cat([pad_to_width(v, width) for v in values])
+        else:
+            joined[f.name] = torch.cat(values)
+    return GatheredColumns(RankColumns(**joined), [len(p.scores) for p in parts])
+
+
 def prepare_training_targets(
     batch: RolloutBatch,
     spec: TargetsSpec,
@@ -50,9 +105,9 @@ def prepare_training_targets(
     loss: LossSpec,
     kl_controller: KLController,
     layout: DataLayout,
-) -> dict[str, float]:
-    """Fill ``batch.targets``; return the metrics made on the way (global over ranks). The mismatch
-    metrics are among them when the trainer recomputed pi_old."""
+) -> PreparedTargets:
+    """Fill ``batch.targets``; return the metrics made on the way (global over ranks), which hold the
+    mismatch metrics when the trainer recomputed pi_old (``PreparedTargets.mismatch_measured``)."""
     metrics: dict[str, float] = {}
     mode = OLD_LOGPROB_MODES[spec.old_logprob_mode]
     one_step_on_policy = spec.minibatches == 1 and spec.epochs == 1
@@ -79,19 +134,14 @@ def prepare_training_targets(
                                    packed=forward.pack_sequences)
 
     # one collective: every rank's rows, so that batch statistics are global
-    local = (batch.scores, batch.group_ids, batch.response_mask, token_rewards, old_values,
-             old, batch.rollout_logprobs, loss_mask, batch.baseline_scores, batch.reward_components)
-    parts = all_gather_objects(local, layout.group)
-    width = max(p[2].shape[1] for p in parts)
-
-    def cat(i: int) -> torch.Tensor | None:
-        if parts[0][i] is None:
-            return None
-        if i == 9:  # [B, K] reward components: K is the same on every rank
-            return torch.cat([p[i] for p in parts])
-        return torch.cat([p[i] if p[i].dim() == 1 else pad_to_width(p[i], width) for p in parts])
-
-    start = sum(len(p[0]) for p in parts[: layout.rank])
+    local = RankColumns(
+        scores=batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask,
+        token_rewards=token_rewards, old_values=old_values, old_logprobs=old,
+        rollout_logprobs=batch.rollout_logprobs, loss_mask=loss_mask, baseline_scores=batch.baseline_scores,
+        reward_components=batch.reward_components,
+    )  # fmt: skip
+    everyone = gather_columns(local, layout)
+    start = sum(everyone.rank_sizes[: layout.rank])
     rows = slice(start, start + len(batch))
     local_width = batch.response_mask.shape[1]
 
@@ -99,28 +149,31 @@ def prepare_training_targets(
         return x[rows, :local_width]
 
     is_weights = None
-    global_mask = cat(7)
+    global_mask = everyone.columns.loss_mask
     if spec.corrections:
-        weights, global_mask, corr_metrics = compose_corrections(spec.corrections, cat(5), cat(6), global_mask)
+        weights, global_mask, corr_metrics = compose_corrections(
+            spec.corrections, everyone.columns.old_logprobs, everyone.columns.rollout_logprobs, global_mask
+        )
         loss_mask = mine(global_mask)
         is_weights = None if weights is None else mine(weights)
         metrics.update(corr_metrics)
     estimator, estimator_cfg = spec.advantage
-    scores = cat(0)
+    g = everyone.columns
+    scores = g.scores
     advantages, returns = estimator(
         AdvantageInput(
-            scores=scores, group_ids=cat(1), response_mask=cat(2), token_rewards=cat(3), values=cat(4),
-            baseline_scores=cat(8), reward_components=cat(9),
+            scores=scores, group_ids=g.group_ids, response_mask=g.response_mask, token_rewards=g.token_rewards,
+            values=g.old_values, baseline_scores=g.baseline_scores, reward_components=g.reward_components,
             reward_weights=torch.tensor(spec.reward_weights, dtype=torch.float64) if spec.reward_weights else None,
         ),
         estimator_cfg,
     )
     if recomputed is not None:  # else the report measures it against the first training forward
-        metrics.update(mismatch_metrics(cat(5), cat(6), cat(2)))
-    response_mask = cat(2)
+        metrics.update(mismatch_metrics(g.old_logprobs, g.rollout_logprobs, g.response_mask))
+    response_mask = g.response_mask
     metrics["advantage/mean"] = float((advantages * response_mask).sum() / response_mask.sum().clamp(min=1))
     metrics["reward/std"] = scores.std().item() if len(scores) > 1 else 0.0
-    metrics["advantage/zero_variance_groups"] = zero_variance_fraction(cat(1), scores)
+    metrics["advantage/zero_variance_groups"] = zero_variance_fraction(g.group_ids, scores)
     batch.targets = TrainTargets(
         advantages=mine(advantages).float(),
         returns=mine(returns).float(),
@@ -130,7 +183,7 @@ def prepare_training_targets(
         is_weights=is_weights,
         old_values=old_values,
     )
-    return metrics
+    return PreparedTargets(metrics, mismatch_measured=recomputed is not None)
 
 
 def zero_variance_fraction(group_ids: torch.Tensor, scores: torch.Tensor) -> float:
