@@ -188,8 +188,8 @@ def loss_reference_error(implementation: Callable, reference: Callable, cfg: Any
 def _reference_of(found: _Plugin, reference: Callable | None, check: _Checker) -> Callable:
     reference = reference or found.metadata.get("reference")
     check.require(reference is not None, "a float64 reference is registered",
-                  "no reference registered: register(name, fn, config_cls, reference=fn64), fn64 taking the "
-                  "same arguments in float64")
+                  "registered" if reference is not None else "no reference registered: register(name, fn, "
+                  "config_cls, reference=fn64), fn64 taking the same arguments and computing in float64")
     return reference
 
 
@@ -285,6 +285,21 @@ def _digest(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 @contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """A world of one (gloo) for backends that need a process group (FSDP2's mesh), unless one exists."""
+    import torch.distributed as dist
+
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def _workdir(workdir: str | Path | None) -> Iterator[Path]:
     if workdir is not None:
         Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -348,7 +363,7 @@ def check_backend(backend: Any, options: Any = None, *, overrides: tuple[str, ..
     cfg = _options(found, options)
     check = _Checker(found.name, "training_backend")
     torch.manual_seed(0)
-    with _workdir(workdir) as root:
+    with _workdir(workdir) as root, _process_group():
         model_dir = tiny_model_dir(root / "model")
         config = _run_config(model_dir, root / "run", list(overrides))
 
@@ -410,7 +425,8 @@ def _check_backend_steps(check: _Checker, backend, batch, spec, trained: torch.T
     before, lr = _backend_weights(backend), backend.current_lr()
     skipped = getattr(backend, "skipped_steps", None)
     check.require(skipped is not None, "counts skipped steps (skipped_steps)",
-                  "the backend has no skipped_steps attribute (BackendBase provides it)")
+                  f"skipped_steps = {skipped}" if skipped is not None
+                  else "the backend has no skipped_steps attribute (BackendBase provides it)")
     calls: list[str] = []
     norms = [_train_step(backend, batch, spec, lambda: calls.append("nan_loss"), "nan_loss", logprobs=trained),
              _train_step(backend, batch, spec, lambda: calls.append("nan_gradient"), "nan_gradient")]
@@ -501,7 +517,7 @@ def check_engine(engine: Any, options: Any = None, *, overrides: tuple[str, ...]
     cfg = _options(found, options)
     check = _Checker(found.name, "rollout_engine")
     torch.manual_seed(0)
-    with _workdir(workdir) as root:
+    with _workdir(workdir) as root, _process_group():
         model_dir = tiny_model_dir(root / "model")
         config = _run_config(model_dir, root / "run", list(overrides))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
