@@ -531,30 +531,38 @@ def check_engine(engine: Any, options: Any = None, *, overrides: tuple[str, ...]
             prompts = [[5, 17, 42, 9], [100, 3, 7]]
             eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
             params = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=0)
-            _check_generation(check, built, hf, prompts, params, eos, logprob_atol, version=1, what="")
-            stop = list(range(0, hf.config.vocab_size, 2))  # half the vocabulary: some completion stops early
-            _check_generation(check, built, hf, prompts, SamplingParams(n=3, max_new_tokens=6, seed=1,
-                              stop_token_ids=stop), eos | set(stop), logprob_atol, version=1, what=" (stop tokens)",
-                              want_stop=True)
+            completions = built.generate(prompts, params)
+            _check_layout(check, completions, prompts, params, eos, version=1)
+            _check_logprobs(check, completions, hf, prompts, params, logprob_atol, "")
+            stop = list(range(0, hf.config.vocab_size, 2))  # half the vocabulary: completions stop early
+            stopping = SamplingParams(n=3, max_new_tokens=6, temperature=0.7, seed=1, stop_token_ids=stop)
+            completions = built.generate(prompts, stopping)
+            _check_layout(check, completions, prompts, stopping, eos | set(stop), version=1, want_stop=True)
+            _check_logprobs(check, completions, hf, prompts, stopping, logprob_atol, " (temperature 0.7)")
+            old = copy.deepcopy(hf)
             with torch.no_grad():
                 for param in hf.parameters():
                     param.add_(torch.randn_like(param) * 0.3)
             sent, consumed = _sync(built, _served(hf), 2)
             check.require(sent == consumed and built.weight_version == 2, "a second sync: drained, weight_version set",
                           f"sha256 of consumed == sent: {sent == consumed}; weight_version {built.weight_version} (want 2)")
-            _check_generation(check, built, hf, prompts, params, eos, logprob_atol, version=2,
-                              what=" after a sync of new weights")
+            completions = built.generate(prompts, params)
+            versions = sorted({c.weight_version for c in completions})
+            check.require(versions == [2], "completions after the second sync carry its version", f"versions {versions}")
+            _check_logprobs(check, completions, hf, prompts, params, logprob_atol, " after a sync of new weights")
+            stale = _logprob_error(completions, old, prompts, params)
+            check.require(stale > 100 * logprob_atol, "samples with the new weights, not the old",
+                          f"max |engine - forward of the previous weights| = {stale:.2e} (must exceed {100 * logprob_atol:.0e})")
         finally:
             built.shutdown()
     return check.report
 
 
-def _check_generation(check: _Checker, engine, hf, prompts, params, stops: set[int], atol: float, *, version: int,
-                      what: str, want_stop: bool = False) -> None:
-    completions = engine.generate(prompts, params)
+def _check_layout(check: _Checker, completions, prompts, params, stops: set[int], *, version: int,
+                  want_stop: bool = False) -> None:
     order = [c.prompt_index for c in completions]
     check.require(order == [p for p in range(len(prompts)) for _ in range(params.n)],
-                  f"generate: n completions per prompt, grouped in order{what}", f"prompt indices {order}")
+                  "generate: n completions per prompt, grouped in order", f"prompt indices {order}")
     problems = []
     for c in completions:
         ids = list(c.token_ids)
@@ -565,14 +573,24 @@ def _check_generation(check: _Checker, engine, hf, prompts, params, stops: set[i
         elif c.finish_reason != ("stop" if ended else "length") or (not ended and len(ids) != params.max_new_tokens):
             problems.append(f"{len(ids)} tokens ending in {ids[-1]} reported {c.finish_reason!r}")
     stopped = sum(c.finish_reason == "stop" for c in completions)
-    check.require(not problems and (stopped > 0 or not want_stop),
-                  f"generate obeys max_new_tokens and stop tokens{what}",
-                  f"{len(completions)} completions, {stopped} ended by a stop token; problems: {problems[:3]}")
+    what = "stop tokens (half the vocabulary)" if want_stop else "max_new_tokens"
+    check.require(not problems and (stopped > 0 or not want_stop), f"generate obeys {what}",
+                  f"{len(completions)} completions of at most {params.max_new_tokens} tokens, {stopped} ended by a "
+                  f"stop token; problems: {problems[:3]}")
     versions = sorted({c.weight_version for c in completions})
-    check.require(versions == [version], f"completions carry the weight version{what}", f"versions {versions} (want {version})")
+    if not want_stop:
+        check.require(versions == [version], "completions carry the synced weight version",
+                      f"versions {versions} (want {version})")
+
+
+def _logprob_error(completions, hf, prompts, params) -> float:
     plain = _teacher_forced(hf, [(prompts[c.prompt_index], list(c.token_ids)) for c in completions], params.temperature)
-    worst = max(float((torch.tensor(c.logprobs, dtype=torch.float64) - lp.double()).abs().max())
-                for c, lp in zip(completions, plain))
+    return max(float((torch.tensor(c.logprobs, dtype=torch.float64) - lp.double()).abs().max())
+               for c, lp in zip(completions, plain))
+
+
+def _check_logprobs(check: _Checker, completions, hf, prompts, params, atol: float, what: str) -> None:
+    worst = _logprob_error(completions, hf, prompts, params)
     check.require(worst <= atol, f"log-probs equal a teacher-forced forward of the synced weights{what}",
                   f"max |engine - transformers| = {worst:.2e} (tolerance {atol:.0e}) over "
                   f"{sum(len(c.token_ids) for c in completions)} sampled tokens")
