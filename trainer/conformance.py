@@ -86,6 +86,17 @@ class _Checker:
     def __init__(self, plugin: str, kind: str) -> None:
         self.report = ConformanceReport(plugin, kind)
 
+    @contextlib.contextmanager
+    def raising(self, invariant: str) -> Iterator[None]:
+        """An exception from the plugin inside this block fails ``invariant``, with the exception as measured."""
+        try:
+            yield
+        except ConformanceError:
+            raise
+        except Exception as exc:
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            raise ConformanceError(invariant, self.report.plugin, f"raised {type(exc).__name__}: {text}") from exc
+
     def require(self, ok: bool, invariant: str, measured: str) -> None:
         if not ok:
             raise ConformanceError(invariant, self.report.plugin, measured)
@@ -455,12 +466,13 @@ def _check_backend_resume(check: _Checker, backend, build: Callable, next_batch,
     straight = _backend_weights(backend)
     resumed = build()
     try:
-        fresh = resumed.checkpoint_state()
-        dcp.load(fresh, checkpoint_id=str(path))
-        resumed.load_checkpoint_state(fresh)
-        resumed.load_lr_scheduler_state(scheduler)
-        _train_step(resumed, next_batch, spec)
-        after = _backend_weights(resumed)
+        with check.raising("resume: the step after a checkpoint load is bitwise equal"):
+            fresh = resumed.checkpoint_state()
+            dcp.load(fresh, checkpoint_id=str(path))
+            resumed.load_checkpoint_state(fresh)
+            resumed.load_lr_scheduler_state(scheduler)
+            _train_step(resumed, next_batch, spec)
+            after = _backend_weights(resumed)
     finally:
         resumed.close()
     differ = [n for n in straight if not torch.equal(straight[n], after[n])]
@@ -524,29 +536,34 @@ def check_engine(engine: Any, options: Any = None, *, overrides: tuple[str, ...]
         hf = _hf_model(model_dir)
         built = found.implementation(config.model, tokenizer, config.rollout, cfg, EngineContext.single_process())
         try:
-            sent, consumed = _sync(built, _served(hf), 1)
+            with check.raising("update_weights drains the stream and sets weight_version"):
+                sent, consumed = _sync(built, _served(hf), 1)
             check.require(sent == consumed and built.weight_version == 1,
                           "update_weights drains the stream and sets weight_version",
                           f"sha256 of consumed == sent: {sent == consumed}; weight_version {built.weight_version} (want 1)")
             prompts = [[5, 17, 42, 9], [100, 3, 7]]
             eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
             params = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=0)
-            completions = built.generate(prompts, params)
+            with check.raising("generate: n completions per prompt, grouped in order"):
+                completions = built.generate(prompts, params)
             _check_layout(check, completions, prompts, params, eos, version=1)
             _check_logprobs(check, completions, hf, prompts, params, logprob_atol, "")
             stop = list(range(0, hf.config.vocab_size, 2))  # half the vocabulary: completions stop early
             stopping = SamplingParams(n=3, max_new_tokens=6, temperature=0.7, seed=1, stop_token_ids=stop)
-            completions = built.generate(prompts, stopping)
+            with check.raising("generate obeys stop tokens (half the vocabulary)"):
+                completions = built.generate(prompts, stopping)
             _check_layout(check, completions, prompts, stopping, eos | set(stop), version=1, want_stop=True)
             _check_logprobs(check, completions, hf, prompts, stopping, logprob_atol, " (temperature 0.7)")
             old = copy.deepcopy(hf)
             with torch.no_grad():
                 for param in hf.parameters():
                     param.add_(torch.randn_like(param) * 0.3)
-            sent, consumed = _sync(built, _served(hf), 2)
+            with check.raising("a second sync: drained, weight_version set"):
+                sent, consumed = _sync(built, _served(hf), 2)
             check.require(sent == consumed and built.weight_version == 2, "a second sync: drained, weight_version set",
                           f"sha256 of consumed == sent: {sent == consumed}; weight_version {built.weight_version} (want 2)")
-            completions = built.generate(prompts, params)
+            with check.raising("completions after the second sync carry its version"):
+                completions = built.generate(prompts, params)
             versions = sorted({c.weight_version for c in completions})
             check.require(versions == [2], "completions after the second sync carry its version", f"versions {versions}")
             _check_logprobs(check, completions, hf, prompts, params, logprob_atol, " after a sync of new weights")
