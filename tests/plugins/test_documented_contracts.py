@@ -139,3 +139,24 @@ def test_documented_wrapper_engine_composes_the_registered_transformers_engine(t
     assert engine.prompts_generated > 0
     with pytest.raises(Exception, match="counting"):  # the run's manager was in use only while building
         registered("rollout_engine", "counting")
+
+
+def test_documented_backend_and_engine_pass_the_conformance_kit(tmp_path, monkeypatch) -> None:
+    """The kit a third-party author runs: the docs' backend passes every backend invariant, the non-finite
+    step (skipped, counted, weights unchanged) and bitwise resume included; the docs' engine every engine
+    invariant, sampling with each synced version's weights."""
+    from rlite.conformance import check_backend, check_engine
+    from rlite.plugin_manager import plugin_manager_in_use
+
+    backend_docs = example_defining("class SingleDeviceBackend(BackendBase):", monkeypatch)
+    engine_docs = example_defining("class PlainSamplingEngine:", monkeypatch)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(backend_docs, name="docs-backend")
+    pm.register(engine_docs, name="docs-engine")
+    with plugin_manager_in_use(pm):  # as in the author's tests: the names resolve through rlite.api.registered
+        backend = check_backend("single_device", workdir=tmp_path / "backend")
+        engine = check_engine("plain_sampling", workdir=tmp_path / "engine")
+    assert "a non-finite loss or gradient skips the step, counted, weights and LR unchanged" in backend.invariants()
+    assert "resume: the step after a checkpoint load is bitwise equal" in backend.invariants()
+    assert len(backend.passed) == 9 and backend.plugin == "'single_device' (plugin docs-backend)"
+    assert "samples with the new weights, not the old" in engine.invariants() and len(engine.passed) == 12
