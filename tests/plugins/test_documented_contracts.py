@@ -160,3 +160,17 @@ def test_documented_backend_and_engine_pass_the_conformance_kit(tmp_path, monkey
     assert "resume: the step after a checkpoint load is bitwise equal" in backend.invariants()
     assert len(backend.passed) == 9 and backend.plugin == "'single_device' (plugin docs-backend)"
     assert "samples with the new weights, not the old" in engine.invariants() and len(engine.passed) == 12
+
+
+def test_documented_estimator_and_loss_pass_the_conformance_kit(monkeypatch) -> None:
+    """The docs' estimator and loss examples register float64 references, and match them on the kit's edge
+    cases (a singleton group, a constant group, an empty row, log-ratios of +-30)."""
+    from rlite.conformance import check_estimator, check_policy_loss
+
+    estimator = example_defining("class MeanBaselineConfig:", monkeypatch)
+    loss = example_defining("class SymmetricClipConfig:", monkeypatch)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(estimator, name="docs-estimator")
+    pm.register(loss, name="docs-loss")
+    assert "equals its float64 reference" in check_estimator(pm.registry("advantage_estimator").get("mean_baseline")).invariants()
+    assert "equals its float64 reference" in check_policy_loss(pm.registry("policy_loss").get("symmetric_clip")).invariants()
