@@ -81,6 +81,8 @@ across a tool span in GAE as verl's loop does.
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -630,14 +632,179 @@ def needs_group(cfg) -> bool:
 @hookimpl
 def register_advantage_estimators(register: Register) -> None:
     # a lone sample's baseline is itself unless its options say ``singleton: raw`` (baseline 0)
-    register("grpo", grpo_advantages, GRPOConfig, needs_group=needs_group)
-    register("dr_grpo", dr_grpo_advantages, DrGRPOConfig, needs_group=needs_group)
-    register("rloo", rloo_advantages, RLOOConfig, needs_group=needs_group)
-    register("opo", opo_advantages, OPOConfig, needs_group=needs_group)
-    register("gpg", gpg_advantages, GPGConfig, needs_group=needs_group)
-    register("gdpo", gdpo_advantages, GDPOConfig, needs_group=needs_group)
-    register("remax", remax_advantages, ReMaxConfig, needs_greedy_baseline=True)
-    register("reinforce_pp", reinforce_pp_advantages, ReinforcePPConfig)
+    # each with its float64 reference (end of this module), which rlite audit and rlite.conformance check it against
+    register("grpo", grpo_advantages, GRPOConfig, needs_group=needs_group, reference=grpo_reference)
+    register("dr_grpo", dr_grpo_advantages, DrGRPOConfig, needs_group=needs_group, reference=dr_grpo_reference)
+    register("rloo", rloo_advantages, RLOOConfig, needs_group=needs_group, reference=rloo_reference)
+    register("opo", opo_advantages, OPOConfig, needs_group=needs_group, reference=opo_reference)
+    register("gpg", gpg_advantages, GPGConfig, needs_group=needs_group, reference=gpg_reference)
+    register("gdpo", gdpo_advantages, GDPOConfig, needs_group=needs_group, reference=gdpo_reference)
+    register("remax", remax_advantages, ReMaxConfig, needs_greedy_baseline=True, reference=remax_reference)
+    register("reinforce_pp", reinforce_pp_advantages, ReinforcePPConfig, reference=reinforce_pp_reference)
     register("reinforce_pp_baseline", reinforce_pp_baseline_advantages, ReinforcePPBaselineConfig,
-             needs_group=needs_group)  # fmt: skip
-    register("gae", gae_advantages, GAEConfig, needs_critic=True)
+             needs_group=needs_group, reference=reinforce_pp_baseline_reference)  # fmt: skip
+    register("gae", gae_advantages, GAEConfig, needs_critic=True, reference=gae_reference)
+
+
+# --------------------------------------------------------------------------------------------------
+# float64 references: the formulas of the module docstring again, as plain loops over Python floats,
+# registered with each estimator (``reference=``) for ``rlite audit`` and ``rlite.conformance``
+# --------------------------------------------------------------------------------------------------
+
+
+def _stats(xs: list[float]) -> tuple[float, float]:
+    mu = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return mu, sd
+
+
+def _whiten_rows(rows: list[list[float]], mask: list[list[bool]]) -> list[list[float]]:
+    """``(x - mean) / sqrt(var + 1e-8)`` over the mask-1 entries of the batch (Bessel variance; fewer
+    than two entries give 0)."""
+    kept = [x for row, m in zip(rows, mask) for x, keep in zip(row, m) if keep]
+    if len(kept) < 2:
+        return [[0.0] * len(row) for row in rows]
+    mean = sum(kept) / len(kept)
+    scale = math.sqrt(sum((x - mean) ** 2 for x in kept) / (len(kept) - 1) + 1e-8)
+    return [[(x - mean) / scale if keep else 0.0 for x, keep in zip(row, m)] for row, m in zip(rows, mask)]
+
+
+def _outcome_reference(per_response) -> Callable:
+    """A reference for an outcome estimator from ``per_response(scores, groups, lengths, cfg, batch) -> [A_i]``:
+    ``A_i`` on every response token, returns equal to advantages."""
+
+    def reference(batch: AdvantageInput, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = batch.response_mask.double()
+        lengths = mask.sum(-1).tolist()
+        values = per_response(batch.scores.double().tolist(), batch.group_ids.tolist(), lengths, cfg, batch)
+        advantages = torch.tensor(values, dtype=torch.float64)[:, None] * mask
+        return advantages, advantages.clone()
+
+    return reference
+
+
+def _members(groups: list) -> list[list[int]]:
+    return [[j for j in range(len(groups)) if groups[j] == groups[i]] for i in range(len(groups))]
+
+
+def _grpo_one(scores, groups, cfg, norm_by_std: bool, std_scope: str = "group") -> list[float]:
+    out = []
+    raw = getattr(cfg, "singleton", "zero") == "raw"
+    for i, members in enumerate(_members(groups)):
+        rs = [scores[j] for j in members]
+        mu, sd = _stats(rs)
+        if len(rs) == 1 and norm_by_std and raw:  # verl: sigma = 1 (group scope) or the batch std
+            sigma = 1.0 if std_scope == "group" else _stats(list(scores))[1]
+            a = scores[i] / (sigma + cfg.epsilon)
+        elif len(rs) == 1:
+            a = scores[i] if raw else 0.0
+        else:
+            a = scores[i] - mu
+            if norm_by_std:
+                sigma = sd if std_scope == "group" else _stats(list(scores))[1]
+                a = 0.0 if a == 0 else a / (sigma + cfg.epsilon)
+        out.append(a)
+    return out
+
+
+def _rloo_one(scores, groups, lengths, cfg, batch) -> list[float]:
+    raw = cfg.singleton == "raw"
+    out = []
+    for i, members in enumerate(_members(groups)):
+        rs = [scores[j] for j in members]
+        out.append((scores[i] if raw else 0.0) if len(rs) == 1 else scores[i] - (sum(rs) - scores[i]) / (len(rs) - 1))
+    return out
+
+
+def _opo_one(scores, groups, lengths, cfg, batch) -> list[float]:
+    raw = cfg.singleton == "raw"
+    out = []
+    for i, members in enumerate(_members(groups)):
+        rs, ls = [scores[j] for j in members], [lengths[j] for j in members]
+        baseline = sum(length * r for length, r in zip(ls, rs)) / max(sum(ls), 1)
+        out.append((scores[i] if raw else 0.0) if len(rs) == 1 else scores[i] - baseline)
+    return out
+
+
+def _gpg_one(scores, groups, lengths, cfg, batch) -> list[float]:
+    raw = cfg.singleton == "raw"
+    alpha = len(scores) / max(sum(1 for s in scores if s != 0), 1)
+    out = []
+    for i, members in enumerate(_members(groups)):
+        rs = [scores[j] for j in members]
+        centred = (scores[i] if raw else 0.0) if len(rs) == 1 else scores[i] - _stats(rs)[0]
+        out.append(alpha * centred / cfg.f_norm)
+    return out
+
+
+def gdpo_reference(batch: AdvantageInput, cfg: GDPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_k w_k (GRPO advantage of reward k, group scope), whitened over the response tokens."""
+    components = batch.reward_components.double().tolist()
+    weights = [1.0] * len(components[0]) if batch.reward_weights is None else batch.reward_weights.double().tolist()
+    groups = batch.group_ids.tolist()
+    total = [0.0] * len(components)
+    for k, weight in enumerate(weights):
+        for i, a in enumerate(_grpo_one([row[k] for row in components], groups, cfg, norm_by_std=True)):
+            total[i] += weight * a
+    mask = batch.response_mask.bool().tolist()
+    rows = [[total[i] if keep else 0.0 for keep in m] for i, m in enumerate(mask)]
+    if cfg.whiten:
+        rows = _whiten_rows(rows, mask)
+    advantages = torch.tensor(rows, dtype=torch.float64)
+    return advantages, advantages.clone()
+
+
+def _return_reference(kind: str) -> Callable:
+    """Per-token (advantages, returns) of a return-based estimator (module docstring). Per-token reward:
+    ``token_rewards`` on mask-1 tokens plus the outcome on the row's last mask-1 token; masked tokens are
+    transparent (the running return and the next value pass through them, output 0); no value after the
+    last token. ``reinforce_pp``: G_t = r_t + gamma G_next; ``reinforce_pp_baseline`` the same with the
+    outcome R_i - mu_g; ``gae``: delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next,
+    returns A + V; ``remax``: G_t - b_i. Whitened over the batch where configured."""
+
+    def reference(batch: AdvantageInput, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, groups = batch.scores.double().tolist(), batch.group_ids.tolist()
+        mask = batch.response_mask.bool().tolist()
+        width = len(mask[0])
+        token_rewards = batch.token_rewards.double().tolist() if batch.token_rewards is not None \
+            else [[0.0] * width for _ in scores]
+        advantages, returns = [], []
+        for i in range(len(scores)):
+            outcome = scores[i]
+            if kind == "reinforce_pp_baseline":
+                rs = [scores[j] for j in range(len(scores)) if groups[j] == groups[i]]
+                outcome = (scores[i] if cfg.singleton == "raw" else 0.0) if len(rs) == 1 else scores[i] - sum(rs) / len(rs)
+            tokens = [t for t in range(width) if mask[i][t]]
+            reward = {t: token_rewards[i][t] + (outcome if t == tokens[-1] else 0.0) for t in tokens}
+            gamma = 1.0 if kind == "remax" else cfg.gamma
+            adv, ret = [0.0] * width, [0.0] * width
+            later_return = later_value = later_advantage = 0.0
+            for t in reversed(tokens):
+                if kind == "gae":
+                    value = float(batch.values[i, t])
+                    delta = reward[t] + gamma * later_value - value
+                    later_advantage = delta + gamma * cfg.lam * later_advantage
+                    later_value = value
+                    adv[t], ret[t] = later_advantage, later_advantage + value
+                else:
+                    later_return = reward[t] + gamma * later_return
+                    ret[t] = later_return
+                    adv[t] = later_return - float(batch.baseline_scores[i]) if kind == "remax" else later_return
+            advantages.append(adv)
+            returns.append(ret)
+        if kind != "remax" and cfg.whiten:
+            advantages = _whiten_rows(advantages, mask)
+        return torch.tensor(advantages, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
+
+    return reference
+
+
+grpo_reference = _outcome_reference(lambda s, g, lengths, cfg, batch: _grpo_one(s, g, cfg, cfg.norm_by_std, cfg.std_scope))
+dr_grpo_reference = _outcome_reference(lambda s, g, lengths, cfg, batch: _grpo_one(s, g, cfg, norm_by_std=False))
+rloo_reference = _outcome_reference(_rloo_one)
+opo_reference = _outcome_reference(_opo_one)
+gpg_reference = _outcome_reference(_gpg_one)
+remax_reference = _return_reference("remax")
+reinforce_pp_reference = _return_reference("reinforce_pp")
+reinforce_pp_baseline_reference = _return_reference("reinforce_pp_baseline")
+gae_reference = _return_reference("gae")

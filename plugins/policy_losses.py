@@ -98,6 +98,7 @@ vespo (Variational sEquence-level Soft Policy Optimization, arXiv 2602.10693; TR
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -433,11 +434,119 @@ def vespo_loss(
 
 @hookimpl
 def register_policy_losses(register: Register) -> None:
-    register("ppo_clip", ppo_clip_loss, PPOClipConfig)
-    register("gspo", gspo_loss, GSPOConfig)
-    register("cispo", cispo_loss, CISPOConfig)
-    register("sapo", sapo_loss, SAPOConfig)
-    register("gmpo", gmpo_loss, GMPOConfig)
-    register("gpg", gpg_loss, GPGConfig)
-    register("reinforce_tis", reinforce_tis_loss, ReinforceTISConfig)
-    register("vespo", vespo_loss, VESPOConfig)
+    # each with its float64 reference (end of this module), which rlite audit and rlite.conformance check it against
+    register("ppo_clip", ppo_clip_loss, PPOClipConfig, reference=ppo_clip_reference)
+    register("gspo", gspo_loss, GSPOConfig, reference=gspo_reference)
+    register("cispo", cispo_loss, CISPOConfig, reference=cispo_reference)
+    register("sapo", sapo_loss, SAPOConfig, reference=sapo_reference)
+    register("gmpo", gmpo_loss, GMPOConfig, reference=gmpo_reference)
+    register("gpg", gpg_loss, GPGConfig, reference=gpg_reference)
+    register("reinforce_tis", reinforce_tis_loss, ReinforceTISConfig, reference=reinforce_tis_reference)
+    register("vespo", vespo_loss, VESPOConfig, reference=vespo_reference)
+
+
+# --------------------------------------------------------------------------------------------------
+# float64 references: the formulas of the module docstring again, as plain loops over Python floats,
+# registered with each loss (``reference=``) for ``rlite audit`` and ``rlite.conformance``. Each takes the
+# loss's arguments and returns the [B, T] per-token loss, 0 where the mask is 0.
+# --------------------------------------------------------------------------------------------------
+
+
+def _clamp(value: float, bound: float | None) -> float:
+    return value if bound is None else min(max(value, -bound), bound)
+
+
+def _token_reference(per_token) -> Callable:
+    """A reference from ``per_token(x, A, lp, sequence_log_ratio, cfg)`` (``x`` = lp - old of the token,
+    the sequence's sum of ``x`` over its response tokens)."""
+
+    def reference(logprobs, old_logprobs, advantages, response_mask, cfg) -> torch.Tensor:
+        lp, old, adv = logprobs.double().tolist(), old_logprobs.double().tolist(), advantages.double().tolist()
+        mask = response_mask.bool().tolist()
+        out = torch.zeros(len(lp), len(lp[0]), dtype=torch.float64)
+        for i, row in enumerate(mask):
+            sequence = sum(lp[i][t] - old[i][t] for t, keep in enumerate(row) if keep)
+            for t, keep in enumerate(row):
+                if keep:
+                    out[i, t] = per_token(lp[i][t] - old[i][t], adv[i][t], lp[i][t], sequence, cfg)
+        return out
+
+    return reference
+
+
+def _ppo_clip_token(x, a, lp, sequence, cfg: PPOClipConfig) -> float:
+    r = math.exp(_clamp(x, cfg.log_ratio_clamp))
+    loss = max(-a * r, -a * min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high))
+    return min(loss, -cfg.dual_clip_c * a) if cfg.dual_clip_c is not None and a < 0 else loss
+
+
+def _cispo_token(x, a, lp, sequence, cfg: CISPOConfig) -> float:
+    r = math.exp(_clamp(x, cfg.log_ratio_clamp))
+    w = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high) if cfg.mode == "bounded" else min(r, cfg.eps_high)
+    return -w * a * lp
+
+
+def _sapo_token(x, a, lp, sequence, cfg: SAPOConfig) -> float:
+    r = math.exp(_clamp(x, cfg.log_ratio_clamp))
+    tau = cfg.tau_pos if a > 0 else cfg.tau_neg
+    return -a * 4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0)))
+
+
+def _reinforce_tis_token(x, a, lp, sequence, cfg: ReinforceTISConfig) -> float:
+    w = math.exp(_clamp(x if cfg.is_level == "token" else sequence, 20.0))
+    return -(w if cfg.is_threshold is None else min(w, cfg.is_threshold)) * a * lp
+
+
+ppo_clip_reference = _token_reference(_ppo_clip_token)
+cispo_reference = _token_reference(_cispo_token)
+sapo_reference = _token_reference(_sapo_token)
+gpg_reference = _token_reference(lambda x, a, lp, sequence, cfg: -a * lp)
+reinforce_tis_reference = _token_reference(_reinforce_tis_token)
+
+
+def _sequence_reference(per_sequence) -> Callable:
+    """A reference from ``per_sequence(xs, As, lps, cfg) -> [loss of each token]`` over one sequence's
+    response tokens (their log-ratios, advantages and log-probs)."""
+
+    def reference(logprobs, old_logprobs, advantages, response_mask, cfg) -> torch.Tensor:
+        lp, old, adv = logprobs.double().tolist(), old_logprobs.double().tolist(), advantages.double().tolist()
+        out = torch.zeros(len(lp), len(lp[0]), dtype=torch.float64)
+        for i, row in enumerate(response_mask.bool().tolist()):
+            tokens = [t for t, keep in enumerate(row) if keep]
+            losses = per_sequence([lp[i][t] - old[i][t] for t in tokens], [adv[i][t] for t in tokens],
+                                  [lp[i][t] for t in tokens], cfg)
+            for t, loss in zip(tokens, losses):
+                out[i, t] = loss
+        return out
+
+    return reference
+
+
+def _gspo_sequence(xs, advantages, lps, cfg: GSPOConfig) -> list[float]:
+    log_s = sum(xs) / max(len(xs), 1)
+    s = math.exp(log_s if cfg.log_ratio_max is None else min(log_s, cfg.log_ratio_max))
+    return [max(-a * s, -a * min(max(s, 1 - cfg.clip_low), 1 + cfg.clip_high)) for a in advantages]
+
+
+def _gmpo_sequence(xs, advantages, lps, cfg: GMPOConfig) -> list[float]:
+    kept = 0.0
+    for x, a in zip(xs, advantages):
+        sign = (a > 0) - (a < 0)
+        kept += sign * min(sign * x, sign * min(max(x, -cfg.clip_low), cfg.clip_high))
+    n = max(len(xs), 1)
+    return [-(sum(advantages) / n) * math.exp(kept / n)] * len(xs)
+
+
+def _vespo_sequence(xs, advantages, lps, cfg: VESPOConfig) -> list[float]:
+    log_w = sum(min(max(x, -20.0), 20.0) for x in xs)
+    w = math.exp(min(max(log_w, math.log(1e-8)), 20.0))
+    losses = []
+    for a, lp in zip(advantages, lps):
+        k, lam = (cfg.k_pos, cfg.lambda_pos) if a >= 0 else (cfg.k_neg, cfg.lambda_neg)
+        losses.append(-(w**k) * math.exp(lam * (1.0 - w)) * a * lp)
+    return losses
+
+
+gspo_reference = _sequence_reference(_gspo_sequence)
+gmpo_reference = _sequence_reference(_gmpo_sequence)
+vespo_reference = _sequence_reference(_vespo_sequence)

@@ -18,11 +18,13 @@ n/a), model-parallel sizes (1). Each check prints what it measured:
   (same dtype, quantizer and LoRA mode).
 * ``mismatch``: the engine's and trainer's log-probs of the sampled tokens (``mismatch/*``): finite, and
   k3 KL at most 1e-3 (5e-2 with a rollout quantizer); bitwise equal with ``rollout.true_on_policy``.
-* ``advantage formula`` and ``loss formula``: the configured estimator and loss against rlite's
-  documented formulas (docs/algorithms.md), written here again as plain float64 loops, on a random batch
-  with a singleton group, a constant group, a masked row, masked tokens inside responses, per-token
-  rewards, critic values and extreme ratios (the return-based estimators' returns are checked too;
-  skipped for plugins without a documented formula).
+* ``advantage formula`` and ``loss formula``: the configured estimator and loss against the float64
+  reference their plugin registered with them (``register(..., reference=fn)``; the built-ins' are the
+  formulas of docs/algorithms.md as plain loops, in ``rlite.plugins.advantages`` and ``.policy_losses``),
+  by one path for built-in and third-party plugins (:mod:`rlite.conformance`), on a random batch with a
+  singleton group, a constant group, a masked row, masked tokens inside responses, per-token rewards,
+  critic values and extreme ratios, advantages and returns both; n/a for a plugin that registered no
+  reference.
 * ``resume == uninterrupted``: 2 steps, checkpoint, resume for the 3rd gives metrics identical to 3
   steps straight (evaluations aside: the shorter run evaluates at its last step).
 
@@ -441,248 +443,37 @@ def update_difference(a: dict, b: dict) -> tuple[bool, str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# formulas (docs/algorithms.md) written again as plain loops
+# formulas: each estimator and loss against the float64 reference its plugin registered with it
 # --------------------------------------------------------------------------------------------------
 
 
-def _stats(xs: list[float]) -> tuple[float, float]:
-    mu = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return mu, sd
+def formula_check(kind: str, entry, cfg) -> Check:
+    """The ``advantage formula`` or ``loss formula`` row of a registry entry: the comparison of
+    :mod:`rlite.conformance` with the reference registered in ``entry.metadata["reference"]``, built in or
+    third-party alike; n/a, never a pass, when the plugin registered none."""
+    from rlite.conformance import estimator_reference_error, loss_reference_error
 
-
-def reference_advantage(name: str, cfg: Any, scores, groups, lengths, baseline) -> list[float] | None:
-    """Per-response advantage of the outcome estimators, or None for an estimator without a reference."""
-    n = len(scores)
-    members = [[j for j in range(n) if groups[j] == groups[i]] for i in range(n)]
-    out = []
-    for i in range(n):
-        rs = [scores[j] for j in members[i]]
-        single = len(rs) == 1
-        raw = getattr(cfg, "singleton", "zero") == "raw"
-        mu, sd = _stats(rs)
-        if name in ("grpo", "dr_grpo"):
-            if single and name == "grpo" and cfg.norm_by_std and raw:  # sigma = 1 (group) or the batch std
-                sigma = 1.0 if cfg.std_scope == "group" else _stats(list(scores))[1]
-                a = scores[i] / (sigma + cfg.epsilon)
-            elif single:
-                a = scores[i] if raw else 0.0
-            else:
-                a = scores[i] - mu
-                if name == "grpo" and cfg.norm_by_std:
-                    sigma = sd if cfg.std_scope == "group" else _stats(list(scores))[1]
-                    a = 0.0 if a == 0 else a / (sigma + cfg.epsilon)
-        elif name == "rloo":
-            a = (scores[i] if raw else 0.0) if single else scores[i] - (sum(rs) - scores[i]) / (len(rs) - 1)
-        elif name == "opo":
-            ls = [lengths[j] for j in members[i]]
-            a = (scores[i] if raw else 0.0) if single else scores[i] - sum(length * r for length, r in zip(ls, rs)) / max(sum(ls), 1)
-        elif name == "gpg":
-            alpha = n / max(sum(1 for s in scores if s != 0), 1)
-            a = alpha * ((scores[i] if raw else 0.0) if single else scores[i] - mu) / cfg.f_norm
-        elif name == "gdpo":  # one reward function: its GRPO advantage, whitened over tokens below
-            a = 0.0 if single and not raw else (scores[i] / (1 + cfg.epsilon) if single else
-                                                (0.0 if scores[i] == mu else (scores[i] - mu) / (sd + cfg.epsilon)))
-        else:
-            return None
-        out.append(a)
-    return out
-
-
-RETURN_BASED = ("reinforce_pp", "reinforce_pp_baseline", "gae", "remax")
-"""Estimators whose advantage varies over a response's tokens (per-token rewards, values)."""
-
-
-def _whiten(rows: list[list[float]], mask) -> list[list[float]]:
-    """``(x - mean) / sqrt(var + 1e-8)`` over the mask-1 entries of the batch (Bessel variance; fewer
-    than two entries give 0)."""
-    kept = [x for row, m in zip(rows, mask) for x, keep in zip(row, m) if keep]
-    if len(kept) < 2:
-        return [[0.0] * len(row) for row in rows]
-    mean = sum(kept) / len(kept)
-    scale = math.sqrt(sum((x - mean) ** 2 for x in kept) / (len(kept) - 1) + 1e-8)
-    return [[(x - mean) / scale if keep else 0.0 for x, keep in zip(row, m)] for row, m in zip(rows, mask)]
-
-
-def reference_return_advantage(name: str, cfg: Any, scores, groups, mask, token_rewards, values,
-                               baseline) -> tuple[list[list[float]], list[list[float]]]:
-    """Per-token (advantages, returns) of the return-based estimators (docs/algorithms.md §1).
-
-    Per-token reward: ``token_rewards`` on mask-1 tokens plus the outcome on the row's last mask-1 token;
-    masked tokens are transparent (the running return and the next value pass through them, output 0);
-    no value after the last token. ``reinforce_pp``: G_t = r_t + gamma G_next; ``reinforce_pp_baseline``
-    the same with the outcome R_i - mu_g; ``gae``: delta_t = r_t + gamma V_next - V_t, A_t = delta_t +
-    gamma lam A_next, returns A + V; ``remax``: G_t - b_i. Whitened over the batch where configured."""
-    n, width = len(scores), len(mask[0])
-    advantages, returns = [], []
-    for i in range(n):
-        outcome = scores[i]
-        if name == "reinforce_pp_baseline":
-            rs = [scores[j] for j in range(n) if groups[j] == groups[i]]
-            outcome = (scores[i] if cfg.singleton == "raw" else 0.0) if len(rs) == 1 else scores[i] - sum(rs) / len(rs)
-        tokens = [t for t in range(width) if mask[i][t]]
-        reward = {t: token_rewards[i][t] + (outcome if t == tokens[-1] else 0.0) for t in tokens}
-        gamma = 1.0 if name == "remax" else cfg.gamma
-        adv, ret = [0.0] * width, [0.0] * width
-        later_return = later_value = later_advantage = 0.0
-        for t in reversed(tokens):
-            if name == "gae":
-                delta = reward[t] + gamma * later_value - values[i][t]
-                later_advantage = delta + gamma * cfg.lam * later_advantage
-                later_value = values[i][t]
-                adv[t], ret[t] = later_advantage, later_advantage + values[i][t]
-            else:
-                later_return = reward[t] + gamma * later_return
-                ret[t] = later_return
-                adv[t] = later_return - baseline[i] if name == "remax" else later_return
-        advantages.append(adv)
-        returns.append(ret)
-    if name != "remax" and cfg.whiten:
-        advantages = _whiten(advantages, mask)
-    return advantages, returns
-
-
-def reference_loss(name: str, cfg: Any, x: float, adv: float, lp: float, seq_log_ratio: float) -> float | None:
-    """Per-token loss of the token-level losses (``x`` = lp − old), or None without a reference."""
-    def clamp(v, bound):
-        return v if bound is None else min(max(v, -bound), bound)
-
-    if name == "ppo_clip":
-        r = math.exp(clamp(x, cfg.log_ratio_clamp))
-        loss = max(-adv * r, -adv * min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high))
-        if cfg.dual_clip_c is not None and adv < 0:
-            loss = min(loss, -cfg.dual_clip_c * adv)
-        return loss
-    if name == "cispo":
-        r = math.exp(clamp(x, cfg.log_ratio_clamp))
-        w = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high) if cfg.mode == "bounded" else min(r, cfg.eps_high)
-        return -w * adv * lp
-    if name == "sapo":
-        r = math.exp(clamp(x, cfg.log_ratio_clamp))
-        tau = cfg.tau_pos if adv > 0 else cfg.tau_neg
-        return -adv * 4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0)))
-    if name == "gpg":
-        return -adv * lp
-    if name == "reinforce_tis":
-        log_w = x if cfg.is_level == "token" else seq_log_ratio
-        w = math.exp(clamp(log_w, 20.0))
-        return -(w if cfg.is_threshold is None else min(w, cfg.is_threshold)) * adv * lp
-    return None
-
-
-def sequence_reference(name: str, cfg: Any, log_ratio, advantages, mask, logprobs) -> torch.Tensor:
-    """Per-token loss of the sequence-ratio losses (gspo's value, gmpo's l_i on every token, vespo's
-    -phi(w_i) A lp with w_i the sequence's clamped ratio)."""
-    out = torch.zeros_like(log_ratio)
-    for i in range(log_ratio.shape[0]):
-        tokens = [t for t in range(log_ratio.shape[1]) if mask[i, t]]
-        n = max(len(tokens), 1)
-        if name == "vespo":
-            log_w = sum(min(max(float(log_ratio[i, t]), -20.0), 20.0) for t in tokens)
-            w = math.exp(min(max(log_w, math.log(1e-8)), 20.0))
-            for t in tokens:
-                a = float(advantages[i, t])
-                k, lam = (cfg.k_pos, cfg.lambda_pos) if a >= 0 else (cfg.k_neg, cfg.lambda_neg)
-                out[i, t] = -(w**k) * math.exp(lam * (1.0 - w)) * a * float(logprobs[i, t])
-        elif name == "gspo":
-            log_s = sum(float(log_ratio[i, t]) for t in tokens) / n
-            s = math.exp(log_s if cfg.log_ratio_max is None else min(log_s, cfg.log_ratio_max))
-            for t in tokens:
-                a = float(advantages[i, t])
-                out[i, t] = max(-a * s, -a * min(max(s, 1 - cfg.clip_low), 1 + cfg.clip_high))
-        else:  # gmpo
-            kept = 0.0
-            for t in tokens:
-                x, a = float(log_ratio[i, t]), float(advantages[i, t])
-                sign = (a > 0) - (a < 0)
-                kept += sign * min(sign * x, sign * min(max(x, -cfg.clip_low), cfg.clip_high))
-            a_i = sum(float(advantages[i, t]) for t in tokens) / n
-            for t in tokens:
-                out[i, t] = -a_i * math.exp(kept / n)
-    return out
-
-
-def random_batch(seed: int = 0):
-    """12 responses: groups of 4, 3, 3, a singleton and a constant group; one fully masked row, two rows with
-    a masked token inside the response (a tool span); log-ratios up to +-30."""
-    g = torch.Generator().manual_seed(seed)
-    groups = [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 4]
-    scores = torch.randint(0, 3, (12,), generator=g).double() / 2
-    scores[7:10] = 0.5  # constant group
-    lengths = torch.randint(1, 7, (12,), generator=g)
-    lengths[5] = 0  # fully masked row
-    lengths[0], lengths[3] = 6, 5
-    mask = (torch.arange(6)[None, :] < lengths[:, None]).double()
-    mask[0, 2] = mask[3, 1] = 0.0  # interior masked tokens: transparent to returns and values
-    old = -torch.rand(12, 6, generator=g, dtype=torch.float64) * 4
-    log_ratio = torch.randn(12, 6, generator=g, dtype=torch.float64) * 0.3
-    log_ratio[0, 0], log_ratio[1, 1] = 30.0, -30.0  # extreme ratios
-    log_ratio[0, 1] = -29.5  # with the 30 before it, a sequence sum only a per-token +-20 clamp gets right (vespo)
-    return torch.tensor(groups), scores, mask, old, log_ratio, torch.rand(12, generator=g, dtype=torch.float64)
+    title = f"{'advantage' if kind == 'advantage_estimator' else 'loss'} formula ({entry.name})"
+    reference = entry.metadata.get("reference")
+    if reference is None:
+        return Check(title, SKIP, f"no reference registered by plugin {entry.plugin!r} (register(..., reference=fn))")
+    if kind == "advantage_estimator":
+        error = estimator_reference_error(entry.implementation, reference, cfg)
+        where = ("over advantages and returns of 12 responses (per-token rewards, critic values, masked tokens "
+                 "inside responses, singletons, a constant group, an empty row)")
+    else:
+        error = loss_reference_error(entry.implementation, reference, cfg)
+        where = "on 72 tokens (log-ratios up to +-30)"
+    return Check(title, PASS if error <= 1e-9 else FAIL, f"max |plugin - formula| = {error:.2e} {where}")
 
 
 def check_formulas(cfg: RunConfig, pm) -> list[Check]:
-    from rlite.algorithms import AdvantageInput
     from rlite.plugin_manager import resolve_choice
 
-    groups, scores, mask, old, log_ratio, baseline = random_batch()
-    lengths = mask.sum(-1)
     checks = []
-    name = cfg.algorithm.advantage.name
-    estimator, estimator_cfg = resolve_choice(pm.registry("advantage_estimator"), cfg.algorithm.advantage)
-    g = torch.Generator().manual_seed(5)
-    token_rewards = torch.randn(12, 6, generator=g, dtype=torch.float64) * 0.1
-    values = torch.randn(12, 6, generator=g, dtype=torch.float64)
-    if name in RETURN_BASED:
-        want_adv, want_ret = reference_return_advantage(
-            name, estimator_cfg, scores.tolist(), groups.tolist(), mask.bool().tolist(), token_rewards.tolist(),
-            values.tolist(), baseline.tolist())
-        got, got_returns = estimator(AdvantageInput(scores, groups, mask, token_rewards=token_rewards, values=values,
-                                                    baseline_scores=baseline), estimator_cfg)
-        error = max(float((got.double() - torch.tensor(want_adv, dtype=torch.float64)).abs().max()),
-                    float((got_returns.double() - torch.tensor(want_ret, dtype=torch.float64)).abs().max()))
-        checks.append(Check(f"advantage formula ({name})", PASS if error <= 1e-9 else FAIL,
-                            f"max |plugin - formula| = {error:.2e} over advantages and returns of 12 responses "
-                            "(per-token rewards, masked tokens inside responses, singleton, empty row)"))
-        want = None
-    else:
-        want = reference_advantage(name, estimator_cfg, scores.tolist(), groups.tolist(), lengths.tolist(),
-                                   baseline.tolist())
-        if want is None:
-            checks.append(Check(f"advantage formula ({name})", SKIP, "no documented reference formula in the audit"))
-    if want is not None:
-        got, _ = estimator(AdvantageInput(scores, groups, mask, baseline_scores=baseline,
-                                          reward_components=scores[:, None]), estimator_cfg)
-        expected = torch.tensor(want, dtype=torch.float64)[:, None] * mask
-        if name == "gdpo" and estimator_cfg.whiten:
-            kept = expected[mask.bool()]
-            mean = float(kept.mean())
-            var = sum((float(v) - mean) ** 2 for v in kept) / (len(kept) - 1)
-            expected = (expected - mean) / math.sqrt(var + 1e-8) * mask
-        error = float((got.double() - expected).abs().max())
-        checks.append(Check(f"advantage formula ({name})", PASS if error <= 1e-9 else FAIL,
-                            f"max |plugin - formula| = {error:.2e} on 12 responses (singleton, constant group, empty row)"))
-    name = cfg.algorithm.policy_loss.name
-    loss_fn, loss_cfg = resolve_choice(pm.registry("policy_loss"), cfg.algorithm.policy_loss)
-    advantages = torch.randn(12, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * mask
-    logprobs = old + log_ratio
-    seq = (log_ratio * mask).sum(-1)
-    expected, missing = torch.zeros(12, 6, dtype=torch.float64), False
-    for i in range(12):
-        for t in range(6):
-            value = reference_loss(name, loss_cfg, float(log_ratio[i, t]), float(advantages[i, t]),
-                                   float(logprobs[i, t]), float(seq[i]))
-            missing = missing or value is None
-            expected[i, t] = (value or 0.0) * mask[i, t]
-    if missing and name in ("gspo", "gmpo", "vespo"):
-        expected, missing = sequence_reference(name, loss_cfg, log_ratio, advantages, mask, logprobs), False
-    if missing:
-        checks.append(Check(f"loss formula ({name})", SKIP, "no per-token reference formula in the audit"))
-    else:
-        got, _ = loss_fn(logprobs.clone().requires_grad_(True), old, advantages, mask, loss_cfg)
-        error = float((got.detach().double() - expected).abs().max())
-        checks.append(Check(f"loss formula ({name})", PASS if error <= 1e-9 else FAIL,
-                            f"max |plugin - formula| = {error:.2e} on 72 tokens (log-ratios up to +-30)"))
+    for kind, choice in (("advantage_estimator", cfg.algorithm.advantage), ("policy_loss", cfg.algorithm.policy_loss)):
+        _, options = resolve_choice(pm.registry(kind), choice)
+        checks.append(formula_check(kind, pm.registry(kind).get(choice.name), options))
     return checks
 
 

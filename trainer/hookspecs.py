@@ -68,6 +68,9 @@ def register_advantage_estimators(register: Register) -> None:
         and ``needs_greedy_baseline=True`` for one that reads ``batch.baseline_scores`` (the rollout
         stage then generates one greedy completion per prompt and scores it, as ReMax needs).
         ``batch.reward_components`` and ``batch.reward_weights`` carry each reward function's value.
+        Pass ``reference=fn64``, the same formula written independently in float64 (same arguments,
+        same ``(advantages, returns)``), to have ``rlite audit`` and :func:`rlite.conformance.check_estimator`
+        check ``fn`` against it; the built-ins all register one.
     """
 
 
@@ -80,6 +83,9 @@ def register_policy_losses(register: Register) -> None:
         gradient) and returns ``(per_token_loss, token_metrics)``: a ``[B, T]`` loss to minimise
         before aggregation, and a dict of ``[B, T]`` per-token metric values (for example a 0/1
         clip indicator) that the trainer averages over the response tokens of the whole batch.
+        Pass ``reference=fn64``, the same loss written independently in float64 (same arguments,
+        returning the ``[B, T]`` per-token loss), to have ``rlite audit`` and
+        :func:`rlite.conformance.check_policy_loss` check ``fn`` against it.
     """
 
 

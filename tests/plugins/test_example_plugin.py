@@ -128,6 +128,22 @@ def test_median_baseline_is_selected_by_name_from_yaml(with_example, median_conf
         load_config(median_config, ["algorithm.advantage=median_baselin"], pm)
 
 
+def test_the_installed_estimator_passes_the_conformance_kit_and_gets_an_audit_row(with_example, median_config) -> None:
+    """A third-party author's check: the kit finds the estimator by name among the installed plugins and
+    compares it with the float64 reference it registered; the audit checks it by the same path (a pass,
+    not n/a)."""
+    from rlite.audit import PASS, check_formulas
+    from rlite.conformance import check_estimator
+    from rlite.plugin_manager import plugin_manager_in_use
+
+    pm = build_plugin_manager()
+    with plugin_manager_in_use(pm):
+        report = check_estimator("median_baseline")
+    assert report.plugin == "'median_baseline' (plugin example)" and "equals its float64 reference" in report.invariants()
+    (row, _) = check_formulas(load_config(median_config, [], pm), pm)
+    assert row.name == "advantage formula (median_baseline)" and row.result == PASS, row
+
+
 def test_example_reward_and_lifecycle_hook(with_example) -> None:
     import rlite_example_plugin
 

@@ -42,25 +42,38 @@ class Plugins:
             adv, ret = A.grpo_advantages(batch, cfg)
             return adv * 1.01, ret
 
-        register("grpo_wrong", off_by_a_bit, A.GRPOConfig)
+        # claims grpo's formula: registers grpo's reference with it
+        register("grpo_wrong", off_by_a_bit, A.GRPOConfig, reference=A.grpo_reference)
         register("custom", A.dr_grpo_advantages, A.DrGRPOConfig)
+        register("custom_checked", A.dr_grpo_advantages, A.DrGRPOConfig, reference=A.dr_grpo_reference)
 
 
 def test_a_wrong_formula_fails_and_an_unknown_one_is_not_claimed():
     pm = build_plugin_manager(autoload=False)
     pm.register(Plugins(), name="plugins")
-    # a plugin registered under another name has no documented formula: n/a, never a pass
-    assert [c.result for c in check_formulas(config(pm, "custom", "ppo_clip"), pm)] == [SKIP, PASS]
-    wrong = config(pm, "grpo_wrong", "ppo_clip")
-    wrong.algorithm.advantage.name = "grpo"  # pretend it claims grpo's formula
-    registry = pm.registry("advantage_estimator")
-    original = registry.entries["grpo"]
-    registry.entries["grpo"] = registry.entries["grpo_wrong"]
-    try:
-        checks = check_formulas(wrong, pm)
-    finally:
-        registry.entries["grpo"] = original
+    # a plugin that registered no reference: n/a, never a pass, and the row says so
+    checks = check_formulas(config(pm, "custom", "ppo_clip"), pm)
+    assert [c.result for c in checks] == [SKIP, PASS]
+    assert "no reference registered by plugin 'plugins'" in checks[0].measured
+    # a third-party estimator with a registered reference is checked by the same path as a built-in
+    assert [c.result for c in check_formulas(config(pm, "custom_checked", "ppo_clip"), pm)] == [PASS, PASS]
+    checks = check_formulas(config(pm, "grpo_wrong", "ppo_clip"), pm)
     assert checks[0].result == FAIL and torch.isfinite(torch.tensor(float(checks[0].measured.split("= ")[1].split()[0])))
+
+
+def test_the_audit_keeps_no_table_of_formulas_by_name():
+    """Every built-in formula row comes from the reference registered with the plugin: the audit's source
+    names no estimator or loss."""
+    import inspect
+
+    import rlite.audit
+
+    source = inspect.getsource(rlite.audit)
+    pm = build_plugin_manager(autoload=False)
+    for kind in ("advantage_estimator", "policy_loss"):
+        for name, entry in pm.registry(kind).entries.items():
+            assert entry.metadata.get("reference") is not None, f"{kind} {name} registers no reference"
+            assert f'"{name}"' not in source, f"rlite/audit.py names {kind} {name!r}"
 
 
 RETURN_ESTIMATORS = ["reinforce_pp", "{name: reinforce_pp, args: {gamma: 0.9, whiten: false}}", "reinforce_pp_baseline",

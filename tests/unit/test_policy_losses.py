@@ -195,7 +195,7 @@ def test_cispo_values_and_gradient(mode: str, eps_low: float, eps_high: float) -
 
 def test_registration_and_config_validation() -> None:
     registered = {}
-    P.register_policy_losses(register=lambda n, fn, c=None: registered.__setitem__(n, (fn, c)))
+    P.register_policy_losses(register=lambda n, fn, c=None, **meta: registered.__setitem__(n, (fn, c)))
     assert registered == {
         "ppo_clip": (P.ppo_clip_loss, P.PPOClipConfig),
         "gspo": (P.gspo_loss, P.GSPOConfig),
@@ -227,7 +227,7 @@ def test_registration_and_config_validation() -> None:
 @pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo", "sapo", "gmpo", "gpg", "reinforce_tis", "vespo"])
 def test_masked_tokens_give_zero_loss_metrics_and_gradient(name: str) -> None:
     registered = {}
-    P.register_policy_losses(register=lambda n, fn, c=None: registered.__setitem__(n, (fn, c)))
+    P.register_policy_losses(register=lambda n, fn, c=None, **meta: registered.__setitem__(n, (fn, c)))
     fn, config_cls = registered[name]
     logprobs, old, adv, mask = inputs()
     loss, metrics = fn(logprobs, old, adv, mask, config_cls())

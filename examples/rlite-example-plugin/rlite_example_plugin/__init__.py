@@ -33,12 +33,27 @@ class MedianBaselineConfig:
 
 def median_baseline(batch, cfg: MedianBaselineConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages ``[B, T]`` of an :class:`rlite.algorithms.AdvantageInput` (see the module docstring)."""
-    scores = batch.scores.float()
+    scores = batch.scores.double()  # medians in float64, returned in the scores' dtype (float32 for integers)
     baseline = torch.empty_like(scores)
     for group in torch.unique(batch.group_ids):
         members = batch.group_ids == group
         baseline[members] = torch.quantile(scores[members], 0.5)
-    advantages = (cfg.scale * (scores - baseline)).unsqueeze(-1) * batch.response_mask.to(scores.dtype)
+    dtype = batch.scores.dtype if batch.scores.is_floating_point() else torch.float32
+    advantages = ((cfg.scale * (scores - baseline)).unsqueeze(-1) * batch.response_mask.double()).to(dtype)
+    return advantages, advantages.clone()
+
+
+def median_baseline_reference(batch, cfg: MedianBaselineConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module docstring's formula again, as a plain float64 loop: what ``rlite audit`` and
+    ``rlite.conformance.check_estimator`` compare ``median_baseline`` with."""
+    scores, groups = batch.scores.double().tolist(), batch.group_ids.tolist()
+    per_response = []
+    for score, group in zip(scores, groups):
+        members = sorted(s for s, g in zip(scores, groups) if g == group)
+        middle = len(members) // 2
+        median = members[middle] if len(members) % 2 else (members[middle - 1] + members[middle]) / 2
+        per_response.append(cfg.scale * (score - median))
+    advantages = torch.tensor(per_response, dtype=torch.float64)[:, None] * batch.response_mask.double()
     return advantages, advantages.clone()
 
 
@@ -62,7 +77,7 @@ def contains_answer(completion: str, sample: dict, cfg: ContainsAnswerConfig) ->
 
 @hookimpl
 def register_advantage_estimators(register):
-    register("median_baseline", median_baseline, MedianBaselineConfig)
+    register("median_baseline", median_baseline, MedianBaselineConfig, reference=median_baseline_reference)
 
 
 @hookimpl
