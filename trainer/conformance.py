@@ -315,12 +315,17 @@ def _process_group() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _workdir(workdir: str | Path | None) -> Iterator[Path]:
-    if workdir is not None:
-        Path(workdir).mkdir(parents=True, exist_ok=True)
-        yield Path(workdir)
-        return
-    with tempfile.TemporaryDirectory(prefix="rlite-conformance-") as tmp:
-        yield Path(tmp)
+    """The check's folder (``workdir``, else a temporary one); transformers draws no load/save bars in it
+    (they would come between the lines of the author's test output)."""
+    from rlite.hf_models import quiet_transformers_progress
+
+    with quiet_transformers_progress():
+        if workdir is not None:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+            yield Path(workdir)
+            return
+        with tempfile.TemporaryDirectory(prefix="rlite-conformance-") as tmp:
+            yield Path(tmp)
 
 
 # --------------------------------------------------------------------------------------------------
