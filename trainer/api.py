@@ -59,6 +59,21 @@ from rlite.sandbox import (
     probe_isolation,
     run_untrusted,
 )
+from rlite.sync import (
+    ALIGNMENT,
+    BucketMeta,
+    Channel,
+    ConnectionChannel,
+    SharedBucketReceiver,
+    SharedBucketSender,
+    SyncServer,
+    SyncStats,
+    TensorMeta,
+    bucket_checksum,
+    iter_buckets,
+    pack_bucket,
+    unpack_bucket,
+)
 from rlite.training.backend import (
     BackendBase,
     BackendCapabilities,
