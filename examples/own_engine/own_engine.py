@@ -23,7 +23,14 @@ from collections.abc import Iterable
 
 import torch
 
-from rlite.sync import ConnectionChannel, SharedBucketSender, SyncServer, SyncStats, bucket_checksum, pack_bucket
+from rlite.sync import (
+    ConnectionChannel,
+    SharedBucketSender,
+    SyncServer,
+    SyncStats,
+    bucket_checksum,
+    pack_bucket,
+)
 
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> int:
