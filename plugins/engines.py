@@ -60,7 +60,9 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
             **common,
         )
     from rlite.api import TransformersEngine, skeleton_causal_lm
-    from rlite.engines.transformers.engine import load_draft_model  # wiring rlite's own engine: not public API
+
+    # wiring rlite's own engine: not public API
+    from rlite.engines.transformers.engine import load_draft_model
 
     # the trainer syncs every weight before the first rollout: the engine reads none from disk
     model = skeleton_causal_lm(model_config.path, model_config.dtype, cfg.attn_implementation,
@@ -126,7 +128,9 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
             "rollout.engine: sglang is not installed; pip install 'rlite[sglang]' (GPU machines only)"
         ) from None
     from rlite.api import EngineCapabilities, SGLangEngine
-    from rlite.engines.sglang.engine import read_model_config  # wiring rlite's own engine: not public API
+
+    # wiring rlite's own engine: not public API
+    from rlite.engines.sglang.engine import read_model_config
     from rlite.engines.sglang.group import EngineGroup, SGLangGroupMember
     from rlite.engines.sglang.payloads import resolve_engine_dtype, sglang_metadata_cls
     from rlite.engines.sglang.placement import engine_weight_bytes, plan_engines, plan_of

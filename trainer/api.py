@@ -21,7 +21,7 @@ may return a :class:`RewardOutcome` to report counts. Feeding an engine of your 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
 from rlite.config import ConfigError, RunConfig
@@ -89,6 +89,14 @@ from rlite.training.backend import (
 )
 from rlite.training.schedule import build_lr_scheduler
 from rlite.workflows import Action, Environment, SingleTurn
+
+if TYPE_CHECKING:  # the names _LAZY loads on first use, for type checkers and linters
+    from rlite.backends.fsdp2.backend import FSDP2Backend
+    from rlite.engines.sglang.engine import SGLangEngine
+    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.engines.transformers.process import ProcessEngine
+    from rlite.hf_models import apply_lora, load_causal_lm, skeleton_causal_lm
+    from rlite.samples import samples_markdown
 
 _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
