@@ -367,7 +367,9 @@ def update_worker(rank: int, world_size: int, init_file: str, out_file: str, spe
     """One optimizer step of the configured backend on a fixed batch of 16 sequences; rank r takes slice r
     (like ``fixed_batch_update`` in ``tests/workers/rank_workers.py``, with the config's estimator, loss, KL and aggregation)."""
     import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a rank process of its own: its load bars would interleave with rlite's lines
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
