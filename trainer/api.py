@@ -9,7 +9,7 @@ attributes loaded on first use, so ``import rlite.api`` stays light.
 
 Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendCapabilities`,
 :class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`), :class:`RolloutEngine` (with
-:class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`, and for speculative decoding
+:class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`; :class:`EngineWrapper` to wrap one, and for speculative decoding
 :class:`DraftSpec` and :class:`SpeculationStats`) and :class:`SpeculativeDraft` (with
 :class:`DraftContext`; built on :class:`ModelDraft` or :class:`FixedDraft`). Rewards that run a
 model's code: :func:`run_untrusted` (with :class:`SandboxLimits`, :class:`SandboxResult`), and a reward
@@ -34,6 +34,7 @@ from rlite.engines.base import (
     EngineCapabilities,
     EngineDied,
     EngineError,
+    EngineWrapper,
     RolloutEngine,
     SamplingParams,
     SpeculationStats,
@@ -152,6 +153,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "optimizer_state_bytes_to_come",
     # Rollout engines
     "RolloutEngine",
+    "EngineWrapper",
     "EngineCapabilities",
     "EngineContext",
     "RankDevice",

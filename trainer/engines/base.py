@@ -234,3 +234,54 @@ class IdleEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+class EngineWrapper:
+    """An engine that hands every call of the :class:`RolloutEngine` contract on to ``inner``: subclass it
+    and override only what your wrapper changes (count or filter what ``generate`` returns, time a sync).
+
+    ``weight_version`` and ``capabilities`` are the inner engine's (read through, so a sync the inner engine
+    takes is the wrapper's version too); ``update_lora_adapter`` and ``speculation_stats`` are forwarded for
+    inner engines that have them; any other attribute is looked up on ``inner``. Get the inner engine by
+    name with ``rlite.api.registered("rollout_engine", name)`` in your factory (``docs/plugins.md``)."""
+
+    def __init__(self, inner: RolloutEngine) -> None:
+        self.inner = inner
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.inner.weight_version = version
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.inner.generate(prompts, params)
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        return self.inner.update_weights(named_tensors, version)
+
+    def update_lora_adapter(self, named_tensors, config: dict, version: int) -> None:
+        return self.inner.update_lora_adapter(named_tensors, config, version)
+
+    def speculation_stats(self) -> SpeculationStats:
+        return self.inner.speculation_stats()
+
+    def release_memory(self) -> None:
+        return self.inner.release_memory()
+
+    def resume_memory(self) -> None:
+        return self.inner.resume_memory()
+
+    def shutdown(self) -> None:
+        return self.inner.shutdown()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a subclass's __init__ before super().__init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
