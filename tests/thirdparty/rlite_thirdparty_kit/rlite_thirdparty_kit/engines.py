@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from rlite.api import EngineWrapper, registered
 
 COUNTS: Counter[str] = Counter()
-"""What this package's wrappers did in this process: ``generate_calls``, ``completions``, ``backend_steps``."""
+"""What this package's plugins did in this process: ``generate_calls`` and ``completions`` (the wrapper engine),
+``remote_generate_calls`` (the out-of-process engine), ``backend_steps`` and ``backend_skipped_steps``."""
 
 
 @dataclass

@@ -29,6 +29,7 @@ from rlite.api import (
     SharedBucketSender,
     SyncServer,
 )
+from rlite_thirdparty_kit.engines import COUNTS
 
 
 @dataclass
@@ -150,6 +151,7 @@ class RemoteEngine:
         if reply[0] != "ok":
             raise EngineError(f"thirdparty_remote: {reply[1]}")
         _, version, completions = reply
+        COUNTS["remote_generate_calls"] += 1
         return [Completion(index, tokens, logprobs, finish, version) for index, tokens, logprobs, finish in completions]
 
     def update_weights(self, named_tensors, version):
