@@ -4,8 +4,6 @@ are the behaviour policy's (the mismatch metrics see the lag)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -107,19 +105,6 @@ def test_async_refuses_tensor_parallel_replicas(tmp_path, model_dir):
         build_rollouts(cfg, IdleEngine(), None, None, None, layout, None, None)
 
 
-def test_async_over_several_ranks_is_refused_unless_asked_for(tmp_path, model_dir, monkeypatch):
-    from rlite.distributed import DataLayout
-    from rlite.engines.base import IdleEngine
-    from rlite.run.build import EXPERIMENTAL_ASYNC_RANKS, build_rollouts
-
-    monkeypatch.delenv(EXPERIMENTAL_ASYNC_RANKS, raising=False)
-    cfg = tiny_config(model_dir, tmp_path, "rollout.mode=one_step_off", "rollout.engine.args.share_weights=false",
-                      pm=build_plugin_manager(autoload=False))
-    layout = DataLayout(rank=0, size=2, replica_rank=0, replica_size=1)
-    with pytest.raises(ConfigError, match=f"rollout.mode=one_step_off with 2 ranks: .*experimental.*{EXPERIMENTAL_ASYNC_RANKS}=1"):
-        build_rollouts(cfg, IdleEngine(), None, None, None, layout, None, None)
-
-
 class ThreeTurns:
     def reset(self, sample):
         return None
@@ -189,15 +174,6 @@ RANK_RUNS = [
 ]  # fmt: skip
 
 
-# asynchronous rollouts over several ranks are refused unless RLITE_EXPERIMENTAL_ASYNC_RANKS=1: one rank of
-# this fixture died with SIGSEGV in 2 of 2 full-suite runs on a loaded machine (not in 10 runs of this file
-# alone); run these with the variable set while that is investigated
-needs_experimental_ranks = pytest.mark.skipif(
-    os.environ.get("RLITE_EXPERIMENTAL_ASYNC_RANKS") != "1",
-    reason="async over several ranks is experimental (RLITE_EXPERIMENTAL_ASYNC_RANKS=1 runs it)",
-)
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, model_dir):
     """Every run of RANK_RUNS at world size 2, one after the other in the same two processes."""
@@ -207,7 +183,6 @@ def two_ranks(tmp_path_factory, model_dir):
             for name, _ in RANK_RUNS}  # fmt: skip
 
 
-@needs_experimental_ranks
 def test_one_step_off_at_world_size_2_equals_world_size_1(tmp_path, model_dir, two_ranks):
     recorded_runs(0, 1, "", model_dir, str(tmp_path), RANK_RUNS[:1])
     single = torch.load(tmp_path / "one_step_off.rank0.pt", weights_only=False)
@@ -238,7 +213,6 @@ def test_one_step_off_at_world_size_2_equals_world_size_1(tmp_path, model_dir, t
             torch.testing.assert_close(rank["weights"][name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
 
-@needs_experimental_ranks
 def test_async_at_world_size_2_keeps_the_bound_and_max_staleness_0_is_sync_bitwise(two_ranks):
     for sync, zero in zip(two_ranks["sync"], two_ranks["zero"]):  # on each rank
         assert [b["step"] for b in zero["batches"]] == [1, 2, 3]
