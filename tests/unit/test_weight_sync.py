@@ -378,3 +378,23 @@ def test_the_next_all_gather_starts_before_the_current_tensor_is_used(monkeypatc
         ("start", 2), ("finish", 1), ("use", 1),
         ("finish", 2), ("use", 2),
     ]
+
+
+def test_a_consumer_that_stops_early_leaves_no_all_gather_in_flight(monkeypatch):
+    import rlite.backends.fsdp2.weights as ws
+
+    started, finished = [], []
+    monkeypatch.setattr(ws, "_start_full", lambda t, views=False: started.append(int(t)) or t)
+    monkeypatch.setattr(ws, "_finish_full", lambda t: finished.append(int(t)) or t)
+    plan = [(torch.tensor(i), False, f"entry{i}") for i in range(4)]
+    stream = ws._gather_ahead(plan)
+    assert next(stream)[0] == "entry0"
+    stream.close()  # the consumer is done after one tensor: the gather of the second was in flight
+    assert started == finished == [0, 1]
+
+    started.clear(), finished.clear()
+    stream = ws._gather_ahead(plan)
+    next(stream)
+    with pytest.raises(EngineError, match="no parameter"):
+        stream.throw(EngineError("weight sync: engine model has no parameter named 'x'"))
+    assert started == finished == [0, 1]

@@ -60,15 +60,26 @@ def _finish_full(started: torch.Tensor) -> torch.Tensor:
 
 def _gather_ahead(plan: Iterable[tuple[torch.Tensor, bool, Any]]) -> Iterator[tuple[Any, torch.Tensor]]:
     """``(entry, full tensor)`` for each ``(tensor, views, entry)`` of ``plan``, in order, with the
-    all-gather of the next tensor already in flight while the consumer works on this one."""
-    ahead = None
-    for tensor, views, entry in plan:
-        started = (entry, _start_full(tensor, views))
-        if ahead is not None:
-            yield ahead[0], _finish_full(ahead[1])
-        ahead = started
-    if ahead is not None:
-        yield ahead[0], _finish_full(ahead[1])
+    all-gather of the next tensor already in flight while the consumer works on this one.
+
+    A consumer that stops early (an exception in the engine's update, the stream closed) leaves one
+    all-gather started and not waited for; it is waited for here, as the stream ends. Every rank started
+    it, so the wait ends; and no collective is left in flight on the default group (a functional
+    collective must be waited for, or c10d keeps its work registered until the process ends) when
+    the rank goes on to its next collective or tears the group down."""
+    pending: list[tuple[Any, torch.Tensor]] = []  # started, not yet handed to the consumer: at most two
+    try:
+        for tensor, views, entry in plan:
+            pending.append((entry, _start_full(tensor, views)))
+            if len(pending) == 2:
+                entry, started = pending.pop(0)
+                yield entry, _finish_full(started)
+        while pending:
+            entry, started = pending.pop(0)
+            yield entry, _finish_full(started)
+    finally:
+        for _, started in pending:
+            _finish_full(started)
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
