@@ -4,6 +4,8 @@ are the behaviour policy's (the mismatch metrics see the lag)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -41,9 +43,9 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
-def run(model_dir, run_dir, *overrides):
+def run(model_dir, run_dir, *overrides, recorder: Recorder | None = None):
     pm = build_plugin_manager(autoload=False)
-    recorder = Recorder()
+    recorder = recorder or Recorder()
     pm.register(recorder, name="recorder")
     cfg = tiny_config(model_dir, run_dir, "rewards=[digits]", "training.lr=3e-3", "rollout.temperature=1.0",
                       *overrides, pm=pm)  # fmt: skip
@@ -63,6 +65,24 @@ def test_max_staleness_zero_is_the_synchronous_run_bitwise(tmp_path, model_dir):
         assert torch.equal(tensor, zero.weights[name]), name
     assert [r["reward/mean"] for r in sync_rows] == [r["reward/mean"] for r in zero_rows]
     assert all(r["rollout/staleness_max"] == 0 for r in zero_rows)
+
+
+class SlowAfterSync(Recorder):
+    """The trainer lingers after each weight sync, so the producer is drawing the next batch by the time
+    the trainer reports this one."""
+
+    @hookimpl
+    def after_weight_sync(self, step, weight_version, engine):
+        time.sleep(0.5)
+
+
+def test_speculation_metrics_are_those_of_the_steps_batch(tmp_path, model_dir):
+    counts = ("spec/acceptance_rate", "spec/mean_accepted_length", "spec/proposed_per_target_forward")
+    _, sync_rows = run(model_dir, tmp_path / "sync", "training.steps=3", "rollout.draft=ngram")
+    _, zero_rows = run(model_dir, tmp_path / "async", "training.steps=3", "rollout.draft=ngram", "rollout.mode=async",
+                       "rollout.max_staleness=0", recorder=SlowAfterSync())  # fmt: skip
+    assert [[r[k] for k in counts] for r in sync_rows] == [[r[k] for k in counts] for r in zero_rows]
+    assert any(r["spec/proposed_per_target_forward"] > 0 for r in sync_rows)
 
 
 @pytest.mark.parametrize("mode, bound", [("one_step_off", 1), ("async", 2)])

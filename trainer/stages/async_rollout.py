@@ -194,6 +194,7 @@ class AsyncRollouts(Rollouts):
                     restored = self.ready.get(step)  # sampled before the checkpoint this run resumed from
                     if restored is None:
                         self.sampler_at[step] = self.sampler.state_dict()
+                speculation = None
                 if restored is not None:  # every rank's checkpoint kept its batch: no rank samples it
                     batch, stats = copy.copy(restored[0]), dict(restored[1])
                 else:
@@ -209,15 +210,16 @@ class AsyncRollouts(Rollouts):
                         return
                     with self.engine_lock:
                         batch, stats = self.sample(step)
+                        speculation = self.sampling_speculation
                     stats.update({f"rollout/producer_{k}": v for k, v in self.timer.step_metrics().items()})
                 with self.versions:  # the trainer attaches its targets to its own copy, never to this one
                     self.ready[step] = (copy.copy(batch), dict(stats))
-                self.batches.put((step, batch, stats))
+                self.batches.put((step, batch, stats, speculation))
                 with self.versions:
                     self.produced = step
                     self.versions.notify_all()
         except BaseException as exc:  # the trainer re-raises it at its next collect
-            self.batches.put((self.producing, exc, None))
+            self.batches.put((self.producing, exc, None, None))
         finally:
             with self.versions:
                 self.finished = True
@@ -229,7 +231,7 @@ class AsyncRollouts(Rollouts):
             self.thread.start()
         with self.main_timer.phase("rollout_wait"):
             try:
-                produced, batch, stats = self.batches.get(timeout=self.wait_timeout_s)
+                produced, batch, stats, speculation = self.batches.get(timeout=self.wait_timeout_s)
             except queue.Empty:
                 raise RuntimeError(
                     f"step {step}: no rollout batch after {self.wait_timeout_s:g}s (rollout.timeout_s); "
@@ -239,6 +241,7 @@ class AsyncRollouts(Rollouts):
             raise batch
         if produced != step:
             raise RuntimeError(f"step {step}: the producer delivered the batch of step {produced}")
+        self.speculation = speculation  # the producer is drawing the next batch: its stats travel with each batch
         with self.versions:  # a checkpoint from now on is of step - 1 or later
             for done in [k for k in self.ready if k < step]:
                 del self.ready[done]
