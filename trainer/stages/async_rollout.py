@@ -25,6 +25,16 @@ collective (the sync's, the producer's) that another rank never reaches. The pro
 (this agreement, reward and dynamic-sampling reductions) run on a process group of their own
 (:func:`rlite.distributed.new_side_group`), never interleaved with the trainer's on the default group.
 
+What the two threads share, and who owns it when: the engine (the thread that holds ``engine_lock``:
+the producer while it samples, the trainer for a sync or an evaluation it was let in for); the process
+groups (one thread each: :func:`rlite.distributed.new_side_group` says why that is safe, and rlite's
+collectives called without a group run on the calling thread's); a batch (the producer's until it is
+queued; then the trainer's, and the producer keeps only a shallow copy for checkpoints, under
+``versions``); the batch's speculative-decoding counts travel with it (the producer is already counting
+the next batch's). Torch's global random generator is the producer's while it samples (the engine seeds
+it for every call and restores it after); the trainer draws from it only through dropout, so with
+``model.lora.dropout > 0`` the two threads' draws interleave and the batches are not reproducible.
+
 In ``async`` mode a multi-turn rollout lets a pending weight sync in between two turns (a partial rollout): its later turns sample with the new weights, and every token's
 version is recorded (``RolloutBatch.token_weight_versions``); a sample's version is its oldest token's,
 so the bound holds for every token. With ``rollout.partial_segment_tokens`` a sync also gets in
