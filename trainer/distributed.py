@@ -172,13 +172,27 @@ class DataLayout:
         return cls(rank=rank, size=size, replica_leader=rank)
 
 
+# rlite's collectives below take ``group=None`` to mean every rank, sent on the calling thread's group
+# (:func:`thread_group`): the default group on the trainer's thread, the producer's own group on the
+# asynchronous rollouts' producer thread. So no code reached from the producer (sampling, rewards,
+# dynamic sampling, hooks that use these functions) can issue a collective on the default group, where
+# the trainer thread's collectives run: two threads on one gloo or NCCL group could start their
+# collectives in different orders on different ranks and pair up collectives that do not match.
+
+
 def _group_size(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _on_this_thread(group: Any) -> Any:
+    """``group``, or for ``None`` (every rank) the calling thread's group of every rank."""
+    return thread_group() if group is None else group
 
 
 def all_reduce_sum(values: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum a small float64 tensor over the ranks of ``group`` (default: all; a copy in a world of one)."""
     out = values.detach().to(torch.float64).clone()
+    group = _on_this_thread(group)
     if dist.is_initialized() and _group_size(group) > 1:
         dist.all_reduce(out, group=group)
     return out
@@ -187,6 +201,7 @@ def all_reduce_sum(values: torch.Tensor, group: Any = None) -> torch.Tensor:
 def all_reduce_max(values: torch.Tensor, group: Any = None) -> torch.Tensor:
     """The elementwise maximum of a small int64 tensor over the ranks of ``group`` (a copy in a world of one)."""
     out = values.detach().to(torch.int64).clone()
+    group = _on_this_thread(group)
     if dist.is_initialized() and _group_size(group) > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
@@ -195,7 +210,14 @@ def all_reduce_max(values: torch.Tensor, group: Any = None) -> torch.Tensor:
 def new_side_group() -> Any:
     """A process group of every rank, of the default group's backend and timeout, for collectives that
     a second thread issues while the main thread uses the default group (with NCCL: a communicator of
-    its own); ``None`` in a world of one. A collective: every rank calls it, in the same order."""
+    its own); ``None`` in a world of one. A collective: every rank calls it, in the same order.
+
+    Why two threads may each run collectives at once, one per group: a gloo group is an object of its
+    own (its TCP connections, its worker threads and work queue, its count of collectives, which pairs
+    each collective with the same one on the other ranks), and so is an NCCL communicator. Only two
+    threads on *one* group are unsafe: each rank would order their collectives by its own timing. So
+    each group is used by one thread (the side group: the producer's, created before it starts and
+    destroyed after it ends), which :func:`thread_group` makes the default of rlite's collectives."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     if torch.cuda.is_available():  # "cpu:gloo,cuda:nccl", as the default group (process_group_backend)
@@ -220,6 +242,7 @@ def use_thread_group(group: Any) -> None:
 
 def all_gather_objects(obj, group: Any = None):
     """Gather one picklable object per rank of ``group`` (default: all) into a list ordered by rank."""
+    group = _on_this_thread(group)
     if not dist.is_initialized() or _group_size(group) == 1:
         return [obj]
     out = [None] * _group_size(group)
@@ -229,6 +252,7 @@ def all_gather_objects(obj, group: Any = None):
 
 def broadcast_object(obj, src: int, group: Any = None):
     """``obj`` of global rank ``src`` on every rank of ``group`` (unchanged where the group is one rank)."""
+    group = _on_this_thread(group)
     if not dist.is_initialized() or _group_size(group) == 1:
         return obj
     box = [obj]
@@ -238,4 +262,4 @@ def broadcast_object(obj, src: int, group: Any = None):
 
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=thread_group())

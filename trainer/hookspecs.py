@@ -239,6 +239,11 @@ def on_run_start(config: RunConfig, run_dir: Path) -> None:
 def after_rollout(step: int, batch: RolloutBatch) -> None:
     """Called after generation, before rewards. The batch may be modified in place.
 
+    With asynchronous rollouts (``rollout.mode`` other than ``sync``) this runs on the producer thread,
+    while the trainer's thread trains: a collective here must go on that thread's group (rlite's own
+    collectives do with no group given; ``torch.distributed`` calls need
+    ``group=rlite.distributed.thread_group()``), never on the default group.
+
     :param step: the 1-based training step.
     :param batch: the generated samples of this rank (token ids, rollout log-probs, finish reasons).
     """
@@ -246,7 +251,8 @@ def after_rollout(step: int, batch: RolloutBatch) -> None:
 
 @hookspec
 def after_rewards(step: int, batch: RolloutBatch) -> None:
-    """Called after ``batch.scores`` are filled in, before advantages. May modify the scores.
+    """Called after ``batch.scores`` are filled in, before advantages. May modify the scores. Runs on the
+    producer thread with asynchronous rollouts (see :func:`after_rollout`).
 
     :param step: the 1-based training step.
     :param batch: the samples with their scalar rewards in ``batch.scores``.

@@ -131,15 +131,14 @@ BASE = _base_values()
 
 def refusing_rules(case: Case) -> list[Rule]:
     """The rules that refuse ``case``, reading only the keys its options decide (a key that an option
-    not in ``case`` decides is unknown, and a rule reading it does not apply yet). Experimental pairs
-    count as refused, as they are without their environment variable."""
+    not in ``case`` decides is unknown, and a rule reading it does not apply yet)."""
     values = dict(BASE)
     for option, name in case.items():
         values.update(_value(option, name).sets)
     derive(values)
     undecided = set().union(*(o.keys for o in OPTIONS if o.name not in case))
     known = {k: v for k, v in values.items() if k not in undecided}
-    return [rule for rule in RULES if rule.applies(known, env={})]
+    return [rule for rule in RULES if rule.applies(known)]
 
 
 def refusing_rule(case: Case) -> Rule | None:
@@ -270,8 +269,6 @@ def compatibility_markdown() -> str:
     ]
     for rule in RULES:
         when = "when the run starts" if rule.at_start else "when the config loads"
-        if rule.unless_env:
-            when += f" (unless `{rule.unless_env}=1`)"
         lines.append(f"| `{rule.a.shown}` | `{rule.b.shown}` | {rule.why} | {rule.instead} | {when} |")
     lines += ["", "## Options of the matrix", "", "| option | values (first: default) | config |", "|---|---|---|"]
     for option in OPTIONS:

@@ -85,12 +85,10 @@ def test_each_refused_pair_of_the_matrix_is_refused_by_its_rule(tmp_path, models
         pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
     overrides = matrix.case_overrides(case, models)
     if rule.at_start and case["world_size"] == "2":
-        env = run_in_subprocess_env()
-        env.pop("RLITE_EXPERIMENTAL_ASYNC_RANKS", None)  # what the code does today: refused without it
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                                "-m", "rlite", "train", str(config_file(tmp_path, models)), *overrides,
                                "training.steps=1", "checkpoint.resume=never"],
-                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                              env=run_in_subprocess_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
         err = done.stderr
         code = 2 if "exitcode  : 2" in err else done.returncode  # torchrun reports its ranks' status so
     else:
@@ -128,9 +126,9 @@ def test_case_runs_and_keeps_the_invariants(tmp_path, models, case):
     assert matrix.invariant_failures(case, records, STEPS) == []
 
 
-def test_rules_read_the_registry_and_the_environment(tmp_path, models, monkeypatch):
+def test_rules_read_the_registry(tmp_path, models):
     from rlite.config import ConfigError
-    from rlite.config.compat import EXPERIMENTAL_ASYNC_RANKS, check_compatibility
+    from rlite.config.compat import check_compatibility
     from rlite.hookspecs import hookimpl
     from rlite.plugin_manager import build_plugin_manager
     from rlite.testing import tiny_config
@@ -145,9 +143,7 @@ def test_rules_read_the_registry_and_the_environment(tmp_path, models, monkeypat
     # a plugin's single-turn workflow is single-turn for the rules (its registration says so, not its name)
     cfg = tiny_config(models["model"], tmp_path, "rollout.workflow=one_shot", "rollout.draft=ngram", pm=pm)
     cfg.rollout.mode, cfg.rollout.engine.args["process"] = "one_step_off", True
-    monkeypatch.delenv(EXPERIMENTAL_ASYNC_RANKS, raising=False)
-    with pytest.raises(ConfigError, match="rollout.mode=one_step_off with 2 ranks"):
-        check_compatibility(cfg, pm, world_size=2)
-    check_compatibility(cfg, pm, world_size=1)
-    monkeypatch.setenv(EXPERIMENTAL_ASYNC_RANKS, "1")
-    check_compatibility(cfg, pm, world_size=2)  # the experimental pair, asked for
+    check_compatibility(cfg, pm)
+    with pytest.raises(ConfigError, match="rollout.workflow=one_shot \\(multi-turn\\) with rollout.draft=ngram"):
+        check_compatibility(cfg)  # without the registry only single_turn is single-turn
+    check_compatibility(cfg, pm, world_size=2)  # asynchronous rollouts over several ranks run

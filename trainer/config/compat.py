@@ -16,15 +16,11 @@ A setting that one backend or engine would silently ignore belongs here, refused
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rlite.config.schema import Choice, ConfigError
-
-EXPERIMENTAL_ASYNC_RANKS = "RLITE_EXPERIMENTAL_ASYNC_RANKS"
-"""Set to 1 to run asynchronous rollouts over more than one rank (refused by default: see docs/multiturn.md)."""
 
 RUN_FACTS = ("world_size", "model.moe", "model.records_routing")
 """Keys of :class:`Setting` s that the config alone does not decide: the number of data-parallel ranks
@@ -77,20 +73,15 @@ class Rule:
     b: Setting
     why: str
     instead: str
-    unless_env: str | None = None
-    """An environment variable that, set to 1, lets the pair run anyway (experimental pairs)."""
 
     @property
     def at_start(self) -> bool:
         """Checked when the run starts (a side is a run fact), not when the config loads."""
         return self.a.key in RUN_FACTS or self.b.key in RUN_FACTS
 
-    def applies(self, values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
-        """Both sides match ``values`` (a key missing from them: not known yet, no match), and the
-        environment (``os.environ`` unless given) does not set :attr:`unless_env`."""
+    def applies(self, values: Mapping[str, Any]) -> bool:
+        """Both sides match ``values`` (a key missing from them: not known yet, no match)."""
         if any(side.key not in values for side in (self.a, self.b)):
-            return False
-        if self.unless_env and (os.environ if env is None else env).get(self.unless_env) == "1":
             return False
         return self.a.matches(values[self.a.key]) and self.b.matches(values[self.b.key])
 
@@ -113,8 +104,6 @@ SHARES_WEIGHTS = Setting("rollout.engine_shares_weights", bool,
                          "the in-process transformers engine with rollout.engine.args.share_weights=true",
                          lambda v: "rollout.engine=transformers in process with rollout.engine.args.share_weights=true",
                          names=("rollout.engine.args.share_weights",))
-MANY_RANKS = Setting("world_size", lambda n: n > 1, "world size > 1", lambda v: f"{v['world_size']} ranks",
-                     names=("ranks",))
 DENSE_MODEL = Setting("model.moe", lambda moe: not moe, "a dense model (no Mixture-of-Experts layers)",
                       lambda v: f"the dense model model.path={v['model.path']!r}", names=("model.path",))
 RECORDS_ROUTING = Setting("model.records_routing", bool,
@@ -186,11 +175,6 @@ RULES: tuple[Rule, ...] = (
          "the engine samples while the trainer updates, so it needs its own copy of the weights",
          "set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true), or rollout.mode=sync"),
     # -- facts known when the run starts ------------------------------------------------------------
-    Rule(differs("rollout.mode", "sync", "rollout.mode=one_step_off"), MANY_RANKS,
-         "asynchronous rollouts over several ranks are experimental: in the test suite one rank died with SIGSEGV "
-         "under load (2026-11-26, not yet understood)",
-         f"use rollout.mode=sync or one process, or set {EXPERIMENTAL_ASYNC_RANKS}=1 to run them anyway",
-         unless_env=EXPERIMENTAL_ASYNC_RANKS),
     Rule(equals("algorithm.routing_replay", "rollout"), DENSE_MODEL,
          "the model has no Mixture-of-Experts layers (nothing to replay)", "set algorithm.routing_replay=none"),
     Rule(equals("model.lora.enabled", True), MOE_MODEL,

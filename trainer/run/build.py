@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from rlite.config import ConfigError, RunConfig, config_to_yaml
-from rlite.config.compat import EXPERIMENTAL_ASYNC_RANKS, check_compatibility  # noqa: F401 (the name tests use)
 from rlite.data import PromptSampler, load_prompt_splits
 from rlite.distributed import DataLayout, DistContext, init_distributed, new_side_group
 from rlite.drafts import DraftContext, SpeculativeDraft
@@ -292,7 +291,6 @@ def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: 
     mode = cfg.rollout.mode
     if mode == "sync":
         return Rollouts(*args)
-    check_compatibility(cfg, world_size=layout.size)
     if layout.replica_size > 1:
         raise ConfigError(
             f"rollout.mode={mode}: asynchronous rollouts need every rank to sample its own batch, and this backend "

@@ -25,6 +25,16 @@ collective (the sync's, the producer's) that another rank never reaches. The pro
 (this agreement, reward and dynamic-sampling reductions) run on a process group of their own
 (:func:`rlite.distributed.new_side_group`), never interleaved with the trainer's on the default group.
 
+What the two threads share, and who owns it when: the engine (the thread that holds ``engine_lock``:
+the producer while it samples, the trainer for a sync or an evaluation it was let in for); the process
+groups (one thread each: :func:`rlite.distributed.new_side_group` says why that is safe, and rlite's
+collectives called without a group run on the calling thread's); a batch (the producer's until it is
+queued; then the trainer's, and the producer keeps only a shallow copy for checkpoints, under
+``versions``); the batch's speculative-decoding counts travel with it (the producer is already counting
+the next batch's). Torch's global random generator is the producer's while it samples (the engine seeds
+it for every call and restores it after); the trainer draws from it only through dropout, so with
+``model.lora.dropout > 0`` the two threads' draws interleave and the batches are not reproducible.
+
 In ``async`` mode a multi-turn rollout lets a pending weight sync in between two turns (a partial rollout): its later turns sample with the new weights, and every token's
 version is recorded (``RolloutBatch.token_weight_versions``); a sample's version is its oldest token's,
 so the bound holds for every token. With ``rollout.partial_segment_tokens`` a sync also gets in
@@ -194,6 +204,7 @@ class AsyncRollouts(Rollouts):
                     restored = self.ready.get(step)  # sampled before the checkpoint this run resumed from
                     if restored is None:
                         self.sampler_at[step] = self.sampler.state_dict()
+                speculation = None
                 if restored is not None:  # every rank's checkpoint kept its batch: no rank samples it
                     batch, stats = copy.copy(restored[0]), dict(restored[1])
                 else:
@@ -209,15 +220,16 @@ class AsyncRollouts(Rollouts):
                         return
                     with self.engine_lock:
                         batch, stats = self.sample(step)
+                        speculation = self.sampling_speculation
                     stats.update({f"rollout/producer_{k}": v for k, v in self.timer.step_metrics().items()})
                 with self.versions:  # the trainer attaches its targets to its own copy, never to this one
                     self.ready[step] = (copy.copy(batch), dict(stats))
-                self.batches.put((step, batch, stats))
+                self.batches.put((step, batch, stats, speculation))
                 with self.versions:
                     self.produced = step
                     self.versions.notify_all()
         except BaseException as exc:  # the trainer re-raises it at its next collect
-            self.batches.put((self.producing, exc, None))
+            self.batches.put((self.producing, exc, None, None))
         finally:
             with self.versions:
                 self.finished = True
@@ -229,7 +241,7 @@ class AsyncRollouts(Rollouts):
             self.thread.start()
         with self.main_timer.phase("rollout_wait"):
             try:
-                produced, batch, stats = self.batches.get(timeout=self.wait_timeout_s)
+                produced, batch, stats, speculation = self.batches.get(timeout=self.wait_timeout_s)
             except queue.Empty:
                 raise RuntimeError(
                     f"step {step}: no rollout batch after {self.wait_timeout_s:g}s (rollout.timeout_s); "
@@ -239,6 +251,7 @@ class AsyncRollouts(Rollouts):
             raise batch
         if produced != step:
             raise RuntimeError(f"step {step}: the producer delivered the batch of step {produced}")
+        self.speculation = speculation  # the producer is drawing the next batch: its stats travel with each batch
         with self.versions:  # a checkpoint from now on is of step - 1 or later
             for done in [k for k in self.ready if k < step]:
                 del self.ready[done]

@@ -71,7 +71,11 @@ class Rollouts:
         self.top_logprobs = 0
         """The policy's top log-probs per generated token the draft learns from (0: none)."""
         self.speculation: SpeculationStats | None = None
-        """What speculative decoding did in this step's rollout (all its rounds; this rank's engine)."""
+        """What speculative decoding did in the rollout of the batch :meth:`collect` returned last (all its
+        rounds; this rank's engine)."""
+        self.sampling_speculation: SpeculationStats | None = None
+        """What speculative decoding has done so far in the batch :meth:`sample` is drawing (with
+        asynchronous rollouts, a step ahead of :attr:`speculation`)."""
         self.eval_sample_count = 0
         """Generations per mode an evaluation keeps in :attr:`eval_samples` (``logging.samples_per_step``)."""
         self.eval_samples: list[dict] = []
@@ -153,6 +157,7 @@ class Rollouts:
         """This rank's batch of the step (:meth:`sample`), then the engine releases its memory: the
         log-probs and the update that follow get it, and the weight sync takes it back."""
         batch, stats = self.sample(step)
+        self.speculation = self.sampling_speculation
         self.engine.release_memory()
         return batch, stats
 
@@ -166,7 +171,7 @@ class Rollouts:
         """
         algo, per_rank = self.algorithm, self.per_rank
         kept, spare, stats_sum, rounds = [], [], {}, 0
-        self.speculation = SpeculationStats() if self.speculating else None
+        self.sampling_speculation = SpeculationStats() if self.speculating else None
         while True:
             rounds += 1
             with self.timer.phase("generation"):
@@ -210,7 +215,7 @@ class Rollouts:
             return self._generate_turns(prompts, params, step, extra_round)
         completions = (self.partial or engine).generate([p.prompt_ids for p in prompts], params)
         if self.speculating:
-            self.speculation += engine.speculation_stats()
+            self.sampling_speculation += engine.speculation_stats()
         self.check_versions(completions, step)
         batch = build_rollout_batch(
             [p.prompt_ids for p in prompts],

@@ -60,15 +60,36 @@ def _finish_full(started: torch.Tensor) -> torch.Tensor:
 
 def _gather_ahead(plan: Iterable[tuple[torch.Tensor, bool, Any]]) -> Iterator[tuple[Any, torch.Tensor]]:
     """``(entry, full tensor)`` for each ``(tensor, views, entry)`` of ``plan``, in order, with the
-    all-gather of the next tensor already in flight while the consumer works on this one."""
-    ahead = None
-    for tensor, views, entry in plan:
-        started = (entry, _start_full(tensor, views))
+    all-gather of the next tensor already in flight while the consumer works on this one.
+
+    One all-gather at a time: the next starts only once this one is complete. Two in flight at once on
+    a gloo group (each on one of the group's worker threads) corrupted the heap ("malloc(): unaligned
+    tcache chunk detected", SIGSEGV) about once in a thousand streams of a tiny model's weights over two
+    ranks, in a loop that did nothing else (benchmarks/RESULTS.md, 2026-11-26); on a GPU the all-gathers
+    queue on one stream anyway.
+    A consumer that stops early (an exception in the engine's update, the stream closed) leaves the
+    started all-gather to be waited for here, as the stream ends: every rank started it, so the wait
+    ends, and no collective is left in flight on the default group (a functional collective must be
+    waited for) when the rank goes on to its next collective or tears the group down."""
+    ahead = None  # (entry, its all-gather): started, not yet waited for
+
+    def finish() -> tuple[Any, torch.Tensor]:
+        nonlocal ahead
+        entry, started = ahead
+        ahead = None
+        return entry, _finish_full(started)
+
+    try:
+        for tensor, views, entry in plan:
+            done = finish() if ahead is not None else None
+            ahead = (entry, _start_full(tensor, views))
+            if done is not None:
+                yield done
         if ahead is not None:
-            yield ahead[0], _finish_full(ahead[1])
-        ahead = started
-    if ahead is not None:
-        yield ahead[0], _finish_full(ahead[1])
+            yield finish()
+    finally:
+        if ahead is not None:
+            finish()
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
