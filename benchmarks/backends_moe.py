@@ -53,9 +53,9 @@ def megatron_version() -> str:
     return version("megatron-core")
 
 
-def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str) -> dict:
-    run_dir = work / tag
-    overrides = [
+def overrides_for(backend: str, model_dir: Path, run_dir: Path, steps: int) -> list[str]:
+    """The job's config: the same for both backends but ``parallelism.backend``."""
+    return [
         f"model.path={model_dir}", "data.task=addition", "data.num_train=256", "data.num_eval=16",
         f"training.steps={steps}", "training.micro_batch_size=32", "training.eval_every=0", "training.num_threads=1",
         "rollout.prompts_per_step=8", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=16",
@@ -63,6 +63,11 @@ def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str)
         "logging.plot=false", "logging.loggers=[jsonl]", "checkpoint.every=0", "checkpoint.save_final=false",
         "checkpoint.export_hf=false", "checkpoint.resume=never",
     ]
+
+
+def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str) -> dict:
+    run_dir = work / tag
+    overrides = overrides_for(backend, model_dir, run_dir, steps)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     spec = json.dumps({"overrides": overrides, "run_dir": str(run_dir)})
     out = subprocess.run([sys.executable, "-c", CHILD, spec], capture_output=True, text=True, env=env, timeout=1800)

@@ -90,6 +90,7 @@ _LAZY = {
     "apply_lora": "rlite.hf_models",
     "skeleton_causal_lm": "rlite.hf_models",
     "samples_markdown": "rlite.samples",
+    "chunked_logprobs": "rlite.training.logprobs",
 }
 
 

@@ -26,6 +26,7 @@ for dense models (MoE with TP needs sequence parallelism, which needs Transforme
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -199,7 +200,8 @@ def vocab_parallel_logprobs(
 def same_shape_across_expert_ranks(ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad a micro-batch (rows at the bottom, columns at the right, all masked) to the largest shape in
     the expert-parallel group: megatron's allgather token dispatcher gathers equal-sized token blocks.
-    Padded tokens are routed like any token but attend to nothing and are cut from the output."""
+    Padded tokens are routed like any token; being after every real token (or in rows of their own)
+    they are never attended by one under causal attention, and they are cut from the output."""
     from megatron.core import parallel_state
 
     if parallel_state.get_expert_model_parallel_world_size() == 1:
@@ -211,42 +213,160 @@ def same_shape_across_expert_ranks(ids: torch.Tensor, attention: torch.Tensor) -
     return torch.nn.functional.pad(ids, pad), torch.nn.functional.pad(attention, pad)
 
 
+def left_aligned_columns(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(columns, shift)``: each row's columns rotated left past its leading padding, so that
+    ``x.gather(1, columns)`` starts every row with its first real token and puts all padding at the end;
+    ``shift`` ``[B]`` is each row's number of leading padding columns. ``None`` when some row has
+    padding between real tokens (then it cannot be right-aligned away)."""
+    seq = attention.shape[1]
+    shift = (attention.cumsum(1) == 0).sum(1)
+    columns = (torch.arange(seq, device=attention.device) + shift[:, None]) % seq
+    aligned = attention.gather(1, columns)
+    if not bool((aligned[:, 1:] <= aligned[:, :-1]).all()):
+        return None
+    return columns, shift
+
+
+def attention_mask(attention: torch.Tensor, *, right_padded: bool) -> torch.Tensor:
+    """True where masked. Right-padded rows need the causal mask alone, ``[1, 1, S, S]`` broadcast over
+    the batch (what megatron's causal mask type builds itself when given none, but on ``"cuda"``
+    whatever the device, in ``transformer/utils.py::get_default_causal_mask``); rows with padding
+    between real tokens get the dense ``[B, 1, S, S]`` causal-and-padding mask."""
+    seq = attention.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention.device).triu(1)[None, None]
+    return causal if right_padded else causal | (attention == 0)[:, None, None, :]
+
+
+@contextlib.contextmanager
+def returning_hidden_states(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, ``GPTModel.forward`` returns the decoder's output ``[S, B, H]`` (final norm applied) and
+    skips the output layer: megatron-core's ``_postprocess`` returns the hidden states when the model
+    is not the last pipeline stage (``post_process=False``), before it computes logits."""
+    model.post_process = False
+    try:
+        yield
+    finally:
+        model.post_process = True
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """This TP rank's ``[vocab / TP, H]`` rows of the output layer (the embedding when tied)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def vocab_parallel_chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, spec: ForwardSpec,
+    *, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``[N]`` (and entropies) from hidden states ``[N, H]`` with the output layer's rows split
+    over TP ranks, ``spec.chunk_size`` tokens at a time: each chunk's ``[tokens, vocab / TP]`` logits go
+    through :func:`vocab_parallel_logprobs` and, with gradients, are recomputed in backward (activation
+    checkpointing) rather than kept. The hidden states enter as megatron's column-parallel output
+    layer takes them (identity forward, gradients summed over the TP group)."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = copy_to_tensor_model_parallel_region(hidden)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+
+    def chunk(h, w, y):
+        logits = (h @ w.t()).float() / spec.temperature
+        logprobs, entropy = vocab_parallel_logprobs(
+            logits, y, vocab_size, with_entropy=with_entropy, entropy_grad=spec.entropy_grad
+        )
+        return logprobs, torch.zeros_like(logprobs) if entropy is None else entropy
+
+    logprobs, entropy = [], []
+    for start in range(0, hidden.shape[0], spec.chunk_size):
+        args = (hidden[start : start + spec.chunk_size], weight, targets[start : start + spec.chunk_size])
+        lp, ent = checkpoint(chunk, *args, use_reentrant=False) if needs_grad else chunk(*args)
+        logprobs.append(lp)
+        entropy.append(ent)
+    if not logprobs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logprobs), torch.cat(entropy)
+
+
+def response_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, spec: ForwardSpec,
+    *, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``[N]`` of ``targets`` ``[N]`` from the hidden states ``[N, H]`` that
+    predict them, never holding more than one chunk's logits: at TP=1 rlite's chunked output layer
+    (the one fsdp2 uses: hand-written backward, logits kept only under ``spec.recompute_above_bytes``),
+    at TP>1 its vocabulary-parallel counterpart."""
+    from megatron.core import parallel_state
+
+    from rlite.api import chunked_logprobs
+
+    weight = output_weight(model)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return vocab_parallel_chunked_logprobs(hidden, weight, targets, vocab_size, spec, with_entropy=with_entropy)
+    weight = weight[:vocab_size] if weight.shape[0] > vocab_size else weight
+    recompute = hidden.shape[0] * weight.shape[0] * 4 > spec.recompute_above_bytes
+    return chunked_logprobs(
+        hidden, weight, targets, temperature=spec.temperature, chunk_size=spec.chunk_size, with_entropy=with_entropy,
+        entropy_grad=spec.entropy_grad, recompute=recompute,
+    )
+
+
 def gpt_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` log-probs (and entropies) of a batch's responses.
+
+    Attention: each row is rotated left past its prompt's left padding (:func:`left_aligned_columns`),
+    so its real tokens sit at positions ``0..L-1`` (the positions Hugging Face gives them) and all its
+    padding comes after them: a plain causal mask is then exact for every real token and no ``[B, 1, S, S]``
+    mask is built. Output layer: only the response positions' hidden states go through
+    it, in chunks (:func:`response_logprobs`)."""
     inputs = model_inputs(batch, exact_layout=spec.exact_layout)
     # the batch lives on the CPU (rollouts, loss); the model may be on a GPU: inputs go to the model's
     # device, log-probs come back to the batch's
     device = next(model.parameters()).device
-    ids, attention = same_shape_across_expert_ranks(inputs.input_ids.to(device), inputs.attention_mask.to(device))
-    seq = ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).triu(1)
-    padding = (attention == 0)[:, None, None, :]
-    mask = causal[None, None] | padding  # True: masked out
-    position_ids = torch.arange(seq, device=ids.device).expand_as(ids)  # rotary: only differences count
-    rows, cols = inputs.input_ids.shape
+    ids, attention = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    rows, cols = ids.shape
     routing = inputs.routed_experts
     if spec.routing is not None and spec.routing.replay and routing is None:
         raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
+    aligned = left_aligned_columns(attention)
+    shift = torch.zeros(rows, dtype=torch.long, device=device)
+    if aligned is not None:
+        columns, shift = aligned
+        ids, attention = ids.gather(1, columns), attention.gather(1, columns)
+        if routing is not None:
+            routing = routing.to(device)
+            routing = routing.gather(1, columns[:, :, None, None].expand_as(routing))
+    ids, attention = same_shape_across_expert_ranks(ids, attention)
+    mask = attention_mask(attention, right_padded=aligned is not None)
+    position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
     if routing is not None:  # padded like the tokens (-1: no recorded choice)
         routing = torch.nn.functional.pad(
-            routing.to(ids.device), (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
+            routing.to(device), (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
         )
-    with routing_context(model, spec.routing, routing):
-        logits = model(ids, position_ids, mask)[:rows, :cols]
-    ids = inputs.input_ids.to(device)
+    with routing_context(model, spec.routing, routing), returning_hidden_states(model):
+        hidden = model(ids, position_ids, mask)  # [S, B, H]
     start, width = inputs.response_start, inputs.response_mask.shape[1]
-    logits = logits[:, start - 1 : start - 1 + width].float() / spec.temperature
-    targets = ids[:, start : start + width]
-    logprobs, entropy = vocab_parallel_logprobs(
-        logits, targets, vocab_size, with_entropy=with_entropy, entropy_grad=spec.entropy_grad
+    # the hidden state predicting response token t of row b: original column start - 1 + t, shifted
+    predicting = torch.arange(start - 1, start - 1 + width, device=device)[None] - shift[:, None]
+    hidden = hidden.transpose(0, 1)[:rows]
+    hidden = hidden.gather(1, predicting[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    selected = inputs.response_mask.to(device).bool()
+    targets = inputs.input_ids.to(device)[:, start : start + width]
+    logprobs_flat, entropy_flat = response_logprobs(
+        model, hidden[selected], targets[selected], vocab_size, spec, with_entropy=with_entropy
     )
     home = batch.response_mask.device
-    logprobs, entropy = logprobs.to(home), None if entropy is None else entropy.to(home)
-    m = inputs.response_mask.to(device=home, dtype=logprobs.dtype)
+    logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device).masked_scatter(selected, logprobs_flat)
     full = batch.response_ids.shape[1]
-    logprobs = pad_to_width(logprobs * m, full)
-    return logprobs, None if entropy is None else pad_to_width(entropy * m, full)
+    logprobs = pad_to_width(logprobs.to(home), full)
+    if not with_entropy:
+        return logprobs, None
+    entropy = torch.zeros(rows, width, dtype=torch.float32, device=device).masked_scatter(selected, entropy_flat)
+    return logprobs, pad_to_width(entropy.to(home), full)
 
 
 # --------------------------------------------------------------------------------------------------
