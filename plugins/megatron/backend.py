@@ -415,7 +415,11 @@ def hf_weights(model_cfg) -> tuple[Any, Mapping[str, Any], Mapping[str, torch.Te
 class MegatronBackend(BackendBase):
     """A megatron-core ``GPTModel`` with AdamW and rlite's LR schedule."""
 
-    capabilities = BackendCapabilities(lora=False, critic=False, weight_views=False, routing_replay=True)
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        # one rank holding every weight whole: Hugging Face tensors can be views of the parameters
+        whole = self.cfg.tensor_parallel == 1 and self.cfg.expert_parallel == 1
+        return BackendCapabilities(lora=False, critic=False, weight_views=whole, routing_replay=True)
 
     def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
         from megatron.core import parallel_state
@@ -546,9 +550,10 @@ class MegatronBackend(BackendBase):
         )
 
     # -- weights out ------------------------------------------------------------------------------
-    def _full_megatron(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _full_megatron(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight, full (TP shards gathered, experts broadcast by their owner), in the order of
-        :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`. A collective."""
+        :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`. A collective. ``views``: a weight
+        this rank holds whole is the parameter itself (detached), not a copy."""
         from megatron.core import parallel_state
 
         params = dict(self.model.named_parameters())
@@ -561,7 +566,8 @@ class MegatronBackend(BackendBase):
                 owner = expert // per_rank
                 local_name = f"{prefix}{expert - owner * per_rank}{suffix}"
                 if ep_size == 1:
-                    yield name, params[local_name].detach().clone()
+                    local = params[local_name].detach()
+                    yield name, local if views else local.clone()
                     continue
                 group = parallel_state.get_expert_model_parallel_group()
                 tensor = params[local_name].detach().clone() if owner == self.ep_rank else torch.empty_like(params[local_name])
@@ -570,14 +576,18 @@ class MegatronBackend(BackendBase):
                 continue
             local = params[name].detach()
             if tp_size == 1 or tp_layout(name) == "replicated":
-                yield name, local.clone()
+                yield name, local if views else local.clone()
                 continue
             shards = [torch.empty_like(local) for _ in range(tp_size)]
             dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
             yield name, tp_merge(name, shards)
 
     def full_weights(self, *, views: bool = False):
-        return megatron_to_hf(self._full_megatron(), self.shape)
+        """Hugging Face tensors streamed as each megatron weight is gathered. With ``views`` (one rank,
+        TP=EP=1) the conversion's slices and row splits (embedding, norms, projections, ``gate || up``
+        halves, experts) are views of the parameters, so an engine sharing the trainer's weights binds
+        them once and later syncs move no bytes for them; the grouped QKV split is a fresh tensor."""
+        return megatron_to_hf(self._full_megatron(views), self.shape)
 
     def lora_adapter(self):
         return None

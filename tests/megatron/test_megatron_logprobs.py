@@ -1,7 +1,8 @@
-"""How the megatron backend gets log-probs (issue #32): from the decoder's hidden states through a
+"""The megatron backend's fast paths (issue #32). Log-probs: from the decoder's hidden states through a
 chunked output layer (no ``[tokens, vocab]`` logits kept for backward, megatron's output layer never
 called) and with a causal ``[1, 1, S, S]`` mask instead of a ``[B, 1, S, S]`` one, each row rotated
-past its left padding; equal to the dense-mask path, which rows with holes in their padding still take."""
+past its left padding; equal to the dense-mask path, which rows with holes in their padding still take. Weight sync on one rank:
+the Hugging Face tensors are views of the parameters, so an engine that shares weights binds them once."""
 
 from __future__ import annotations
 
@@ -69,3 +70,16 @@ def test_hidden_states_through_a_chunked_output_layer_with_a_causal_mask(backend
     for name, param in model.named_parameters():
         if name in grads:
             torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_one_rank_weights_out_are_views_of_the_parameters(backend):
+    assert backend.capabilities.weight_views
+    storages = {p.untyped_storage().data_ptr() for p in backend.model.parameters()}
+    viewed = {name for name, tensor in backend.full_weights(views=True) if tensor.untyped_storage().data_ptr() in storages}
+    assert {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate.weight", "model.norm.weight",
+            "model.embed_tokens.weight"} <= viewed
+    copied = {name for name, tensor in backend.full_weights() if tensor.untyped_storage().data_ptr() in storages}
+    assert not copied, "without views every tensor is the consumer's own"
+    views = dict(backend.full_weights(views=True))
+    for name, tensor in backend.full_weights():
+        assert torch.equal(tensor, views[name]), name
