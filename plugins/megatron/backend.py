@@ -83,7 +83,7 @@ def init_model_parallel(tp: int, ep: int) -> None:
     )
 
 
-def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: torch.dtype):
+def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: torch.dtype, recompute: bool = False):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -130,6 +130,9 @@ def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: tor
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
+        # parallelism.activation_checkpointing: every transformer layer keeps only its input for backward
+        # and runs again there (megatron's "full" recompute, one layer per checkpoint)
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
         **moe,
     )
 
@@ -445,6 +448,12 @@ class MegatronBackend(BackendBase):
                 "parallelism.backend.args.tensor_parallel > 1 with a Mixture-of-Experts model needs sequence "
                 "parallelism, which needs Transformer Engine's norms: use expert_parallel instead"
             )
+        if self.shape.is_moe and config.parallelism.activation_checkpointing and config.algorithm.routing_replay != "none":
+            raise ConfigError(
+                "parallelism.activation_checkpointing=true with algorithm.routing_replay: megatron recomputes each "
+                "layer in backward, where rlite's replay of the engine's routing is no longer installed (the "
+                "recomputed routers would route naturally); set one of them off"
+            )
         if self.shape.is_moe and self.shape.num_experts % cfg.expert_parallel:
             raise ConfigError(
                 f"parallelism.backend.args.expert_parallel={cfg.expert_parallel} must divide the "
@@ -464,7 +473,10 @@ class MegatronBackend(BackendBase):
     def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """A ``GPTModel`` holding this rank's part of the Hugging Face weights."""
         cfg = self.cfg
-        tcfg = transformer_config(self.shape, tp=cfg.tensor_parallel, ep=cfg.expert_parallel, params_dtype=torch.float32)
+        tcfg = transformer_config(
+            self.shape, tp=cfg.tensor_parallel, ep=cfg.expert_parallel, params_dtype=torch.float32,
+            recompute=self.config.parallelism.activation_checkpointing,
+        )
         model = build_gpt_model(self.shape, tcfg, cfg.tensor_parallel)
         load_weights(model, hf_to_megatron_local(
             hf_state, self.shape, tp_rank=self.tp_rank, tp_size=cfg.tensor_parallel, ep_rank=self.ep_rank,

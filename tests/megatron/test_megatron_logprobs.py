@@ -14,6 +14,7 @@ pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'r
 import torch.distributed as dist  # noqa: E402
 
 import rlite.plugins.megatron as megatron_plugin  # noqa: E402
+from rlite.api import ConfigError  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
 from rlite.plugins.megatron import backend as megatron_backend  # noqa: E402
 from rlite.plugins.megatron.backend import left_aligned_columns  # noqa: E402
@@ -83,3 +84,46 @@ def test_one_rank_weights_out_are_views_of_the_parameters(backend):
     views = dict(backend.full_weights(views=True))
     for name, tensor in backend.full_weights():
         assert torch.equal(tensor, views[name]), name
+
+
+def test_activation_checkpointing_recomputes_layers_with_the_same_numbers(tmp_path):
+    """``parallelism.activation_checkpointing``: megatron's full recompute keeps each layer's input only
+    (far fewer bytes saved for backward) and gives the same log-probs and gradients bitwise."""
+    model_dir = build_tiny_model_dir(tmp_path / "moe", hidden=32, layers=2, num_experts=4, experts_per_token=2)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(megatron_plugin, name="rlite.plugins.megatron")
+    batch = fixed_batch(num_prompts=4, samples=4, prompt_len=8, max_len=8, vocab=250)
+    spec = ForwardSpec(micro_batch_size=16, temperature=1.0, chunk_size=64, exact_layout=False)
+    runs = {}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for recompute in (False, True):
+            cfg = tiny_config(model_dir, tmp_path / str(recompute), "parallelism.backend=megatron",
+                              f"parallelism.activation_checkpointing={recompute}", pm=pm)
+            backend = megatron_plugin.make_megatron(cfg, megatron_plugin.MegatronConfig(), torch.device("cpu"), 1)
+            backend.train_mode()
+            saved = {}
+
+            def pack(tensor, saved=saved):
+                base = tensor if tensor._base is None else tensor._base
+                if not (base.is_leaf and base.requires_grad):  # weights are not activations
+                    saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                logprobs, _ = backend.logprobs(batch, spec)
+            logprobs.sum().backward()
+            grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+            runs[recompute] = (logprobs.detach(), grads, sum(saved.values()))
+            backend.close()
+        with pytest.raises(ConfigError, match="recomputes each layer"):
+            cfg = tiny_config(model_dir, tmp_path / "replay", "parallelism.backend=megatron",
+                              "parallelism.activation_checkpointing=true", "algorithm.routing_replay=rollout", pm=pm)
+            megatron_plugin.make_megatron(cfg, megatron_plugin.MegatronConfig(), torch.device("cpu"), 1)
+    finally:
+        dist.destroy_process_group()
+    assert runs[True][2] * 4 < runs[False][2], (runs[True][2], runs[False][2])
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert runs[True][1].keys() == runs[False][1].keys()
+    for name, grad in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], grad), name

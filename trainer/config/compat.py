@@ -139,9 +139,6 @@ RULES: tuple[Rule, ...] = (
          f"set parallelism.reduce_dtype=float32, {ON_FSDP2}"),
     Rule(MEGATRON, differs("model.dtype", "float32", "model.dtype=bfloat16"), FLOAT32_ONLY.replace("parameters", "master weights"),
          f"set model.dtype=float32, {ON_FSDP2}"),
-    Rule(MEGATRON, equals("parallelism.activation_checkpointing", True),
-         "the megatron backend does not recompute activations (it would be silently ignored)",
-         f"set parallelism.activation_checkpointing=false, {ON_FSDP2}"),
     Rule(MEGATRON, equals("parallelism.cpu_offload", True),
          "the megatron backend keeps parameters, gradients and optimizer state on the training device (it would be "
          "silently ignored)", f"set parallelism.cpu_offload=false, {ON_FSDP2}"),
