@@ -6,11 +6,12 @@ MoE layers with the ``allgather`` token dispatcher, rotary attention. Weights co
 Face checkpoint through :mod:`rlite.plugins.megatron.convert` and go back the same way for weight
 sync and export.
 
-Log-probs: megatron's output layer gives this TP rank's slice of the vocabulary; the log-softmax is
-taken across slices (max and sum all-reduced, the gradient of the sum is the identity on each rank,
-as in megatron's own cross entropy), logits of padded vocabulary rows are masked out. Left padding:
-megatron's rotary embedding numbers positions 0..S-1 for every row, Hugging Face skips the padding;
-rotary attention depends only on position differences, so the two agree up to float rounding.
+Log-probs: the decoder's hidden states at the response positions go through the output layer in
+chunks (rlite's chunked output layer at TP=1, as fsdp2's; at TP>1 each chunk's log-softmax is taken
+across the ranks' vocabulary slices, max and sum all-reduced, the gradient of the sum the identity on
+each rank as in megatron's own cross entropy, padded vocabulary rows masked out), so no
+``[tokens, vocab]`` logits are kept for backward. Padding: each row is rotated past its left padding,
+so its tokens get Hugging Face's positions and one causal ``[S, S]`` mask is exact.
 
 Gradients: the loss of each rank is already scaled for averaging over data-parallel ranks (rlite's
 global normalisation), so dense gradients are summed over the data-parallel group and divided by its
