@@ -100,7 +100,8 @@ class Rule:
 
 MEGATRON = equals("parallelism.backend", "megatron")
 FLOAT32_ONLY = ("megatron-core's GPTModel here keeps float32 parameters, gradients and optimizer state (no mixed "
-                "precision), so this would be silently ignored")  # fmt: skip
+                "precision: bf16 parameters with float32 main gradients need megatron-core's mixed-precision optimizer, "
+                "which makes CUDA tensors in 0.16.1 and is not wired in), so this would be silently ignored")  # fmt: skip
 ON_FSDP2 = "or use parallelism.backend=fsdp2, which implements it"
 MULTI_TURN = Setting("rollout.multi_turn", bool, "a multi-turn rollout.workflow",
                      lambda v: f"rollout.workflow={v['rollout.workflow']} (multi-turn)",
