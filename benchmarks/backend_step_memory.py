@@ -1,7 +1,7 @@
 """One training micro-batch of the tiny MoE job of ``backends_moe.py``, fsdp2 against megatron in one
 process (world of one): the bytes autograd saves for backward (tensors counted once per storage; the
-activation memory that a step's peak grows with) and the seconds of forward + backward (median of
-``--repeats``, the two backends alternating).
+activation memory that a step's peak grows with), the seconds of forward + backward and of one pass
+over ``full_weights`` as a weight sync makes it (medians of ``--repeats``, the two backends alternating).
 
     python benchmarks/backend_step_memory.py [--rows 32] [--prompt 12] [--response 16] [--repeats 5] [--vocab 32000]
 
@@ -40,6 +40,14 @@ def saved_bytes_and_seconds(backend, batch, spec) -> tuple[int, float]:
     return sum(storages.values()), seconds
 
 
+def full_weights_seconds(backend) -> float:
+    """One pass over ``full_weights`` as the weight sync asks for it of an engine sharing the trainer's weights."""
+    start = time.perf_counter()
+    for _ in backend.full_weights(views=backend.capabilities.weight_views):
+        pass
+    return time.perf_counter() - start
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=32)
@@ -71,14 +79,17 @@ def main() -> int:
         spec = ForwardSpec(micro_batch_size=args.rows, temperature=1.0, chunk_size=1024, exact_layout=False,
                            entropy_grad=False, recompute_above_bytes=64 * 2**20)
         results = {name: [] for name in backends}
+        syncs = {name: [] for name in backends}
         for _ in range(args.repeats):
             for name, backend in backends.items():
                 results[name].append(saved_bytes_and_seconds(backend, batch, spec))
+                syncs[name].append(full_weights_seconds(backend))
     print(f"micro-batch: {args.rows} rows, prompts up to {args.prompt} tokens, responses up to {args.response}, "
           f"vocabulary {args.vocab or 'of the tokenizer (259)'}")
     for name, runs in results.items():
         print(f"{name:9s} saved for backward {runs[-1][0] / 2**20:7.2f} MiB   forward+backward "
-              f"{statistics.median(s for _, s in runs) * 1000:7.1f} ms (median of {len(runs)})")
+              f"{statistics.median(s for _, s in runs) * 1000:7.1f} ms (median of {len(runs)})   full_weights "
+              f"{statistics.median(syncs[name]) * 1000:6.2f} ms")
     return 0
 
 

@@ -462,6 +462,7 @@ class MegatronBackend(BackendBase):
             )
         self.full_names = [name for name, _ in hf_to_megatron_full(names, self.shape, tp_size=cfg.tensor_parallel)]
         self.model = self._build_model(hf_state)
+        self.weight_plan: list[tuple[str, torch.Tensor, int | None, bool]] | None = None  # on the first sync
         del hf_state, names  # the megatron model holds this rank's part
         train = config.training
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -563,37 +564,46 @@ class MegatronBackend(BackendBase):
         )
 
     # -- weights out ------------------------------------------------------------------------------
+    def _weight_plan(self) -> list[tuple[str, torch.Tensor, int | None, bool]]:
+        """Per full megatron weight, in :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`'s order:
+        ``(name, this rank's parameter, the expert's owning EP rank or None, whether it is TP-split)``.
+        Worked out once: the parameters are updated in place, never replaced."""
+        params = dict(self.model.named_parameters())
+        ep_size, tp_size = self.cfg.expert_parallel, self.cfg.tensor_parallel
+        per_rank = self.shape.num_experts // ep_size if self.shape.is_moe else 0
+        plan = []
+        for name in self.full_names:
+            parts = expert_index(name)
+            if parts is not None:
+                prefix, expert, suffix = parts
+                owner = expert // per_rank
+                plan.append((name, params[f"{prefix}{expert - owner * per_rank}{suffix}"], owner, False))
+            else:
+                plan.append((name, params[name], None, tp_size > 1 and tp_layout(name) != "replicated"))
+        return plan
+
     def _full_megatron(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight, full (TP shards gathered, experts broadcast by their owner), in the order of
         :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`. A collective. ``views``: a weight
         this rank holds whole is the parameter itself (detached), not a copy."""
         from megatron.core import parallel_state
 
-        params = dict(self.model.named_parameters())
-        tp_size, ep_size = self.cfg.tensor_parallel, self.cfg.expert_parallel
-        per_rank = self.shape.num_experts // ep_size if self.shape.is_moe else 0
-        for name in self.full_names:
-            parts = expert_index(name)
-            if parts is not None:
-                prefix, expert, suffix = parts
-                owner = expert // per_rank
-                local_name = f"{prefix}{expert - owner * per_rank}{suffix}"
-                if ep_size == 1:
-                    local = params[local_name].detach()
-                    yield name, local if views else local.clone()
-                    continue
+        if self.weight_plan is None:
+            self.weight_plan = self._weight_plan()
+        ep_size = self.cfg.expert_parallel
+        for name, param, owner, tp_split in self.weight_plan:
+            local = param.detach()
+            if owner is not None and ep_size > 1:
                 group = parallel_state.get_expert_model_parallel_group()
-                tensor = params[local_name].detach().clone() if owner == self.ep_rank else torch.empty_like(params[local_name])
+                tensor = local.clone() if owner == self.ep_rank else torch.empty_like(local)
                 dist.broadcast(tensor, src=dist.get_global_rank(group, owner), group=group)
                 yield name, tensor
-                continue
-            local = params[name].detach()
-            if tp_size == 1 or tp_layout(name) == "replicated":
+            elif tp_split:
+                shards = [torch.empty_like(local) for _ in range(self.cfg.tensor_parallel)]
+                dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+                yield name, tp_merge(name, shards)
+            else:
                 yield name, local if views else local.clone()
-                continue
-            shards = [torch.empty_like(local) for _ in range(tp_size)]
-            dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-            yield name, tp_merge(name, shards)
 
     def full_weights(self, *, views: bool = False):
         """Hugging Face tensors streamed as each megatron weight is gathered. With ``views`` (one rank,
