@@ -59,7 +59,10 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
             weights_from_sync=True,
             **common,
         )
-    from rlite.api import TransformersEngine, load_draft_model, skeleton_causal_lm
+    from rlite.api import TransformersEngine, skeleton_causal_lm
+
+    # wiring rlite's own engine: not public API
+    from rlite.engines.transformers.engine import load_draft_model
 
     # the trainer syncs every weight before the first rollout: the engine reads none from disk
     model = skeleton_causal_lm(model_config.path, model_config.dtype, cfg.attn_implementation,
@@ -124,18 +127,13 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         raise ImportError(
             "rollout.engine: sglang is not installed; pip install 'rlite[sglang]' (GPU machines only)"
         ) from None
-    from rlite.api import (
-        EngineCapabilities,
-        EngineGroup,
-        SGLangEngine,
-        SGLangGroupMember,
-        engine_weight_bytes,
-        plan_engines,
-        plan_of,
-        read_model_config,
-        resolve_engine_dtype,
-        sglang_metadata_cls,
-    )
+    from rlite.api import EngineCapabilities, SGLangEngine
+
+    # wiring rlite's own engine: not public API
+    from rlite.engines.sglang.engine import read_model_config
+    from rlite.engines.sglang.group import EngineGroup, SGLangGroupMember
+    from rlite.engines.sglang.payloads import resolve_engine_dtype, sglang_metadata_cls
+    from rlite.engines.sglang.placement import engine_weight_bytes, plan_engines, plan_of
 
     weight_dtype = resolve_engine_dtype(cfg.dtype, read_model_config(model_config.path))
     quantization_config = None

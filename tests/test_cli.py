@@ -229,11 +229,12 @@ def test_plugins_json(fake_plugin, capsys) -> None:
 def test_train_warns_about_plugins_that_failed_to_load(tmp_path, monkeypatch, capsys):
     import rlite.cli as cli
     import rlite.loop
+    import rlite.plugin_manager
     from rlite.plugin_manager import PluginInfo, build_plugin_manager
 
     pm = build_plugin_manager(autoload=False)
     pm.failed.append(PluginInfo("broken", "rlite-broken", "1.0", [], error="failed to load 'x:y': ImportError: nope"))
-    monkeypatch.setattr(cli, "build_manager", lambda **kwargs: pm)
+    monkeypatch.setattr(rlite.plugin_manager, "build_manager", lambda **kwargs: pm)
     ran = []
     monkeypatch.setattr(rlite.loop, "run_training", lambda cfg, pm, preemption=None: ran.append(cfg))
     config = tmp_path / "run.yaml"

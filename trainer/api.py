@@ -1,24 +1,27 @@
 """The public plugin API: everything a plugin (built in or third-party) imports from rlite.
 
 Built-in plugins (``rlite.plugins.*``) import from here and nowhere else in rlite, so a third-party
-package can do all they do. What is listed here is stable across minor versions; everything else is
-rlite's inside. Implementations with heavy dependencies (the FSDP2 backend, the engines, Hugging Face
-loading) are attributes loaded on first use, so ``import rlite.api`` stays light.
+package can do all they do (the plugins that wire rlite's own engines and backend also reach into those
+implementations' packages). What ``__all__`` lists, exactly the list under "The public API" in
+``docs/plugins.md`` (tested), is stable across minor versions; everything else is rlite's inside.
+Implementations with heavy dependencies (the FSDP2 backend, the engines, Hugging Face loading) are
+attributes loaded on first use, so ``import rlite.api`` stays light.
 
 Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendCapabilities`,
 :class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`), :class:`RolloutEngine` (with
-:class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`, and for speculative decoding
+:class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`; :class:`EngineWrapper` to wrap one, and for speculative decoding
 :class:`DraftSpec` and :class:`SpeculationStats`) and :class:`SpeculativeDraft` (with
 :class:`DraftContext`; built on :class:`ModelDraft` or :class:`FixedDraft`). Rewards that run a
 model's code: :func:`run_untrusted` (with :class:`SandboxLimits`, :class:`SandboxResult`), and a reward
-may return a :class:`RewardOutcome` to report counts. Hook specs:
+may return a :class:`RewardOutcome` to report counts. Feeding an engine of your own: the weight-sync kit
+(:class:`SharedBucketSender`, :class:`SyncServer`, ..., also :mod:`rlite.sync`). Hook specs:
 :mod:`rlite.hookspecs`; writing plugins: ``docs/plugins.md``.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
 from rlite.config import ConfigError, RunConfig
@@ -31,6 +34,7 @@ from rlite.engines.base import (
     EngineCapabilities,
     EngineDied,
     EngineError,
+    EngineWrapper,
     RolloutEngine,
     SamplingParams,
     SpeculationStats,
@@ -59,6 +63,21 @@ from rlite.sandbox import (
     probe_isolation,
     run_untrusted,
 )
+from rlite.sync import (
+    ALIGNMENT,
+    BucketMeta,
+    Channel,
+    ConnectionChannel,
+    SharedBucketReceiver,
+    SharedBucketSender,
+    SyncServer,
+    SyncStats,
+    TensorMeta,
+    bucket_checksum,
+    iter_buckets,
+    pack_bucket,
+    unpack_bucket,
+)
 from rlite.training.backend import (
     BackendBase,
     BackendCapabilities,
@@ -72,20 +91,19 @@ from rlite.training.backend import (
 from rlite.training.schedule import build_lr_scheduler
 from rlite.workflows import Action, Environment, SingleTurn
 
+if TYPE_CHECKING:  # the names _LAZY loads on first use, for type checkers and linters
+    from rlite.backends.fsdp2.backend import FSDP2Backend
+    from rlite.engines.sglang.engine import SGLangEngine
+    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.engines.transformers.process import ProcessEngine
+    from rlite.hf_models import apply_lora, load_causal_lm, skeleton_causal_lm
+    from rlite.samples import samples_markdown
+
 _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
     "TransformersEngine": "rlite.engines.transformers.engine",
     "ProcessEngine": "rlite.engines.transformers.process",
-    "load_draft_model": "rlite.engines.transformers.engine",
     "SGLangEngine": "rlite.engines.sglang.engine",
-    "read_model_config": "rlite.engines.sglang.engine",
-    "SGLangGroupMember": "rlite.engines.sglang.group",
-    "EngineGroup": "rlite.engines.sglang.group",
-    "plan_engines": "rlite.engines.sglang.placement",
-    "plan_of": "rlite.engines.sglang.placement",
-    "engine_weight_bytes": "rlite.engines.sglang.placement",
-    "resolve_engine_dtype": "rlite.engines.sglang.payloads",
-    "sglang_metadata_cls": "rlite.engines.sglang.payloads",
     "load_causal_lm": "rlite.hf_models",
     "apply_lora": "rlite.hf_models",
     "skeleton_causal_lm": "rlite.hf_models",
@@ -100,65 +118,99 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'rlite.api' has no attribute {name!r}")
 
 
-__all__ = [
-    "registered",
-    "Action",
-    "AdvantageInput",
-    "BackendBase",
-    "BackendCapabilities",
-    "Completion",
-    "ConfigError",
-    "CorrectionOutput",
-    "CriticModel",
-    "DRAFT_PREFIX",
-    "DataLayout",
-    "DraftContext",
-    "DraftSpec",
-    "EngineCapabilities",
-    "EngineContext",
-    "EngineDied",
-    "EngineError",
-    "Environment",
-    "Isolation",
-    "FixedDraft",
-    "ForwardSpec",
-    "LoraAdapter",
-    "ModelDraft",
-    "Register",
-    "RankDevice",
-    "RewardOutcome",
-    "RolloutBatch",
-    "RolloutEngine",
-    "RouterHooks",
-    "RoutingPlan",
-    "RoutingStats",
-    "RunConfig",
-    "SANDBOX_KINDS",
-    "SamplingParams",
-    "SandboxLimits",
-    "SandboxResult",
-    "SandboxUnavailable",
-    "ScoringModel",
-    "SingleTurn",
-    "SpeculationStats",
-    "SpeculativeDraft",
-    "TrainTargets",
-    "TrainingBackend",
-    "build_lr_scheduler",
-    "check_draft_vocabulary",
-    "fraction",
+__all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/architecture/test_public_api.py)
+    # Plugins and config
     "hookimpl",
-    "log_or_neg_inf",
-    "masked_log_ratio",
+    "Register",
+    "registered",
+    "RunConfig",
+    "ConfigError",
+    # Advantages, losses, KL and corrections
+    "AdvantageInput",
     "masked_mean",
     "masked_whiten",
-    "model_inputs",
-    "optimizer_state_bytes_to_come",
-    "pad_to_width",
-    "probe_isolation",
-    "run_untrusted",
+    "CorrectionOutput",
+    "fraction",
+    "log_or_neg_inf",
+    "masked_log_ratio",
     "sequence_mean",
     "sequence_sum",
     "weight_stats",
-    *_LAZY,
+    # The batch
+    "RolloutBatch",
+    "TrainTargets",
+    "model_inputs",
+    "pad_to_width",
+    # Training backends
+    "TrainingBackend",
+    "BackendBase",
+    "BackendCapabilities",
+    "ForwardSpec",
+    "LoraAdapter",
+    "ScoringModel",
+    "CriticModel",
+    "DataLayout",
+    "build_lr_scheduler",
+    "optimizer_state_bytes_to_come",
+    # Rollout engines
+    "RolloutEngine",
+    "EngineWrapper",
+    "EngineCapabilities",
+    "EngineContext",
+    "RankDevice",
+    "SamplingParams",
+    "Completion",
+    "EngineError",
+    "EngineDied",
+    # Weight sync
+    "SharedBucketSender",
+    "SyncServer",
+    "SharedBucketReceiver",
+    "Channel",
+    "ConnectionChannel",
+    "SyncStats",
+    "iter_buckets",
+    "pack_bucket",
+    "unpack_bucket",
+    "bucket_checksum",
+    "TensorMeta",
+    "BucketMeta",
+    "ALIGNMENT",
+    # Speculative decoding
+    "SpeculativeDraft",
+    "DraftContext",
+    "DraftSpec",
+    "SpeculationStats",
+    "ModelDraft",
+    "FixedDraft",
+    "check_draft_vocabulary",
+    "DRAFT_PREFIX",
+    # MoE routing
+    "RoutingPlan",
+    "RoutingStats",
+    "RouterHooks",
+    # Rewards and running a model's code
+    "RewardOutcome",
+    "run_untrusted",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "Isolation",
+    "probe_isolation",
+    "SANDBOX_KINDS",
+    # Multi-turn workflows
+    "Environment",
+    "Action",
+    "SingleTurn",
+    # Loggers
+    "samples_markdown",
+    # Models
+    "load_causal_lm",
+    "skeleton_causal_lm",
+    "apply_lora",
+    # rlite's own implementations
+    "FSDP2Backend",
+    "TransformersEngine",
+    "ProcessEngine",
+    "SGLangEngine",
 ]

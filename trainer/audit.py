@@ -12,7 +12,7 @@ n/a), model-parallel sizes (1). Each check prints what it measured:
 * ``world size 2 == 1`` and ``micro-batch x accumulation``: one optimizer step of the configured backend,
   estimator, loss, KL and aggregation on a fixed batch gives the same weights and loss at 2 ranks x 2
   micro-batches (spawned processes, gloo) and at 1 x 4 micro-batches as at 1 x 1 (the machinery of
-  ``tests/invariants``: :func:`update_worker` follows :func:`rlite.testing.fixed_batch_update`).
+  ``tests/invariants``: :func:`update_worker` follows ``fixed_batch_update`` of ``tests/workers/rank_workers.py``).
 * ``weight sync``: after every step the engine reports the step as its weight version, and the SHA-256 of
   the tensors it received equals that of the stream the trainer's weights produce for that engine
   (same dtype, quantizer and LoRA mode).
@@ -365,9 +365,11 @@ class UpdateSpec:
 
 def update_worker(rank: int, world_size: int, init_file: str, out_file: str, spec: UpdateSpec, micro: int) -> None:
     """One optimizer step of the configured backend on a fixed batch of 16 sequences; rank r takes slice r
-    (like :func:`rlite.testing.fixed_batch_update`, with the config's estimator, loss, KL and aggregation)."""
+    (like ``fixed_batch_update`` in ``tests/workers/rank_workers.py``, with the config's estimator, loss, KL and aggregation)."""
     import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a rank process of its own: its load bars would interleave with rlite's lines
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)

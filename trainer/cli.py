@@ -17,15 +17,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pluggy
-
 from rlite import __version__
-from rlite.config import ConfigError, RunConfig, config_to_yaml, load_config
-from rlite.plugin_manager import (
+from rlite.config import ConfigError, config_to_yaml
+from rlite.plugin_manager import (  # noqa: F401 (load_run_config: the name tests and scripts use)
     REGISTRY_KINDS,
     PluginError,
     RlitePluginManager,
-    build_plugin_manager,
+    build_manager,
+    load_run_config,
 )
 from rlite.rewards import RewardFailureError
 from rlite.run.faults import RunStopped
@@ -205,26 +204,6 @@ def dispatch(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 # train / config
 # --------------------------------------------------------------------------------------------------
-
-
-def load_run_config(path: str, overrides: Sequence[str]) -> tuple[RunConfig, RlitePluginManager]:
-    """Read the ``plugins`` section, build the plugin manager it asks for, then validate against it.
-
-    Named choices can only be checked once the third-party plugins are known, and which plugins load
-    is itself configured, so the config is read twice: first without the registry check.
-    """
-    discovery = load_config(path, overrides, pm=False).plugins
-    pm = build_manager(autoload=discovery.autoload, only=discovery.enable)
-    cfg = load_config(path, overrides, pm=pm)
-    return cfg, pm
-
-
-def build_manager(autoload: bool | None = None, only: list[str] | None = None) -> RlitePluginManager:
-    """``build_plugin_manager`` with a hook-name typo turned into a one-line error."""
-    try:
-        return build_plugin_manager(autoload=autoload, only=only)
-    except pluggy.PluginValidationError as exc:
-        raise PluginError("; ".join(str(exc).splitlines())) from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 
 from rlite.config import ConfigError, RunConfig
 from rlite.data import format_prompt
-from rlite.plugin_manager import RlitePluginManager
+from rlite.plugin_manager import RlitePluginManager, load_run_config
 
 
 @dataclass
@@ -132,8 +132,6 @@ def open_chat_model(target: str | Path, *, raw: bool = False, dtype: str = "floa
 
 def load_run_folder_config(run_dir: Path) -> tuple[RunConfig, RlitePluginManager]:
     """The run's resolved ``config.yaml``, validated against the installed plugins (as ``rlite train``)."""
-    from rlite.cli import load_run_config
-
     return load_run_config(str(run_dir / "config.yaml"), [])
 
 

@@ -15,13 +15,14 @@ import importlib
 import importlib.metadata
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
 
 from rlite import hookspecs
+from rlite.config import RunConfig, load_config
 from rlite.config.choices import REGISTRY_KINDS
 from rlite.config.schema import UnknownChoiceError
 
@@ -273,3 +274,23 @@ def registered(kind: str, name: str) -> Registered:
     if kind not in REGISTRY_KINDS:
         raise KeyError(unknown_choice_message("kind", kind, sorted(REGISTRY_KINDS), "registry kind"))
     return get_plugin_manager().registry(kind).get(name)
+
+
+def load_run_config(path: str, overrides: Sequence[str]) -> tuple[RunConfig, RlitePluginManager]:
+    """Read the ``plugins`` section, build the plugin manager it asks for, then validate against it.
+
+    Named choices can only be checked once the third-party plugins are known, and which plugins load
+    is itself configured, so the config is read twice: first without the registry check.
+    """
+    discovery = load_config(path, overrides, pm=False).plugins
+    pm = build_manager(autoload=discovery.autoload, only=discovery.enable)
+    cfg = load_config(path, overrides, pm=pm)
+    return cfg, pm
+
+
+def build_manager(autoload: bool | None = None, only: list[str] | None = None) -> RlitePluginManager:
+    """``build_plugin_manager`` with a hook-name typo turned into a one-line error."""
+    try:
+        return build_plugin_manager(autoload=autoload, only=only)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError("; ".join(str(exc).splitlines())) from None

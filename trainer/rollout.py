@@ -1,4 +1,7 @@
-"""The batch of samples one rank trains on, and the tensors the model sees.
+"""The batch of samples one rank trains on, the completions it is built from, and the tensors the model sees.
+
+This module is below the engines: an engine returns :class:`Completion` s, and nothing here imports an
+engine (``tests/architecture/test_layering.py``).
 
 Layout: prompts left-padded to width P, responses right-padded to width T, so that response token
 ``t`` of every row sits at column ``P + t`` and is predicted by column ``P - 1 + t``.
@@ -11,8 +14,52 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import Completion
-from rlite.engines.transformers.engine import left_pad, position_ids_from_mask
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt."""
+
+    prompt_index: int
+    """Index of the prompt in the request."""
+    token_ids: list[int]
+    """Generated tokens, including the stop token if one ended the completion."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the engine's (temperature-scaled) distribution."""
+    finish_reason: str
+    """``stop`` (a stop token was produced) or ``length`` (max_new_tokens reached)."""
+    weight_version: int
+    """Version of the weights the engine sampled with."""
+    routed_experts: Any = None
+    """With ``SamplingParams.return_routed_experts``: int32 ``[len(prompt) + len(token_ids) - 1,
+    num_hidden_layers, top_k]`` numpy array, the experts each MoE layer routed every token the
+    engine ran to (prompt, then generated tokens but the last; -1 in dense layers), SGLang's
+    ``routed_experts`` layout (:mod:`rlite.moe_routing`)."""
+    top_ids: Any = None
+    """With ``SamplingParams.top_logprobs = k``: int64 ``[len(token_ids), k]`` numpy array, the k most
+    likely tokens of the policy at each generated position (most likely first)."""
+    top_logprobs: Any = None
+    """Their log-probs, float32 ``[len(token_ids), k]``, from ``log_softmax(logits / temperature)``."""
+    token_weight_versions: list[int] | None = None
+    """Per generated token, the weight version that sampled it, for a generation that a weight sync
+    interrupted and that went on with the new weights (``rollout.partial_segment_tokens``); then
+    ``weight_version`` is the oldest. ``None``: every token was sampled with ``weight_version``."""
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack prompts into ``[B, P]`` ids and mask, padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: the first real token is position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @dataclass

@@ -4,10 +4,18 @@
 * no core module imports a heavy optional dependency at module level (transformers, peft, datasets,
   SGLang, megatron-core, liger, ...): they load inside the functions that need them;
 * built-in plugins import from rlite only through the public API (``rlite.api``) and their own
-  package, like a third-party plugin;
+  package, like a third-party plugin; a plugin that wires one of rlite's own implementations (the
+  engines, the FSDP2 backend) may also import that implementation's package, which is not public API;
 * the config (schema and loader) never imports the plugin manager: registries are passed in;
 * the loop and its stages talk to backends and engines through their contracts, never importing an
-  implementation (``rlite.backends.*``, ``rlite.engines.transformers``, ``rlite.engines.sglang``).
+  implementation (``rlite.backends.*``, ``rlite.engines.transformers``, ``rlite.engines.sglang``);
+* the batch type (``rlite.rollout``) imports no engine module (``rlite.engines.*``): engines build on
+  it, not the other way round;
+* no import cycle among rlite's modules. Every import counts: at module level, inside a function and
+  under ``if TYPE_CHECKING:``. A late import hides a cycle from Python, not from the reader (the two
+  modules still cannot be understood or changed one without the other), and a type-only import is still
+  a dependency; a cycle is broken by moving what both need into a module below them.
+  ``from package import name`` counts as an import of ``package.name`` when that is a module.
 
 Each rule is also run on a planted violation, so a checker that finds nothing cannot pass.
 """
@@ -23,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("transformers", "peft", "datasets", "sglang", "megatron", "liger_kernel", "trl", "tensorboard", "wandb",
          "math_verify", "matplotlib")
 IMPLEMENTATIONS = ("rlite.backends", "rlite.engines.transformers", "rlite.engines.sglang")
+BATCH_TYPE = "rlite.rollout"
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -52,6 +61,75 @@ def imports(tree: ast.AST) -> list[tuple[str, bool]]:
     return found
 
 
+def every_import(tree: ast.AST, *, names: bool = False) -> list[str]:
+    """Every module an import names, wherever it stands (``if TYPE_CHECKING:`` and functions included).
+    ``names``: ``from package import name`` also gives ``package.name``, which :func:`import_graph`
+    keeps only where it is a module."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+            if names:
+                found.extend(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """rlite module -> the rlite modules it imports (a name that is no module resolves to the nearest
+    enclosing one: ``rlite.engines.base.Completion`` -> ``rlite.engines.base``)."""
+    paths = {module_name(path, root): path
+             for path in sorted([*(root / "trainer").rglob("*.py"), *(root / "plugins").rglob("*.py")])}  # fmt: skip
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        targets = set()
+        for imported in every_import(ast.parse(path.read_text(), str(path)), names=True):
+            parts = imported.split(".")
+            while parts and ".".join(parts) not in paths:
+                parts.pop()
+            target = ".".join(parts)
+            if target and target != name and not name.startswith(target + "."):  # a package's own __init__ is no edge back
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
 def under(module: str, *prefixes: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
@@ -64,7 +142,8 @@ def violations(root: Path) -> list[str]:
         for imported, top in imports(ast.parse(path.read_text(), str(path))):
             if under(name, "rlite.plugins"):
                 own_package = ".".join(name.split(".")[:3])  # a plugin package may import itself
-                if under(imported, "rlite") and imported != "rlite.api" and not under(imported, own_package):
+                if (under(imported, "rlite") and imported != "rlite.api" and not under(imported, own_package)
+                        and not under(imported, *IMPLEMENTATIONS)):
                     found.append(f"{where}: a plugin imports {imported} (use rlite.api)")
                 continue
             if under(imported, "rlite.plugins"):
@@ -75,6 +154,14 @@ def violations(root: Path) -> list[str]:
                 found.append(f"{where}: the config imports the plugin manager")
             if under(name, "rlite.loop", "rlite.stages", "rlite.run") and under(imported, *IMPLEMENTATIONS):
                 found.append(f"{where}: {name} imports the implementation {imported} (use the contract)")
+        if name == BATCH_TYPE:
+            found.extend(f"{where}: the batch type imports the engine module {imported}"
+                         for imported in every_import(ast.parse(path.read_text(), str(path)))
+                         if under(imported, "rlite.engines"))  # fmt: skip
+    graph = import_graph(root)
+    for cycle in import_cycles(graph):
+        edges = "; ".join(f"{a} -> {', '.join(sorted(graph[a] & set(cycle)))}" for a in cycle)
+        found.append(f"import cycle among {', '.join(cycle)}: {edges}")
     return found
 
 
@@ -89,7 +176,10 @@ PLANTED = {
     "trainer/config/loader.py": "def f():\n    from rlite.plugin_manager import get_plugin_manager\n",
     "trainer/stages/sync.py": "from rlite.backends.fsdp2.weights import iter_full_tensors\n",
     "trainer/engines/base.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import sglang  # allowed\n",
+    "plugins/engines.py": "def f():\n    from rlite.engines.sglang.group import EngineGroup  # allowed: wires rlite's own engine\n",
+    "trainer/rollout.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlite.engines.base import Completion\n",
 }
+ALLOWED = ("trainer/engines/base.py", "plugins/engines.py")
 
 
 @pytest.mark.parametrize("planted", sorted(PLANTED))
@@ -99,8 +189,30 @@ def test_a_planted_violation_is_found(tmp_path, planted) -> None:
     target.write_text(PLANTED[planted])
     (tmp_path / "plugins").mkdir(exist_ok=True)
     found = violations(tmp_path)
-    if planted == "trainer/engines/base.py":
+    if planted in ALLOWED:
         assert found == []
     else:
         assert len(found) == 1, found
         assert str(Path(planted)) in found[0]
+
+
+CYCLE = {
+    "trainer/alpha.py": "import torch\n\n\ndef f():\n    from rlite.beta import g  # a late import still counts\n",
+    "trainer/beta.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlite.gamma import h  # so does a type-only one\n",
+    "trainer/gamma.py": "from rlite import alpha\n",
+    "trainer/delta.py": "from rlite.alpha import f  # depends on the cycle, is not in it\n",
+    "trainer/pkg/__init__.py": "from rlite.pkg.inner import x  # a package importing its own module: no cycle\n",
+    "trainer/pkg/inner.py": "import torch\n",
+}
+
+
+def test_a_planted_import_cycle_is_found(tmp_path) -> None:
+    for relative, text in CYCLE.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    (tmp_path / "plugins").mkdir()
+    found = violations(tmp_path)
+    assert len(found) == 1, found
+    assert found[0].startswith("import cycle among rlite.alpha, rlite.beta, rlite.gamma: "), found
+    (tmp_path / "trainer/gamma.py").write_text("import torch\n")
+    assert violations(tmp_path) == []

@@ -23,6 +23,8 @@ BOUNDED_ELSEWHERE = {
     ("engines/transformers/process.py", "conn.recv()"):
         "the engine process's idle loop: it ends with EOF when the trainer goes, and the trainer's side "
         "of every exchange has a timeout",
+    ("sync/transport.py", "self.conn.recv()"):
+        "read only after self.conn.poll(timeout_s) reported the pipe readable",
     ("rewards.py", "self._jobs.get()"):
         "a reward worker thread's idle loop: close() puts one None per thread, and every batch's wait on the "
         "threads has the batch's deadline",

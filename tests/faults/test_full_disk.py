@@ -149,13 +149,13 @@ def test_a_second_ctrl_c_that_interrupts_torch_save_stops_with_130_not_as_a_full
     """torch.save's zip writer turns the KeyboardInterrupt of a second Ctrl-C into the same RuntimeError a
     full disk gives ("unexpected pos"); after a second Ctrl-C it must read as the interrupt (status 130).
     (tests/faults/test_preemption.py's real-signal test hit this when its second SIGINT landed mid-write.)"""
-    import rlite.run.faults as faults
+    import rlite.run.disk as disk
 
     save = torch.save
 
     def interrupted_save(obj, f, *args, **kwargs):
         if str(f).endswith("trainer_state_rank0.pt") and "step_00000002" in str(f):
-            monkeypatch.setattr(faults, "_STOP_NOW", True)  # what the second SIGINT's handler records
+            monkeypatch.setattr(disk, "_STOP_NOW", True)  # what the second SIGINT's handler records
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         return save(obj, f, *args, **kwargs)
 

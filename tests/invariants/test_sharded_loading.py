@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rank_workers import sharded_load
 
-from rlite.testing import sharded_load, spawn_ranks
+from rlite.testing import spawn_ranks
 from rlite.tokenizer import build_tiny_model_dir
 
 

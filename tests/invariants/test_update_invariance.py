@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rank_workers import fixed_batch_update
 
 from rlite.config import LOSS_AGG_MODES
-from rlite.testing import fixed_batch_update, spawn_ranks
+from rlite.testing import spawn_ranks
 from rlite.tokenizer import build_tiny_model_dir
 
 

@@ -10,7 +10,9 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
 
-from rlite.testing import fixed_batch_update, spawn_ranks  # noqa: E402
+from rank_workers import fixed_batch_update  # noqa: E402
+
+from rlite.testing import spawn_ranks  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 
 

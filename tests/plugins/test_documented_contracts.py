@@ -126,7 +126,7 @@ def test_documented_wrapper_engine_composes_the_registered_transformers_engine(t
     own plugin manager (a plugin registered only there is found), and trains with it."""
     from rlite.api import registered
 
-    docs = example_defining("class CountingEngine:", monkeypatch)
+    docs = example_defining("class CountingEngine(EngineWrapper):", monkeypatch)
     pm = build_plugin_manager(autoload=False)
     pm.register(docs, name="docs-wrapper")
     made = []

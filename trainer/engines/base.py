@@ -25,6 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rlite.rollout import Completion  # what generate returns; defined with the batch built from it
+
 
 @dataclass
 class SamplingParams:
@@ -45,36 +47,6 @@ class SamplingParams:
     """Also report, for every generated token, the ``top_logprobs`` most likely tokens of the policy's
     (temperature-scaled) distribution at that position and their log-probs (``Completion.top_ids`` /
     ``top_logprobs``): what a draft distils from."""
-
-
-@dataclass
-class Completion:
-    """One sampled completion of one prompt."""
-
-    prompt_index: int
-    """Index of the prompt in the request."""
-    token_ids: list[int]
-    """Generated tokens, including the stop token if one ended the completion."""
-    logprobs: list[float]
-    """Log-probability of each generated token under the engine's (temperature-scaled) distribution."""
-    finish_reason: str
-    """``stop`` (a stop token was produced) or ``length`` (max_new_tokens reached)."""
-    weight_version: int
-    """Version of the weights the engine sampled with."""
-    routed_experts: Any = None
-    """With ``SamplingParams.return_routed_experts``: int32 ``[len(prompt) + len(token_ids) - 1,
-    num_hidden_layers, top_k]`` numpy array, the experts each MoE layer routed every token the
-    engine ran to (prompt, then generated tokens but the last; -1 in dense layers), SGLang's
-    ``routed_experts`` layout (:mod:`rlite.moe_routing`)."""
-    top_ids: Any = None
-    """With ``SamplingParams.top_logprobs = k``: int64 ``[len(token_ids), k]`` numpy array, the k most
-    likely tokens of the policy at each generated position (most likely first)."""
-    top_logprobs: Any = None
-    """Their log-probs, float32 ``[len(token_ids), k]``, from ``log_softmax(logits / temperature)``."""
-    token_weight_versions: list[int] | None = None
-    """Per generated token, the weight version that sampled it, for a generation that a weight sync
-    interrupted and that went on with the new weights (``rollout.partial_segment_tokens``); then
-    ``weight_version`` is the oldest. ``None``: every token was sampled with ``weight_version``."""
 
 
 @dataclass(frozen=True)
@@ -262,3 +234,54 @@ class IdleEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+class EngineWrapper:
+    """An engine that hands every call of the :class:`RolloutEngine` contract on to ``inner``: subclass it
+    and override only what your wrapper changes (count or filter what ``generate`` returns, time a sync).
+
+    ``weight_version`` and ``capabilities`` are the inner engine's (read through, so a sync the inner engine
+    takes is the wrapper's version too); ``update_lora_adapter`` and ``speculation_stats`` are forwarded for
+    inner engines that have them; any other attribute is looked up on ``inner``. Get the inner engine by
+    name with ``rlite.api.registered("rollout_engine", name)`` in your factory (``docs/plugins.md``)."""
+
+    def __init__(self, inner: RolloutEngine) -> None:
+        self.inner = inner
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.inner.weight_version = version
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.inner.generate(prompts, params)
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        return self.inner.update_weights(named_tensors, version)
+
+    def update_lora_adapter(self, named_tensors, config: dict, version: int) -> None:
+        return self.inner.update_lora_adapter(named_tensors, config, version)
+
+    def speculation_stats(self) -> SpeculationStats:
+        return self.inner.speculation_stats()
+
+    def release_memory(self) -> None:
+        return self.inner.release_memory()
+
+    def resume_memory(self) -> None:
+        return self.inner.resume_memory()
+
+    def shutdown(self) -> None:
+        return self.inner.shutdown()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a subclass's __init__ before super().__init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from rlite.engines.transformers.engine import sample_categorical
+from rlite.engines.sampling import sample_categorical
 
 
 def verify_proposals(

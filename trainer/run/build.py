@@ -1,7 +1,7 @@
 """Building a run from its config: data, the training backend and its reference/critic, the loss, the
 engine (last, so a failure before it leaves no engine process behind), and resuming from a checkpoint.
 
-:class:`Run` holds what :func:`rlite.loop.train` works with; every field names its type.
+:class:`~rlite.run.state.Run` holds what :func:`rlite.loop.train` works with; every field names its type.
 """
 
 from __future__ import annotations
@@ -11,92 +11,39 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from rlite.config import ConfigError, RunConfig, config_to_yaml
 from rlite.config.compat import EXPERIMENTAL_ASYNC_RANKS, check_compatibility  # noqa: F401 (the name tests use)
-from rlite.data import PromptSampler, PromptSet, load_prompt_splits
+from rlite.data import PromptSampler, load_prompt_splits
 from rlite.distributed import DataLayout, DistContext, init_distributed, new_side_group
 from rlite.drafts import DraftContext, SpeculativeDraft
 from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
 from rlite.engines.supervisor import SupervisedEngine
-from rlite.kl_control import KLController, build_kl_controller
+from rlite.kl_control import build_kl_controller
 from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.provenance import append_metrics_record
 from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner
 from rlite.run.checkpoint import find_resume_checkpoint
-from rlite.run.faults import Preemption
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.run.limits import check_run_fits
+from rlite.run.state import Run
 from rlite.samples import SampleWriter
 from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import Rollouts
-from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
-from rlite.stages.sync import Quantizer, check_sync_mode, sync_weights_to_engine
+from rlite.stages.routing import replay_plan, routing_setup
+from rlite.stages.sync import check_sync_mode
 from rlite.stages.targets import TargetsSpec
 from rlite.stages.update import LossSpec
-from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainingBackend
+from rlite.training.backend import ForwardSpec, TrainingBackend
 from rlite.workflows import TurnRunner, turn_format
 
 log = logging.getLogger("rlite")
-
-
-@dataclass
-class Run:
-    """Everything ``train()`` works with, built once by :func:`build_run`."""
-
-    config: RunConfig
-    ctx: DistContext
-    layout: DataLayout
-    """The data-parallel shard of this rank (from the backend)."""
-    pm: RlitePluginManager
-    run_dir: Path
-    tokenizer: Any  # a transformers tokenizer
-    eval_prompts: PromptSet | None
-    sampler: PromptSampler
-    rollouts: Rollouts
-    backend: TrainingBackend
-    reference: ScoringModel | None
-    critic: CriticModel | None
-    engine: RolloutEngine
-    forward: ForwardSpec
-    loss: LossSpec
-    targets: TargetsSpec
-    quantizer: Quantizer | None
-    kl_controller: KLController
-    loggers: list = field(default_factory=list)
-    timer: StepTimer = field(default_factory=StepTimer)
-    start_step: int = 0
-    routing: RoutingSetup | None = None
-    """MoE routing replay and metrics (``None``: a dense model, or both off)."""
-    draft: SpeculativeDraft | None = None
-    """The speculative-decoding draft (``rollout.draft``; ``None``: plain decoding)."""
-    started: float = field(default_factory=time.perf_counter)
-    """``time.perf_counter()`` when the run started being built (the summary's wall time counts from it)."""
-    samples: SampleWriter | None = None
-    """Where rollouts are written for people to read (rank 0 with ``logging.samples_every``; else ``None``)."""
-    in_progress: tuple[int, dict | None] = (0, None)
-    """The step under way and, until its policy update, the state it started from
-    (:func:`rlite.run.lifecycle.step_start_state`); ``None`` once the policy has moved."""
-    preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
-    """The preemption signals' flag (:func:`rlite.loop.run_training` installs its handlers)."""
-    provenance: dict = field(default_factory=dict)
-    """What produced this run (:mod:`rlite.provenance`), written into every checkpoint."""
-    resumed_from: Path | None = None
-    """The checkpoint the run resumed from (``None``: a fresh run)."""
-
-    def sync_weights(self, version: int) -> None:
-        sync_weights_to_engine(
-            self.engine, self.backend, lora_sync=self.config.rollout.lora_sync, quantizer=self.quantizer,
-            version=version, draft=self.draft,
-        )
 
 
 def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool = False) -> Run:

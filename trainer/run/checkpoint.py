@@ -163,7 +163,7 @@ def save_checkpoint(
 def _attempt(write) -> str:
     """Run ``write()``; the error it raised as text ("" when it succeeded). DCP wraps a rank's error
     in a ``CheckpointException`` (a ``BaseException``); a full disk there reads ``[Errno 28]``."""
-    from rlite.run.faults import stop_now_requested
+    from rlite.run.disk import stop_now_requested
 
     try:
         write()
@@ -200,7 +200,7 @@ def _sha256(path: Path) -> str:
 
 
 def _describe_write_failure(step: int, root: Path, error: str) -> str:
-    from rlite.run.faults import free_space_text, is_disk_full
+    from rlite.run.disk import free_space_text, is_disk_full
 
     previous = list_checkpoints(root)
     kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"

@@ -9,11 +9,18 @@ How each one is handled, with the exit codes, is in ``docs/faults.md``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+from rlite.run.disk import (  # noqa: F401 (DISK_FULL_*: the names callers use)
+    DISK_FULL_ERRNOS,
+    DISK_FULL_TEXTS,
+    free_space_text,
+    is_disk_full,
+    request_stop_now,
+    stop_now_requested,
+)
 
 EXIT_STOPPED = 4
 """Exit status of a run that stopped on a fault it cannot get past (too many non-finite updates in a
@@ -46,45 +53,6 @@ def latest_checkpoint_text(run_dir: str | Path) -> str:
     if not found:
         return "no checkpoint was saved yet (checkpoint.every=0): a re-run starts from the beginning"
     return f"the last good checkpoint is {found[-1]}"
-
-
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-"""A full disk, or a full quota (what a shared cluster's home and scratch folders usually run out of)."""
-
-DISK_FULL_TEXTS = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]", "No space left on device", "Disk quota exceeded",
-                   "unexpected pos", "file write failed")
-"""How a full disk reads once it has been turned into text or a RuntimeError: ``torch.save``'s zip writer reports
-ENOSPC as ``[enforce fail at inline_container.cc] unexpected pos`` or ``file write failed``, without the errno."""
-
-
-_STOP_NOW = False
-"""Set by a second Ctrl-C: a write it interrupted fails with whatever the writer makes of it (torch.save's
-zip writer: ``unexpected pos``), which must read as the interrupt, not as a full disk."""
-
-
-def stop_now_requested() -> bool:
-    """Whether a second Ctrl-C asked the run to stop at once."""
-    return _STOP_NOW
-
-
-def is_disk_full(error: BaseException | str) -> bool:
-    """Whether ``error`` (an exception, or its text) says the disk or the quota is full."""
-    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
-        return True
-    text = error if isinstance(error, str) else f"{error}"
-    return any(marker in text for marker in DISK_FULL_TEXTS)
-
-
-def free_space_text(folder: str | Path) -> str:
-    """``"1.25 GiB free of 50.00 GiB"`` for the disk holding ``folder`` (or its nearest existing parent)."""
-    path = Path(folder).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        usage = shutil.disk_usage(path)
-    except OSError:
-        return "free space unknown"
-    return f"{usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.2f} GiB"
 
 
 def disk_full_message(what: str, folder: str | Path, error: BaseException | str, run_dir: str | Path) -> str:
@@ -224,8 +192,7 @@ class Preemption:
         name = signal.Signals(signum).name
         if self.signal_name is not None:
             if signum == signal.SIGINT:
-                global _STOP_NOW
-                _STOP_NOW = True
+                request_stop_now()
                 raise KeyboardInterrupt
             return
         self.signal_name = name

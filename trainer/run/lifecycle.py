@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlite.config import ConfigError, RunConfig
 from rlite.data import PromptSampler
@@ -18,10 +18,8 @@ from rlite.distributed import DistContext
 from rlite.drafts import SpeculativeDraft
 from rlite.kl_control import KLController
 from rlite.run.faults import stop_on_full_disk
+from rlite.run.state import Run
 from rlite.training.backend import CriticModel, TrainingBackend
-
-if TYPE_CHECKING:
-    from rlite.run.build import Run
 
 log = logging.getLogger("rlite")
 

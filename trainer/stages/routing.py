@@ -42,7 +42,7 @@ log = logging.getLogger("rlite")
 
 @dataclass(frozen=True)
 class RoutingSetup:
-    """What a run does with MoE routing (``None`` in :class:`~rlite.run.build.Run` for dense models)."""
+    """What a run does with MoE routing (``None`` in :class:`~rlite.run.state.Run` for dense models)."""
 
     replay: bool
     """The trainer's forwards replay the engine's routing."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
@@ -339,3 +340,132 @@ class SharedBucketReceiver:
         self.version = None
         if missing:
             raise EngineError(f"sync v{version} ended with buckets {missing[:5]} never received")
+
+
+# --------------------------------------------------------------------------------------------------
+# the two ends of a pipe: a channel for the sender, a server for the receiving process
+# --------------------------------------------------------------------------------------------------
+
+SYNC_MESSAGES = ("begin_sync", "bucket", "bucket_checksum", "end_sync", "abort_sync")
+"""The first element of every message :class:`SharedBucketSender` sends."""
+
+
+class ConnectionChannel:
+    """A :class:`Channel` over a ``multiprocessing`` :class:`~multiprocessing.connection.Connection`.
+
+    The simplest link for an engine process of your own (``ctx.Pipe()``): every receive has a timeout,
+    and a closed or silent pipe raises :class:`EngineError`. (``ProcessEngine`` uses a channel that also
+    watches the process and kills it on a timeout.)
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def send(self, message: Any) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
+            raise EngineError(f"weight sync: the receiving end is gone ({e!r})") from None
+
+    def recv(self, timeout_s: float) -> Any:
+        try:
+            if not self.conn.poll(timeout_s):
+                raise EngineError(f"weight sync: no answer within {timeout_s:g} s")
+            return self.conn.recv()
+        except (ConnectionResetError, EOFError, OSError) as e:
+            raise EngineError(f"weight sync: the receiving end is gone ({e!r})") from None
+
+
+class SyncServer:
+    """The receiving process's whole side of the protocol: answers each message of a
+    :class:`SharedBucketSender` with the ack it expects, and hands every verified bucket to ``load``.
+
+    ``load(views)`` gets a bucket's ``(name, tensor)`` pairs as views into the shared buffer (no copy):
+    copy them into your model, or make them its storage (``param.data = view``: the buffers stay
+    mapped and later syncs write into them). ``check_complete(version)``, if given, runs at the end of
+    every sync and raises if the model is not fully covered. Between a ``begin_sync`` and its successful
+    ``end_sync`` (or after a failed sync) :attr:`weights_valid` is False: an engine must not generate
+    then. :attr:`weight_version` is the version of the last complete sync (None before the first).
+
+    Use::
+
+        server = SyncServer(load)
+        while True:
+            message = conn.recv()
+            if server.handles(message):
+                reply = server.handle(message)
+                if reply is not None:
+                    conn.send(reply)
+            else:
+                ...  # your engine's own calls (generate, ...)
+    """
+
+    def __init__(
+        self,
+        load: Callable[[list[tuple[str, torch.Tensor]]], None],
+        *,
+        check_complete: Callable[[int], None] | None = None,
+        verify_checksums: bool = True,
+        verify_threads: int | None = None,
+    ) -> None:
+        self.load = load
+        self.check_complete = check_complete
+        self.receiver = SharedBucketReceiver(verify_checksums=verify_checksums, verify_threads=verify_threads)
+        self.weight_version: int | None = None
+        self.weights_valid = False
+        self.invalid_reason = "no weight sync yet"
+        self._bucket_errors: dict[int, str] = {}
+
+    @staticmethod
+    def handles(message: Any) -> bool:
+        """Whether ``message`` belongs to the weight-sync protocol (the rest is the engine's own)."""
+        return isinstance(message, tuple) and bool(message) and message[0] in SYNC_MESSAGES
+
+    def handle(self, message: tuple) -> tuple | None:
+        """The ack to send back for ``message``, or None when a later message answers for it."""
+        op, *args = message
+        return getattr(self, f"_{op}")(*args)
+
+    def _begin_sync(self, version: int) -> tuple:
+        self.receiver.begin(version)
+        self._bucket_errors = {}
+        self.weights_valid, self.invalid_reason = False, f"weight sync v{version} did not complete"
+        return ("ack", "begin_sync", version, True, "")
+
+    def _bucket(self, meta: BucketMeta, handle: bytes | None) -> tuple | None:
+        try:
+            self.load(self.receiver.receive(meta, handle))
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            if meta.checksum is None:  # answered with the checksum message that follows
+                self._bucket_errors[meta.index] = error
+                return None
+            return ("ack", meta.index, meta.version, False, error)
+        if meta.checksum is None:
+            return None
+        return ("ack", meta.index, meta.version, True, "")
+
+    def _bucket_checksum(self, index: int, version: int, checksum: int) -> tuple:
+        error = self._bucket_errors.pop(index, None)
+        if error is None:
+            try:
+                self.receiver.confirm(index, version, checksum)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        return ("ack", index, version, error is None, error or "")
+
+    def _end_sync(self, version: int, n_buckets: int) -> tuple:
+        try:
+            self.receiver.end(version, n_buckets)
+            if self.check_complete is not None:
+                self.check_complete(version)
+        except Exception as e:
+            return ("ack", "end_sync", version, False, f"{type(e).__name__}: {e}")
+        self.weight_version = int(version)
+        self.weights_valid = True
+        return ("ack", "end_sync", version, True, "")
+
+    def _abort_sync(self, version: int) -> tuple:
+        self.receiver.version = None
+        self.weights_valid, self.invalid_reason = False, f"weight sync v{version} failed"
+        return ("ack", "abort_sync", version, True, "")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from rlite.algorithms import aggregate_loss
-from rlite.backends.fsdp2.backend import load_sharded
+from rlite.backends.fsdp2.sharding import load_sharded
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig
 from rlite.distributed import all_reduce_sum
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width

@@ -31,39 +31,10 @@ from rlite.engines.base import (
     SamplingParams,
     SpeculationStats,
 )
+from rlite.engines.sampling import filter_logits, sample_categorical
 from rlite.hf_models import cache_kwarg
 from rlite.moe_routing import RouterHooks
-
-
-def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack prompts into ``[B, P]`` ids and mask, padded on the left."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-    return ids, mask
-
-
-def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: the first real token is position 0."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus to -inf (for drawing only, not for log-probs)."""
-    if top_k and top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_logits.softmax(-1) > top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+from rlite.rollout import left_pad, position_ids_from_mask
 
 
 def _can_share(target: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -153,23 +124,6 @@ def decode_cache(config, reserve: int):
     growing = _growing_layer_class()
     cache.layers = [growing(reserve) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
-
-
-def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
-    """One draw per row of ``probs`` ``[B, V]`` (rows need not be normalised) by inverting the CDF.
-
-    Row ``b`` gets the first token whose cumulative probability exceeds ``u * total``, ``u ~ U[0, 1)``
-    from the global generator: exactly the categorical distribution, with one random number per row
-    (``torch.multinomial`` draws an exponential per vocabulary entry, about 30 ms a step for 32 rows of
-    a 49k vocabulary on one CPU core). The CDF is summed in float64, so even the smallest
-    probabilities keep their mass; a token of probability 0 (filtered by top-k/top-p) is never drawn.
-    """
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1:]
-    if not bool((torch.isfinite(total) & (total > 0)).all()):
-        raise EngineError("sampling: the probabilities of a row are NaN, infinite or all zero")
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * total
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class TransformersEngine:

@@ -6,7 +6,7 @@ call has a timeout. The process is started with ``multiprocessing.get_context("s
 over one pipe.
 
 Weights (``update_weights``) go through the shared-bucket protocol of
-:mod:`rlite.engines.weight_sync`: the first sync allocates the buckets in shared memory and sends
+:mod:`rlite.sync`: the first sync allocates the buckets in shared memory and sends
 their handles; the engine then **replaces each parameter's storage by a view into the shared bucket**
 (``param.data = view``), so from then on the engine samples straight from the buffers the trainer
 writes. A later sync costs the trainer's ``copy_`` into the buckets plus a checksum on each side and
@@ -47,7 +47,7 @@ from rlite.engines.base import (
     SpeculationStats,
 )
 from rlite.engines.transformers.engine import give_storage, is_tied_output_layer
-from rlite.sync.transport import SharedBucketReceiver, SharedBucketSender, SyncStats
+from rlite.sync.transport import SharedBucketSender, SyncServer, SyncStats
 
 _DIRECT_SEND_BYTES = 16 << 10
 """Messages up to this size fit in the pipe's buffer and are written directly; larger ones are written
@@ -377,30 +377,26 @@ class _ViewLoader:
 
 
 class _EngineServer:
-    """Answers the trainer's messages inside the engine process."""
+    """Answers the trainer's messages inside the engine process (the sync protocol through
+    :class:`~rlite.sync.SyncServer`, the same one an engine of your own uses)."""
 
     def __init__(self, engine: Any, verify_checksums: bool, verify_threads: int | None = None) -> None:
         self.engine = engine
-        self.receiver = SharedBucketReceiver(verify_checksums=verify_checksums, verify_threads=verify_threads)
         self.loader = _ViewLoader(engine)
-        self.weights_valid = True
-        self.invalid_reason = ""
-        self.bucket_errors: dict[int, str] = {}
+        self.sync = SyncServer(self.loader.load, check_complete=self._check_complete,
+                               verify_checksums=verify_checksums, verify_threads=verify_threads)
+        self.sync.weights_valid = True  # the engine starts with the checkpoint's weights
 
     def handle(self, message: tuple) -> tuple | None:
         """Answer one message: a sync-protocol message (its own acknowledgement, or None when a later
         message answers for it), or an engine call (``("ok", value)`` / ``("error", traceback)``)."""
+        if self.sync.handles(message):
+            if message[0] == "begin_sync":
+                self.loader.seen = set()
+            return self.sync.handle(message)
         op, *args = message
-        protocol = {
-            "bucket": self._bucket,
-            "bucket_checksum": self._bucket_checksum,
-            "begin_sync": self._begin_sync,
-            "end_sync": self._end_sync,
-            "abort_sync": self._abort_sync,
-            "_debug_hang": self._debug_hang,
-        }.get(op)
-        if protocol is not None:
-            return protocol(*args)
+        if op == "_debug_hang":
+            return self._debug_hang(*args)
         calls = {
             "generate": self._generate,
             "named_weights": self._named_weights,
@@ -417,50 +413,9 @@ class _EngineServer:
         except Exception:
             return ("error", traceback.format_exc())
 
-    # -- the weight-sync protocol ---------------------------------------------------------------
-    def _bucket(self, meta, handle) -> tuple | None:
-        try:
-            self.loader.load(self.receiver.receive(meta, handle))
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-            if meta.checksum is None:  # answered with the checksum message that follows
-                self.bucket_errors[meta.index] = error
-                return None
-            return ("ack", meta.index, meta.version, False, error)
-        if meta.checksum is None:
-            return None
-        return ("ack", meta.index, meta.version, True, "")
-
-    def _bucket_checksum(self, index, version, checksum) -> tuple:
-        error = self.bucket_errors.pop(index, None)
-        if error is None:
-            try:
-                self.receiver.confirm(index, version, checksum)
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-        return ("ack", index, version, error is None, error or "")
-
-    def _begin_sync(self, version) -> tuple:
-        self.receiver.begin(version)
-        self.bucket_errors = {}
-        self.loader.seen = set()
-        self.weights_valid, self.invalid_reason = False, f"weight sync v{version} did not complete"
-        return ("ack", "begin_sync", version, True, "")
-
-    def _end_sync(self, version, n_buckets) -> tuple:
-        try:
-            self.receiver.end(version, n_buckets)
-            self.loader.check_complete(version)
-        except Exception as e:
-            return ("ack", "end_sync", version, False, f"{type(e).__name__}: {e}")
+    def _check_complete(self, version: int) -> None:
+        self.loader.check_complete(version)
         self.engine.weight_version = int(version)
-        self.weights_valid = True
-        return ("ack", "end_sync", version, True, "")
-
-    def _abort_sync(self, version) -> tuple:
-        self.receiver.version = None
-        self.weights_valid, self.invalid_reason = False, f"weight sync v{version} failed"
-        return ("ack", "abort_sync", version, True, "")
 
     def _debug_hang(self, seconds) -> None:  # test hook: stop answering
         time.sleep(float(seconds))
@@ -468,8 +423,8 @@ class _EngineServer:
 
     # -- engine calls ---------------------------------------------------------------------------
     def _generate(self, prompts, params) -> list[Completion]:
-        if not self.weights_valid:
-            raise EngineError(f"refusing to generate with incomplete weights: {self.invalid_reason}; sync again")
+        if not self.sync.weights_valid:
+            raise EngineError(f"refusing to generate with incomplete weights: {self.sync.invalid_reason}; sync again")
         return self.engine.generate(prompts, SamplingParams(**params))
 
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:

@@ -27,14 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from rlite.engines.base import DraftSpec, EngineError, SamplingParams, SpeculationStats
+from rlite.engines.sampling import filter_logits, sample_categorical
 from rlite.engines.speculative import prompt_lookup, verify_proposals
-from rlite.engines.transformers.engine import (
-    filter_logits,
-    left_pad,
-    position_ids_from_mask,
-    sample_categorical,
-)
 from rlite.hf_models import cache_kwarg
+from rlite.rollout import left_pad, position_ids_from_mask
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 

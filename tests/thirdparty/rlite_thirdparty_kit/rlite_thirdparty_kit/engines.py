@@ -1,0 +1,37 @@
+"""``thirdparty_counting``: a registered engine (``transformers`` unless ``args.inner`` says otherwise),
+wrapped with ``rlite.api.EngineWrapper``; it counts what it generates and changes nothing else."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from rlite.api import EngineWrapper, registered
+
+COUNTS: Counter[str] = Counter()
+"""What this package's plugins did in this process: ``generate_calls`` and ``completions`` (the wrapper engine),
+``remote_generate_calls`` (the out-of-process engine), ``backend_steps`` and ``backend_skipped_steps``."""
+
+
+@dataclass
+class CountingEngineConfig:
+    inner: str = field(default="transformers", metadata={"choice_of": "rollout_engine"})
+    """The registered engine to wrap."""
+    inner_args: dict = field(default_factory=dict)
+    """The wrapped engine's options (checked against its config class when the config loads)."""
+
+
+class CountingEngine(EngineWrapper):
+    """Counts ``generate`` calls and the completions they return; everything else is the inner engine's."""
+
+    def generate(self, prompts, params):
+        completions = self.inner.generate(prompts, params)
+        COUNTS["generate_calls"] += 1
+        COUNTS["completions"] += len(completions)
+        return completions
+
+
+def make_counting_engine(model_config, tokenizer, rollout_config, cfg: CountingEngineConfig, context):
+    inner = registered("rollout_engine", cfg.inner)  # the running rlite's registry: plugins.enable respected
+    inner_cfg = inner.config_cls(**cfg.inner_args) if inner.config_cls is not None else None
+    return CountingEngine(inner.implementation(model_config, tokenizer, rollout_config, inner_cfg, context))
