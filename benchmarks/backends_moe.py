@@ -4,7 +4,7 @@ Each backend trains the same model (a Qwen3-MoE made by ``rlite.tokenizer.build_
 with the same config in a fresh process, one thread, alternating A B A B over ``--repeats`` pairs;
 every process reports its per-phase ``time/*`` metrics (rlite's own, from ``metrics.jsonl``) and its
 peak RSS (``ru_maxrss``). Printed: median seconds per step over the steps after the first, the
-training phase alone, peak RSS, and the megatron/fsdp2 ratio of each pair.
+training phase alone, the weight sync, peak RSS, and the megatron/fsdp2 ratio of each pair.
 
     python benchmarks/backends_moe.py [--steps 12] [--repeats 2] [--experts 8] [--hidden 128] [--append]
 """
@@ -53,9 +53,9 @@ def megatron_version() -> str:
     return version("megatron-core")
 
 
-def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str) -> dict:
-    run_dir = work / tag
-    overrides = [
+def overrides_for(backend: str, model_dir: Path, run_dir: Path, steps: int) -> list[str]:
+    """The job's config: the same for both backends but ``parallelism.backend``."""
+    return [
         f"model.path={model_dir}", "data.task=addition", "data.num_train=256", "data.num_eval=16",
         f"training.steps={steps}", "training.micro_batch_size=32", "training.eval_every=0", "training.num_threads=1",
         "rollout.prompts_per_step=8", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=16",
@@ -63,6 +63,11 @@ def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str)
         "logging.plot=false", "logging.loggers=[jsonl]", "checkpoint.every=0", "checkpoint.save_final=false",
         "checkpoint.export_hf=false", "checkpoint.resume=never",
     ]
+
+
+def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str) -> dict:
+    run_dir = work / tag
+    overrides = overrides_for(backend, model_dir, run_dir, steps)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     spec = json.dumps({"overrides": overrides, "run_dir": str(run_dir)})
     out = subprocess.run([sys.executable, "-c", CHILD, spec], capture_output=True, text=True, env=env, timeout=1800)
@@ -74,6 +79,7 @@ def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str)
     return {
         "step_s": statistics.median(r["time/step"] for r in steady),
         "train_s": statistics.median(r["time/train"] for r in steady),
+        "sync_s": statistics.median(r["time/weight_sync"] for r in steady),
         "peak_rss_mib": result["peak_rss_mib"],
         "reward_last": result["rows"][-1]["reward/mean"],
     }
@@ -108,13 +114,15 @@ def main() -> int:
         f"- job: Qwen3-MoE hidden {args.hidden}, 2 layers, {args.experts} experts top-2; GRPO, 8 prompts x 8 samples, "
         "16 new tokens, micro-batch 32, one process, one thread; medians over steps 2..N",
         "",
-        "| pair | fsdp2 s/step | megatron s/step | ratio | fsdp2 train s | megatron train s | fsdp2 peak RSS MiB | megatron peak RSS MiB | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pair | fsdp2 s/step | megatron s/step | ratio | fsdp2 train s | megatron train s | fsdp2 sync ms | megatron sync ms "
+        "| fsdp2 peak RSS MiB | megatron peak RSS MiB | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for index, (a, b) in enumerate(pairs):
         lines.append(
             f"| {index} | {a['step_s']:.3f} | {b['step_s']:.3f} | {b['step_s'] / a['step_s']:.2f} | {a['train_s']:.3f} | "
-            f"{b['train_s']:.3f} | {a['peak_rss_mib']:.0f} | {b['peak_rss_mib']:.0f} | "
+            f"{b['train_s']:.3f} | {a['sync_s'] * 1000:.1f} | {b['sync_s'] * 1000:.1f} | {a['peak_rss_mib']:.0f} | "
+            f"{b['peak_rss_mib']:.0f} | "
             f"{b['peak_rss_mib'] / a['peak_rss_mib']:.2f} |"
         )
     text = "\n".join(lines) + "\n"

@@ -98,6 +98,7 @@ if TYPE_CHECKING:  # the names _LAZY loads on first use, for type checkers and l
     from rlite.engines.transformers.process import ProcessEngine
     from rlite.hf_models import apply_lora, load_causal_lm, skeleton_causal_lm
     from rlite.samples import samples_markdown
+    from rlite.training.logprobs import chunked_logprobs
 
 _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
@@ -108,6 +109,7 @@ _LAZY = {
     "apply_lora": "rlite.hf_models",
     "skeleton_causal_lm": "rlite.hf_models",
     "samples_markdown": "rlite.samples",
+    "chunked_logprobs": "rlite.training.logprobs",
 }
 
 
@@ -151,6 +153,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "DataLayout",
     "build_lr_scheduler",
     "optimizer_state_bytes_to_come",
+    "chunked_logprobs",
     # Rollout engines
     "RolloutEngine",
     "EngineWrapper",

@@ -6,11 +6,12 @@ MoE layers with the ``allgather`` token dispatcher, rotary attention. Weights co
 Face checkpoint through :mod:`rlite.plugins.megatron.convert` and go back the same way for weight
 sync and export.
 
-Log-probs: megatron's output layer gives this TP rank's slice of the vocabulary; the log-softmax is
-taken across slices (max and sum all-reduced, the gradient of the sum is the identity on each rank,
-as in megatron's own cross entropy), logits of padded vocabulary rows are masked out. Left padding:
-megatron's rotary embedding numbers positions 0..S-1 for every row, Hugging Face skips the padding;
-rotary attention depends only on position differences, so the two agree up to float rounding.
+Log-probs: the decoder's hidden states at the response positions go through the output layer in
+chunks (rlite's chunked output layer at TP=1, as fsdp2's; at TP>1 each chunk's log-softmax is taken
+across the ranks' vocabulary slices, max and sum all-reduced, the gradient of the sum the identity on
+each rank as in megatron's own cross entropy, padded vocabulary rows masked out), so no
+``[tokens, vocab]`` logits are kept for backward. Padding: each row is rotated past its left padding,
+so its tokens get Hugging Face's positions and one causal ``[S, S]`` mask is exact.
 
 Gradients: the loss of each rank is already scaled for averaging over data-parallel ranks (rlite's
 global normalisation), so dense gradients are summed over the data-parallel group and divided by its
@@ -26,6 +27,7 @@ for dense models (MoE with TP needs sequence parallelism, which needs Transforme
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -82,7 +84,7 @@ def init_model_parallel(tp: int, ep: int) -> None:
     )
 
 
-def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: torch.dtype):
+def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: torch.dtype, recompute: bool = False):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -129,6 +131,9 @@ def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: tor
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
+        # parallelism.activation_checkpointing: every transformer layer keeps only its input for backward
+        # and runs again there (megatron's "full" recompute, one layer per checkpoint)
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
         **moe,
     )
 
@@ -199,7 +204,8 @@ def vocab_parallel_logprobs(
 def same_shape_across_expert_ranks(ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad a micro-batch (rows at the bottom, columns at the right, all masked) to the largest shape in
     the expert-parallel group: megatron's allgather token dispatcher gathers equal-sized token blocks.
-    Padded tokens are routed like any token but attend to nothing and are cut from the output."""
+    Padded tokens are routed like any token; being after every real token (or in rows of their own)
+    they are never attended by one under causal attention, and they are cut from the output."""
     from megatron.core import parallel_state
 
     if parallel_state.get_expert_model_parallel_world_size() == 1:
@@ -211,42 +217,160 @@ def same_shape_across_expert_ranks(ids: torch.Tensor, attention: torch.Tensor) -
     return torch.nn.functional.pad(ids, pad), torch.nn.functional.pad(attention, pad)
 
 
+def left_aligned_columns(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(columns, shift)``: each row's columns rotated left past its leading padding, so that
+    ``x.gather(1, columns)`` starts every row with its first real token and puts all padding at the end;
+    ``shift`` ``[B]`` is each row's number of leading padding columns. ``None`` when some row has
+    padding between real tokens (then it cannot be right-aligned away)."""
+    seq = attention.shape[1]
+    shift = (attention.cumsum(1) == 0).sum(1)
+    columns = (torch.arange(seq, device=attention.device) + shift[:, None]) % seq
+    aligned = attention.gather(1, columns)
+    if not bool((aligned[:, 1:] <= aligned[:, :-1]).all()):
+        return None
+    return columns, shift
+
+
+def attention_mask(attention: torch.Tensor, *, right_padded: bool) -> torch.Tensor:
+    """True where masked. Right-padded rows need the causal mask alone, ``[1, 1, S, S]`` broadcast over
+    the batch (what megatron's causal mask type builds itself when given none, but on ``"cuda"``
+    whatever the device, in ``transformer/utils.py::get_default_causal_mask``); rows with padding
+    between real tokens get the dense ``[B, 1, S, S]`` causal-and-padding mask."""
+    seq = attention.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention.device).triu(1)[None, None]
+    return causal if right_padded else causal | (attention == 0)[:, None, None, :]
+
+
+@contextlib.contextmanager
+def returning_hidden_states(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, ``GPTModel.forward`` returns the decoder's output ``[S, B, H]`` (final norm applied) and
+    skips the output layer: megatron-core's ``_postprocess`` returns the hidden states when the model
+    is not the last pipeline stage (``post_process=False``), before it computes logits."""
+    model.post_process = False
+    try:
+        yield
+    finally:
+        model.post_process = True
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """This TP rank's ``[vocab / TP, H]`` rows of the output layer (the embedding when tied)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def vocab_parallel_chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, spec: ForwardSpec,
+    *, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``[N]`` (and entropies) from hidden states ``[N, H]`` with the output layer's rows split
+    over TP ranks, ``spec.chunk_size`` tokens at a time: each chunk's ``[tokens, vocab / TP]`` logits go
+    through :func:`vocab_parallel_logprobs` and, with gradients, are recomputed in backward (activation
+    checkpointing) rather than kept. The hidden states enter as megatron's column-parallel output
+    layer takes them (identity forward, gradients summed over the TP group)."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = copy_to_tensor_model_parallel_region(hidden)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+
+    def chunk(h, w, y):
+        logits = (h @ w.t()).float() / spec.temperature
+        logprobs, entropy = vocab_parallel_logprobs(
+            logits, y, vocab_size, with_entropy=with_entropy, entropy_grad=spec.entropy_grad
+        )
+        return logprobs, torch.zeros_like(logprobs) if entropy is None else entropy
+
+    logprobs, entropy = [], []
+    for start in range(0, hidden.shape[0], spec.chunk_size):
+        args = (hidden[start : start + spec.chunk_size], weight, targets[start : start + spec.chunk_size])
+        lp, ent = checkpoint(chunk, *args, use_reentrant=False) if needs_grad else chunk(*args)
+        logprobs.append(lp)
+        entropy.append(ent)
+    if not logprobs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logprobs), torch.cat(entropy)
+
+
+def response_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, spec: ForwardSpec,
+    *, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``[N]`` of ``targets`` ``[N]`` from the hidden states ``[N, H]`` that
+    predict them, never holding more than one chunk's logits: at TP=1 rlite's chunked output layer
+    (the one fsdp2 uses: hand-written backward, logits kept only under ``spec.recompute_above_bytes``),
+    at TP>1 its vocabulary-parallel counterpart."""
+    from megatron.core import parallel_state
+
+    from rlite.api import chunked_logprobs
+
+    weight = output_weight(model)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return vocab_parallel_chunked_logprobs(hidden, weight, targets, vocab_size, spec, with_entropy=with_entropy)
+    weight = weight[:vocab_size] if weight.shape[0] > vocab_size else weight
+    recompute = hidden.shape[0] * weight.shape[0] * 4 > spec.recompute_above_bytes
+    return chunked_logprobs(
+        hidden, weight, targets, temperature=spec.temperature, chunk_size=spec.chunk_size, with_entropy=with_entropy,
+        entropy_grad=spec.entropy_grad, recompute=recompute,
+    )
+
+
 def gpt_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` log-probs (and entropies) of a batch's responses.
+
+    Attention: each row is rotated left past its prompt's left padding (:func:`left_aligned_columns`),
+    so its real tokens sit at positions ``0..L-1`` (the positions Hugging Face gives them) and all its
+    padding comes after them: a plain causal mask is then exact for every real token and no ``[B, 1, S, S]``
+    mask is built. Output layer: only the response positions' hidden states go through
+    it, in chunks (:func:`response_logprobs`)."""
     inputs = model_inputs(batch, exact_layout=spec.exact_layout)
     # the batch lives on the CPU (rollouts, loss); the model may be on a GPU: inputs go to the model's
     # device, log-probs come back to the batch's
     device = next(model.parameters()).device
-    ids, attention = same_shape_across_expert_ranks(inputs.input_ids.to(device), inputs.attention_mask.to(device))
-    seq = ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).triu(1)
-    padding = (attention == 0)[:, None, None, :]
-    mask = causal[None, None] | padding  # True: masked out
-    position_ids = torch.arange(seq, device=ids.device).expand_as(ids)  # rotary: only differences count
-    rows, cols = inputs.input_ids.shape
+    ids, attention = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    rows, cols = ids.shape
     routing = inputs.routed_experts
     if spec.routing is not None and spec.routing.replay and routing is None:
         raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
+    aligned = left_aligned_columns(attention)
+    shift = torch.zeros(rows, dtype=torch.long, device=device)
+    if aligned is not None:
+        columns, shift = aligned
+        ids, attention = ids.gather(1, columns), attention.gather(1, columns)
+        if routing is not None:
+            routing = routing.to(device)
+            routing = routing.gather(1, columns[:, :, None, None].expand_as(routing))
+    ids, attention = same_shape_across_expert_ranks(ids, attention)
+    mask = attention_mask(attention, right_padded=aligned is not None)
+    position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
     if routing is not None:  # padded like the tokens (-1: no recorded choice)
         routing = torch.nn.functional.pad(
-            routing.to(ids.device), (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
+            routing.to(device), (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
         )
-    with routing_context(model, spec.routing, routing):
-        logits = model(ids, position_ids, mask)[:rows, :cols]
-    ids = inputs.input_ids.to(device)
+    with routing_context(model, spec.routing, routing), returning_hidden_states(model):
+        hidden = model(ids, position_ids, mask)  # [S, B, H]
     start, width = inputs.response_start, inputs.response_mask.shape[1]
-    logits = logits[:, start - 1 : start - 1 + width].float() / spec.temperature
-    targets = ids[:, start : start + width]
-    logprobs, entropy = vocab_parallel_logprobs(
-        logits, targets, vocab_size, with_entropy=with_entropy, entropy_grad=spec.entropy_grad
+    # the hidden state predicting response token t of row b: original column start - 1 + t, shifted
+    predicting = torch.arange(start - 1, start - 1 + width, device=device)[None] - shift[:, None]
+    hidden = hidden.transpose(0, 1)[:rows]
+    hidden = hidden.gather(1, predicting[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    selected = inputs.response_mask.to(device).bool()
+    targets = inputs.input_ids.to(device)[:, start : start + width]
+    logprobs_flat, entropy_flat = response_logprobs(
+        model, hidden[selected], targets[selected], vocab_size, spec, with_entropy=with_entropy
     )
     home = batch.response_mask.device
-    logprobs, entropy = logprobs.to(home), None if entropy is None else entropy.to(home)
-    m = inputs.response_mask.to(device=home, dtype=logprobs.dtype)
+    logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device).masked_scatter(selected, logprobs_flat)
     full = batch.response_ids.shape[1]
-    logprobs = pad_to_width(logprobs * m, full)
-    return logprobs, None if entropy is None else pad_to_width(entropy * m, full)
+    logprobs = pad_to_width(logprobs.to(home), full)
+    if not with_entropy:
+        return logprobs, None
+    entropy = torch.zeros(rows, width, dtype=torch.float32, device=device).masked_scatter(selected, entropy_flat)
+    return logprobs, pad_to_width(entropy.to(home), full)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -295,7 +419,11 @@ def hf_weights(model_cfg) -> tuple[Any, Mapping[str, Any], Mapping[str, torch.Te
 class MegatronBackend(BackendBase):
     """A megatron-core ``GPTModel`` with AdamW and rlite's LR schedule."""
 
-    capabilities = BackendCapabilities(lora=False, critic=False, weight_views=False, routing_replay=True)
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        # one rank holding every weight whole: Hugging Face tensors can be views of the parameters
+        whole = self.cfg.tensor_parallel == 1 and self.cfg.expert_parallel == 1
+        return BackendCapabilities(lora=False, critic=False, weight_views=whole, routing_replay=True)
 
     def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
         from megatron.core import parallel_state
@@ -321,6 +449,12 @@ class MegatronBackend(BackendBase):
                 "parallelism.backend.args.tensor_parallel > 1 with a Mixture-of-Experts model needs sequence "
                 "parallelism, which needs Transformer Engine's norms: use expert_parallel instead"
             )
+        if self.shape.is_moe and config.parallelism.activation_checkpointing and config.algorithm.routing_replay != "none":
+            raise ConfigError(
+                "parallelism.activation_checkpointing=true with algorithm.routing_replay: megatron recomputes each "
+                "layer in backward, where rlite's replay of the engine's routing is no longer installed (the "
+                "recomputed routers would route naturally); set one of them off"
+            )
         if self.shape.is_moe and self.shape.num_experts % cfg.expert_parallel:
             raise ConfigError(
                 f"parallelism.backend.args.expert_parallel={cfg.expert_parallel} must divide the "
@@ -328,6 +462,7 @@ class MegatronBackend(BackendBase):
             )
         self.full_names = [name for name, _ in hf_to_megatron_full(names, self.shape, tp_size=cfg.tensor_parallel)]
         self.model = self._build_model(hf_state)
+        self.weight_plan: list[tuple[str, torch.Tensor, int | None, bool]] | None = None  # on the first sync
         del hf_state, names  # the megatron model holds this rank's part
         train = config.training
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -340,7 +475,10 @@ class MegatronBackend(BackendBase):
     def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """A ``GPTModel`` holding this rank's part of the Hugging Face weights."""
         cfg = self.cfg
-        tcfg = transformer_config(self.shape, tp=cfg.tensor_parallel, ep=cfg.expert_parallel, params_dtype=torch.float32)
+        tcfg = transformer_config(
+            self.shape, tp=cfg.tensor_parallel, ep=cfg.expert_parallel, params_dtype=torch.float32,
+            recompute=self.config.parallelism.activation_checkpointing,
+        )
         model = build_gpt_model(self.shape, tcfg, cfg.tensor_parallel)
         load_weights(model, hf_to_megatron_local(
             hf_state, self.shape, tp_rank=self.tp_rank, tp_size=cfg.tensor_parallel, ep_rank=self.ep_rank,
@@ -426,38 +564,53 @@ class MegatronBackend(BackendBase):
         )
 
     # -- weights out ------------------------------------------------------------------------------
-    def _full_megatron(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight, full (TP shards gathered, experts broadcast by their owner), in the order of
-        :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`. A collective."""
-        from megatron.core import parallel_state
-
+    def _weight_plan(self) -> list[tuple[str, torch.Tensor, int | None, bool]]:
+        """Per full megatron weight, in :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`'s order:
+        ``(name, this rank's parameter, the expert's owning EP rank or None, whether it is TP-split)``.
+        Worked out once: the parameters are updated in place, never replaced."""
         params = dict(self.model.named_parameters())
-        tp_size, ep_size = self.cfg.tensor_parallel, self.cfg.expert_parallel
+        ep_size, tp_size = self.cfg.expert_parallel, self.cfg.tensor_parallel
         per_rank = self.shape.num_experts // ep_size if self.shape.is_moe else 0
+        plan = []
         for name in self.full_names:
             parts = expert_index(name)
             if parts is not None:
                 prefix, expert, suffix = parts
                 owner = expert // per_rank
-                local_name = f"{prefix}{expert - owner * per_rank}{suffix}"
-                if ep_size == 1:
-                    yield name, params[local_name].detach().clone()
-                    continue
+                plan.append((name, params[f"{prefix}{expert - owner * per_rank}{suffix}"], owner, False))
+            else:
+                plan.append((name, params[name], None, tp_size > 1 and tp_layout(name) != "replicated"))
+        return plan
+
+    def _full_megatron(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight, full (TP shards gathered, experts broadcast by their owner), in the order of
+        :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`. A collective. ``views``: a weight
+        this rank holds whole is the parameter itself (detached), not a copy."""
+        from megatron.core import parallel_state
+
+        if self.weight_plan is None:
+            self.weight_plan = self._weight_plan()
+        ep_size = self.cfg.expert_parallel
+        for name, param, owner, tp_split in self.weight_plan:
+            local = param.detach()
+            if owner is not None and ep_size > 1:
                 group = parallel_state.get_expert_model_parallel_group()
-                tensor = params[local_name].detach().clone() if owner == self.ep_rank else torch.empty_like(params[local_name])
+                tensor = local.clone() if owner == self.ep_rank else torch.empty_like(local)
                 dist.broadcast(tensor, src=dist.get_global_rank(group, owner), group=group)
                 yield name, tensor
-                continue
-            local = params[name].detach()
-            if tp_size == 1 or tp_layout(name) == "replicated":
-                yield name, local.clone()
-                continue
-            shards = [torch.empty_like(local) for _ in range(tp_size)]
-            dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-            yield name, tp_merge(name, shards)
+            elif tp_split:
+                shards = [torch.empty_like(local) for _ in range(self.cfg.tensor_parallel)]
+                dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+                yield name, tp_merge(name, shards)
+            else:
+                yield name, local if views else local.clone()
 
     def full_weights(self, *, views: bool = False):
-        return megatron_to_hf(self._full_megatron(), self.shape)
+        """Hugging Face tensors streamed as each megatron weight is gathered. With ``views`` (one rank,
+        TP=EP=1) the conversion's slices and row splits (embedding, norms, projections, ``gate || up``
+        halves, experts) are views of the parameters, so an engine sharing the trainer's weights binds
+        them once and later syncs move no bytes for them; the grouped QKV split is a fresh tensor."""
+        return megatron_to_hf(self._full_megatron(views), self.shape)
 
     def lora_adapter(self):
         return None

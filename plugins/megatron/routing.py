@@ -7,8 +7,8 @@ The model is built with ``moe_enable_routing_replay=True``, which gives every ``
 too): it computes the router's own top-k (for the agreement counts), fills tokens without a
 recorded choice with it, and then lets ``RouterReplay`` route with ``REPLAY_FORWARD``: the weights
 are the router's scores gathered at the replayed experts, so gradients reach the router logits.
-rlite's megatron backend runs without activation recompute, so ``REPLAY_BACKWARD`` (the replay of a
-recomputed forward) is never needed.
+The patch lives only for the forward, so a recomputed forward (``parallelism.activation_checkpointing``)
+would route naturally: the backend refuses recompute with routing replay (``REPLAY_BACKWARD`` unused).
 
 Token order: megatron's routers see ``[sequence, batch]`` tokens; rlite's routing grid is
 ``[batch, sequence, layers, top_k]``, transposed here.

@@ -2,7 +2,7 @@
 
 :func:`apply_cpu_shims` applies patch 2 (names Transformer Engine would define) wherever Transformer
 Engine is missing, on a GPU too (a GPU check of 2026-11-26 hit ``NameError: te_general_gemm`` in the
-MoE router on an H100 without TE), and patches 1 and 3 only when ``torch.cuda.is_available()`` is
+MoE router on an H100 without TE), and patches 1, 3 and 4 only when ``torch.cuda.is_available()`` is
 false. Each patch names the megatron-core code it works around (observed with 0.16.1 on CPU torch 2.13
 and on CUDA torch 2.11; see ``../../docs/megatron.md``).
 """
@@ -35,6 +35,14 @@ def apply_cpu_shims() -> bool:
     #    GlobalMemoryBuffer for attention scores, the MoE router's weights), about 175 call sites;
     #    CPU torch asserts there. Answering "cpu" makes those tensors land on the CPU.
     torch.cuda.current_device = lambda: "cpu"
+    # 4. Activation recompute (``recompute_granularity="full"``): ``tensor_parallel.random.CheckpointFunction``
+    #    saves and restores the CUDA RNG state around each recomputed layer (``_get_all_rng_states``),
+    #    which asserts on CPU torch. The CPU generator is still saved and restored by the same code; on a
+    #    CPU there is no CUDA state to keep.
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     _applied = True
     return True
 

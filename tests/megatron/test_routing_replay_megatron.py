@@ -21,6 +21,7 @@ from rlite.engines.transformers.engine import TransformersEngine  # noqa: E402
 from rlite.hf_models import load_causal_lm  # noqa: E402
 from rlite.moe_routing import RoutingPlan, RoutingStats  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
+from rlite.plugins.megatron.backend import left_aligned_columns  # noqa: E402
 from rlite.plugins.megatron.routing import moe_routers  # noqa: E402
 from rlite.rollout import build_rollout_batch, model_inputs  # noqa: E402
 from rlite.testing import tiny_config  # noqa: E402
@@ -52,7 +53,10 @@ def test_megatron_routes_to_the_engines_experts_under_replay_whatever_its_router
         completions = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=1, return_routed_experts=True))
         batch = build_rollout_batch(prompts, completions, [{}] * 3, 0, 0)
         inputs = model_inputs(batch)
-        recorded = inputs.routed_experts.transpose(0, 1).reshape(-1, *inputs.routed_experts.shape[2:]).long()
+        # the forward's token grid: each row rotated past its left padding (the backend's causal-only layout)
+        columns, _ = left_aligned_columns(inputs.attention_mask)
+        grid = inputs.routed_experts.gather(1, columns[:, :, None, None].expand_as(inputs.routed_experts))
+        recorded = grid.transpose(0, 1).reshape(-1, *grid.shape[2:]).long()
         valid = recorded[:, 0, 0] >= 0
         maps = {}
         hooks = [router.register_forward_hook(lambda m, i, out, layer=layer: maps.__setitem__(layer, out[1]))

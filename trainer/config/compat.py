@@ -91,7 +91,8 @@ class Rule:
 
 MEGATRON = equals("parallelism.backend", "megatron")
 FLOAT32_ONLY = ("megatron-core's GPTModel here keeps float32 parameters, gradients and optimizer state (no mixed "
-                "precision), so this would be silently ignored")  # fmt: skip
+                "precision: bf16 parameters with float32 main gradients need megatron-core's mixed-precision optimizer, "
+                "which makes CUDA tensors in 0.16.1 and is not wired in), so this would be silently ignored")  # fmt: skip
 ON_FSDP2 = "or use parallelism.backend=fsdp2, which implements it"
 MULTI_TURN = Setting("rollout.multi_turn", bool, "a multi-turn rollout.workflow",
                      lambda v: f"rollout.workflow={v['rollout.workflow']} (multi-turn)",
@@ -128,9 +129,6 @@ RULES: tuple[Rule, ...] = (
          f"set parallelism.reduce_dtype=float32, {ON_FSDP2}"),
     Rule(MEGATRON, differs("model.dtype", "float32", "model.dtype=bfloat16"), FLOAT32_ONLY.replace("parameters", "master weights"),
          f"set model.dtype=float32, {ON_FSDP2}"),
-    Rule(MEGATRON, equals("parallelism.activation_checkpointing", True),
-         "the megatron backend does not recompute activations (it would be silently ignored)",
-         f"set parallelism.activation_checkpointing=false, {ON_FSDP2}"),
     Rule(MEGATRON, equals("parallelism.cpu_offload", True),
          "the megatron backend keeps parameters, gradients and optimizer state on the training device (it would be "
          "silently ignored)", f"set parallelism.cpu_offload=false, {ON_FSDP2}"),
