@@ -27,13 +27,27 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from pathlib import Path
 
-import torch
+# The same weights on every x86-64 machine: these are read when torch loads, so they are set before it is
+# imported (a caller's values are overridden: other values write other weights). Without them the weights
+# depend on the CPU: MKL picks its matmul kernels by vendor (AVX-512 ones on Intel, AVX2 on AMD) and ATen its
+# vector kernels by the widest instruction set present (AVX-512 or AVX2), and each choice sums in its own
+# order; 600 steps turn those last-bit differences into other weights (another held-out accuracy).
+DETERMINISTIC_ENV = {
+    "MKL_CBWR": "COMPATIBLE",  # MKL's conditional numerical reproducibility: one code path on any x86-64 CPU
+    "ATEN_CPU_CAPABILITY": "avx2",  # ATen's AVX2 kernels, present on every x86-64 CPU since 2013-2015
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+os.environ.update(DETERMINISTIC_ENV)
 
-from rlite.data import format_prompt
-from rlite.tasks import make_task
-from rlite.tokenizer import build_byte_tokenizer
+import torch  # noqa: E402
+
+from rlite.data import format_prompt  # noqa: E402
+from rlite.tasks import make_task  # noqa: E402
+from rlite.tokenizer import build_byte_tokenizer  # noqa: E402
 
 HERE = Path(__file__).parent
 
