@@ -1,8 +1,11 @@
 """Build the quickstart's starting model: a ~1M-parameter Qwen2 that is partly competent at
-2-digit addition, made by a few hundred plain supervised steps. Deterministic (seeded, one thread):
-re-running it rewrites the same weights, and the SHA-256 of the tensors it prints is recorded, for
-each warm start and for a 3-step run, in ``examples/warmstart/HASHES.json``
-(``tests/integration/test_warmstart_script.py`` checks both).
+2-digit addition, made by a few hundred plain supervised steps. Deterministic (seeded, one thread,
+and the same CPU kernels on any x86-64 machine: ``DETERMINISTIC_ENV`` below): re-running it rewrites the
+same weights, and the SHA-256 of the tensors it prints is recorded, for each warm start and for a
+3-step run, in ``examples/warmstart/HASHES.json`` (``tests/integration/test_warmstart_script.py``
+checks both). Bit for bit needs the same torch and transformers (torch 2.13.0+cpu, transformers 5.24.0
+wrote the recorded weights) on an x86-64 CPU with AVX2; another torch, transformers or an ARM CPU
+writes other weights of the same quality.
 
     python examples/warmstart/make_warmstart.py               # examples/warmstart/addition-qwen2-1m
     python examples/warmstart/make_warmstart.py --moe         # examples/warmstart/addition-qwen3moe (MoE recipe)
@@ -10,8 +13,8 @@ each warm start and for a 3-step run, in ``examples/warmstart/HASHES.json``
 
 ``--multiturn`` trains the same Qwen2 on chat conversations instead of single prompts, for the
 multi-turn recipes (configs/multiturn_*.yaml): the quickstart model answers a prompt only when it is
-the whole conversation (with any earlier turn in front its held-out accuracy drops from 0.33 to 0.00;
-docs/multiturn.md). A conversation is one to three additions in a row, each a user message answered by
+the whole conversation (with any earlier turn in front, the held-out accuracy of its 2026-11-22 version
+dropped from 0.33 to 0.00; docs/multiturn.md). A conversation is one to three additions in a row, each a user message answered by
 the assistant (the ``arithmetic_chain`` game), or, one time in three, a calculator call: the assistant
 repeats the problem, a ``tool`` message answers it, the assistant copies the answer (the ``calculator``
 environment's protocol). The loss is on the assistant's messages only. The model is shipped.
@@ -27,17 +30,31 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from pathlib import Path
 
-import torch
+# The same weights on every x86-64 machine: these are read when torch loads, so they are set before it is
+# imported (a caller's values are overridden: other values write other weights). Without them the weights
+# depend on the CPU: MKL picks its matmul kernels by vendor (AVX-512 ones on Intel, AVX2 on AMD) and ATen its
+# vector kernels by the widest instruction set present (AVX-512 or AVX2), and each choice sums in its own
+# order; 600 steps turn those last-bit differences into other weights (another held-out accuracy).
+DETERMINISTIC_ENV = {
+    "MKL_CBWR": "COMPATIBLE",  # MKL's conditional numerical reproducibility: one code path on any x86-64 CPU
+    "ATEN_CPU_CAPABILITY": "avx2",  # ATen's AVX2 kernels, present on every x86-64 CPU since 2013-2015
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+os.environ.update(DETERMINISTIC_ENV)
 
-from rlite.data import format_prompt
-from rlite.tasks import make_task
-from rlite.tokenizer import build_byte_tokenizer
+import torch  # noqa: E402
+
+from rlite.data import format_prompt  # noqa: E402
+from rlite.tasks import make_task  # noqa: E402
+from rlite.tokenizer import build_byte_tokenizer  # noqa: E402
 
 HERE = Path(__file__).parent
 
-DEFAULT_STEPS = {"addition-qwen2-1m": 600, "multiturn-qwen2-1m": 600, "addition-qwen3moe": 400}
+DEFAULT_STEPS = {"addition-qwen2-1m": 390, "multiturn-qwen2-1m": 600, "addition-qwen3moe": 400}
 """Supervised steps of each warm start (named by its folder) when ``--steps`` is not given."""
 
 
