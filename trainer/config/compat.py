@@ -117,6 +117,11 @@ MOE_MODEL = Setting("model.moe", bool, "a Mixture-of-Experts model",
                     lambda v: f"the Mixture-of-Experts model model.path={v['model.path']!r}", names=("model.path",))
 PARTIAL = differs("rollout.partial_segment_tokens", 0, "rollout.mode=async", "rollout.engine.args.process=true",
                   "rollout.partial_segment_tokens=2")
+SINGLE_TURN = Setting("rollout.multi_turn", lambda v: not v, "a single-turn rollout.workflow",
+                      lambda v: f"rollout.workflow={v['rollout.workflow']} (single turn)", names=("rollout.workflow",))
+NOT_ASYNC = Setting("rollout.mode", lambda v: v != "async", "rollout.mode=sync or one_step_off")
+TURN_SETTINGS_IGNORED = ("only a multi-turn workflow samples turn by turn against an environment, so it would be "
+                         "silently ignored")
 TRUE_ON_POLICY = equals("rollout.true_on_policy", True)
 DRAFT = differs("rollout.draft", "none", "rollout.draft=ngram")
 
@@ -169,6 +174,18 @@ RULES: tuple[Rule, ...] = (
     Rule(MULTI_TURN, DRAFT,
          "a multi-turn workflow samples turn by turn from growing contexts, and a draft is fed one fixed-shape call "
          "per sample; it is not supported yet", "set rollout.draft=none"),
+    Rule(differs("rollout.max_staleness", 1, "rollout.max_staleness=3"), NOT_ASYNC,
+         "max_staleness bounds how many versions an asynchronous sample may lag the weights it trains; a sync "
+         "sample lags 0 and a one_step_off sample exactly 1, so it would be silently ignored",
+         "set rollout.mode=async, or leave rollout.max_staleness out"),
+    Rule(differs("rollout.max_turns", 4, "rollout.max_turns=2"), SINGLE_TURN, TURN_SETTINGS_IGNORED,
+         "set a multi-turn rollout.workflow (calculator, arithmetic_chain, ...), or leave rollout.max_turns out"),
+    Rule(differs("rollout.max_response_tokens", 256, "rollout.max_response_tokens=64"), SINGLE_TURN,
+         TURN_SETTINGS_IGNORED.replace("so it", "so its response budget"),
+         "set rollout.max_new_tokens for a single-turn response, or a multi-turn rollout.workflow"),
+    Rule(differs("rollout.observation_role", "user", "rollout.observation_role=tool"), SINGLE_TURN,
+         TURN_SETTINGS_IGNORED.replace("so it", "so the role of its observations"),
+         "set a multi-turn rollout.workflow, or leave rollout.observation_role out"),
     Rule(OVERLAPS, SHARES_WEIGHTS,
          "the engine samples while the trainer updates, so it needs its own copy of the weights",
          "set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true), or rollout.mode=sync"),
