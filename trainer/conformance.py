@@ -328,17 +328,41 @@ def _workdir(workdir: str | Path | None) -> Iterator[Path]:
             yield Path(tmp)
 
 
-# --------------------------------------------------------------------------------------------------
-# training backends
-# --------------------------------------------------------------------------------------------------
-
-
 def _run_config(model_dir: Path, run_dir: Path, overrides: list[str]):
     from rlite.plugin_manager import get_plugin_manager
     from rlite.testing import tiny_config
 
     return tiny_config(model_dir, run_dir, "training.lr=1e-2", "training.grad_clip=1.0", *overrides,
                        pm=get_plugin_manager())
+
+
+@dataclass
+class _Bench:
+    """What a backend or engine check runs on: its folder, a tiny model (on disk and loaded) and a run config."""
+
+    root: Path
+    model_dir: Path
+    config: Any
+    hf: Any
+
+
+@contextlib.contextmanager
+def _setting_up(kind: str, plugin: Any, options: Any, overrides: tuple[str, ...],
+                workdir: str | Path | None) -> Iterator[tuple[_Plugin, Any, _Checker, _Bench]]:
+    """The plugin resolved, its options, a checker, and the bench, inside the check's folder and a process group."""
+    found = _resolve(kind, plugin)
+    cfg = _options(found, options)
+    check = _Checker(found.name, kind)
+    torch.manual_seed(0)
+    with _workdir(workdir) as root, _process_group():
+        model_dir = tiny_model_dir(root / "model")
+        config = _run_config(model_dir, root / "run", list(overrides))
+        yield found, cfg, check, _Bench(root, model_dir, config, _hf_model(model_dir))
+
+
+# --------------------------------------------------------------------------------------------------
+# training backends
+# --------------------------------------------------------------------------------------------------
 
 
 def _backend_weights(backend) -> dict[str, torch.Tensor]:
@@ -378,18 +402,12 @@ def check_backend(backend: Any, options: Any = None, *, overrides: tuple[str, ..
     from rlite.testing import fixed_batch
     from rlite.training.backend import ForwardSpec
 
-    found = _resolve("training_backend", backend)
-    cfg = _options(found, options)
-    check = _Checker(found.name, "training_backend")
-    torch.manual_seed(0)
-    with _workdir(workdir) as root, _process_group():
-        model_dir = tiny_model_dir(root / "model")
-        config = _run_config(model_dir, root / "run", list(overrides))
+    with _setting_up("training_backend", backend, options, overrides, workdir) as (found, cfg, check, bench):
+        root, config, hf = bench.root, bench.config, bench.hf
 
         def build():
             return found.implementation(config, cfg, torch.device("cpu"), 4)
 
-        hf = _hf_model(model_dir)
         batch = fixed_batch(num_prompts=2, samples=3, prompt_len=6, max_len=7, vocab=hf.config.vocab_size)
         spec = ForwardSpec(micro_batch_size=len(batch), temperature=1.0, chunk_size=16, exact_layout=False)
         first = build()
@@ -533,15 +551,9 @@ def check_engine(engine: Any, options: Any = None, *, overrides: tuple[str, ...]
     from rlite.engines.base import SamplingParams
     from rlite.engines.placement import EngineContext
 
-    found = _resolve("rollout_engine", engine)
-    cfg = _options(found, options)
-    check = _Checker(found.name, "rollout_engine")
-    torch.manual_seed(0)
-    with _workdir(workdir) as root, _process_group():
-        model_dir = tiny_model_dir(root / "model")
-        config = _run_config(model_dir, root / "run", list(overrides))
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        hf = _hf_model(model_dir)
+    with _setting_up("rollout_engine", engine, options, overrides, workdir) as (found, cfg, check, bench):
+        config, hf = bench.config, bench.hf
+        tokenizer = AutoTokenizer.from_pretrained(bench.model_dir)
         built = found.implementation(config.model, tokenizer, config.rollout, cfg, EngineContext.single_process())
         try:
             with check.raising("update_weights drains the stream and sets weight_version"):
