@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlite.backends.fsdp2.grad_accumulation import accumulate_in_place
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.training.grad_accumulation import accumulate_in_place
 from rlite.training.logprobs import LinearLogprobFunction, PolicyModel, chunked_logprobs
 
 

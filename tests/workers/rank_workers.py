@@ -37,7 +37,7 @@ def fixed_batch_update(
 
     Writes the loss metrics and the updated full parameters to ``out_file`` (rank 0). Used by the
     world-size and micro-batching invariance tests. ``plain`` (world size 1) keeps the model without
-    FSDP2, accumulating its weight gradients in place (``rlite.backends.fsdp2.grad_accumulation``). AdamW runs with
+    FSDP2, accumulating its weight gradients in place (``rlite.training.grad_accumulation``). AdamW runs with
     eps=1 so that its first step is about lr * grad (linear in the gradient) instead of
     lr * sign(grad), which would turn rounding noise in near-zero gradients into full-size weight
     differences. ``backend_choice`` (a ``parallelism.backend`` value such as

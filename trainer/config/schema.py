@@ -494,7 +494,7 @@ class ParallelismConfig:
     fused_grad_accumulation: bool = True
     """For a model without FSDP2 (``shard_single_process=false`` at world size 1): matrix products and embeddings add
     their weight gradients straight into ``.grad`` (``addmm_``, ``index_add_``) instead of autograd allocating,
-    buffering and summing a fresh gradient per use of each weight (``rlite.backends.fsdp2.grad_accumulation``). The same gradients to
+    buffering and summing a fresh gradient per use of each weight (``rlite.training.grad_accumulation``). The same gradients to
     float rounding, less memory and time per micro-batch. No effect under FSDP2."""
 
     def __post_init__(self) -> None:

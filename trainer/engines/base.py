@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rlite.errors import EngineDied, EngineError  # noqa: F401  (raised by engines; defined below rlite.sync)
 from rlite.rollout import Completion  # what generate returns; defined with the batch built from it
 
 
@@ -197,15 +198,6 @@ class SpeculativeEngine(RolloutEngine, Protocol):
 
     def speculation_stats(self) -> SpeculationStats:
         """What speculation did in the last :meth:`generate` call."""
-
-
-class EngineError(RuntimeError):
-    """The engine failed, timed out, or reported a wrong weight version/checksum."""
-
-
-class EngineDied(EngineError):
-    """The engine's process is gone: it died, or it was killed after a call timed out. A fresh engine
-    can take over (:class:`rlite.engines.supervisor.SupervisedEngine` restarts it)."""
 
 
 class IdleEngine:

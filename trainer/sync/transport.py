@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rlite.engines.base import EngineError
+from rlite.errors import EngineError
 from rlite.sync.buckets import (
     ALIGNMENT,
     BucketMeta,

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlite.hf_models import cache_kwarg
+from rlite.training.grad_accumulation import add_matmul, in_place, matmul_grad
 from rlite.training.packing import PackedRows
 
 
@@ -105,7 +106,7 @@ class LinearLogprobFunction(torch.autograd.Function):
     ``H = logsumexp(z) - p . z``. Backward, per chunk, with ``g = dL/dlp``:
     ``dz = g (onehot(y) - p) / T``, written over ``p`` in place; ``dh = dz W``; ``dW = dz^T h``, added
     chunk by chunk into one buffer, or straight into ``W.grad`` where the weight accumulates in place
-    (:mod:`rlite.backends.fsdp2.grad_accumulation`). ``keep_probs`` keeps each chunk's ``p`` from the forward;
+    (:mod:`rlite.training.grad_accumulation`). ``keep_probs`` keeps each chunk's ``p`` from the forward;
     otherwise the backward recomputes the chunk's logits. Either way a chunk's ``[tokens, vocab]``
     floats are the only large temporary: autograd's version of the same maths holds three or four
     (logits, softmax, the one-hot scatter, the gradient) and a fresh ``[vocab, hidden]`` gradient.
@@ -136,8 +137,6 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        from rlite.backends.fsdp2.grad_accumulation import add_matmul, in_place, matmul_grad
-
         hidden, weight, targets = ctx.saved_tensors
         temperature, kept = ctx.temperature, ctx.kept
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

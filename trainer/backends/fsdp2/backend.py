@@ -4,7 +4,7 @@
 single process runs the very code path that N ranks run (and the mixed-precision policy is always
 installed). Gradients of several micro-batches accumulate in the sharded ``.grad`` of each parameter.
 ``parallelism.shard_single_process=false`` keeps a single process's model plain; its weight
-gradients are then added into ``.grad`` in place (:mod:`rlite.backends.fsdp2.grad_accumulation`).
+gradients are then added into ``.grad`` in place (:mod:`rlite.training.grad_accumulation`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
 
     policy = load_sharded(model_cfg, par_cfg, device, wrap)
     if trainable and par_cfg.fused_grad_accumulation and not isinstance(policy, FSDPModule):
-        from rlite.backends.fsdp2.grad_accumulation import accumulate_in_place
+        from rlite.training.grad_accumulation import accumulate_in_place
 
         accumulate_in_place(policy)
     return policy

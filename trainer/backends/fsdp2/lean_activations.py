@@ -16,7 +16,7 @@ decoder block two places save tensors that are cheap to recompute from what is s
 
 The forward passes run the same ops in the same order as the Hugging Face modules they replace, so
 forward values are bitwise equal; gradients agree to float rounding (``tests/unit/test_lean_activations.py``).
-Their weight gradients go through :mod:`rlite.backends.fsdp2.grad_accumulation`, so they are added into ``.grad`` in
+Their weight gradients go through :mod:`rlite.training.grad_accumulation`, so they are added into ``.grad`` in
 place where the model accumulates that way.
 
 :func:`apply_lean_activations` swaps the ``forward`` of every module it recognises exactly: an MLP
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlite.backends.fsdp2.grad_accumulation import matmul_grad, vector_grad
+from rlite.training.grad_accumulation import matmul_grad, vector_grad
 
 RMSNORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
