@@ -309,8 +309,8 @@ def rollout_options(cfg: RunConfig, pm: RlitePluginManager, engine: RolloutEngin
     )
 
 
-def build_rollouts(cfg: RunConfig, engine, sampler, scoring: RolloutScoring | None, tokenizer, layout: DataLayout,
-                   hooks, timer: StepTimer, options: RolloutOptions | None) -> Rollouts:
+def build_rollouts(cfg: RunConfig, engine, sampler, scoring: RolloutScoring, tokenizer, layout: DataLayout,
+                   hooks, timer: StepTimer, options: RolloutOptions) -> Rollouts:
     """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``)."""
     args = (engine, sampler, scoring, tokenizer, options, layout, hooks, timer)
     mode = cfg.rollout.mode
