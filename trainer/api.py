@@ -53,7 +53,7 @@ from rlite.mismatch import (
 from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
 from rlite.plugin_manager import registered
 from rlite.rewards import RewardOutcome
-from rlite.rollout import RolloutBatch, TrainTargets, model_inputs, pad_to_width
+from rlite.rollout import EnvResults, RolloutBatch, TrainTargets, model_inputs, pad_to_width
 from rlite.sandbox import KINDS as SANDBOX_KINDS
 from rlite.sandbox import (
     Isolation,
@@ -140,6 +140,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     # The batch
     "RolloutBatch",
     "TrainTargets",
+    "EnvResults",
     "model_inputs",
     "pad_to_width",
     # Training backends

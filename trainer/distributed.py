@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -258,6 +259,14 @@ def broadcast_object(obj, src: int, group: Any = None):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def from_replica_leader(layout: DataLayout, make: Callable[[], Any]) -> Any:
+    """``make()`` on the replica's leader, its result on every rank of the replica (the leader samples and
+    scores for its replica)."""
+    if layout.replica_size == 1:
+        return make()
+    return broadcast_object(make() if layout.leader else None, layout.replica_leader, layout.replica_group)
 
 
 def barrier() -> None:

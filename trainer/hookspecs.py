@@ -188,7 +188,8 @@ def register_rollout_workflows(register: Register) -> None:
         ``step(action) -> (observation, reward, done)`` after every sampled turn, where ``action`` is an
         :class:`rlite.api.Action` (the sampled token ids and their text). Observations are appended as
         tokens between the chat template's turn separators and masked out of the loss; rewards are
-        summed into ``sample["env_reward"]`` (the ``env_reward`` reward function). Pass
+        summed over the trajectory (``batch.env.rewards``), which the reward functions see as
+        ``sample["env_reward"]`` (the ``env_reward`` reward function returns it). Pass
         ``single_turn=True`` for a workflow whose environment always stops after one turn with no
         reward: the loop then samples it with one engine call, as a plain rollout.
     """

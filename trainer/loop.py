@@ -144,14 +144,15 @@ def train(run: Run) -> dict[str, Any]:
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
-    metrics = run.rollouts.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
+    with run.rollouts.exclusive_engine(step):  # async: not while the producer samples
+        result = run.evaluation.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
     if run.samples is not None:
-        write_samples(run, step, "eval", run.rollouts.eval_samples)
+        write_samples(run, step, "eval", result.samples)
     # an evaluation runs between a sync and the next rollout, which needs the engine whole; after
     # the last step's nothing generates again, and the final checkpoint and export get the memory
     if step == run.config.training.steps:
         run.engine.release_memory()
-    return metrics
+    return result.metrics
 
 
 def group_relative(run: Run) -> bool:
@@ -230,7 +231,7 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
                 run.rollouts.close()
                 run.engine.shutdown()
                 run.backend.close()
-                run.rollouts.rewards.close()
+                run.rollouts.scoring.rewards.close()
         finished = True
         return summary
     finally:

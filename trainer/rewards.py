@@ -60,12 +60,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlite.config import Choice, ConfigError
+
+if TYPE_CHECKING:
+    from rlite.rollout import EnvResults
 
 logger = logging.getLogger(__name__)
 
@@ -667,6 +670,21 @@ class RewardRunner:
                 "faster, or raise reward_timeout_s or reward_workers, or reward_max_timeout_fraction to tolerate them."
             )
         return "\n".join(parts) if parts else None
+
+
+def reward_samples(rows: Sequence[dict], response_lengths: Sequence[int], finish_reasons: Sequence[str],
+                   env: EnvResults | None = None) -> list[dict[str, Any]]:
+    """What the reward functions receive as ``sample``: a copy of each data row (``rows``: as loaded, never
+    changed) with what the rollout adds: ``response_length`` (sampled tokens), ``finish_reason`` and, for
+    a multi-turn rollout (``env``), ``env_reward`` (the environment's rewards, summed), ``turns`` and
+    ``env_metrics`` (the environment's ``metrics()``). Built for the call: the batch keeps these as typed
+    fields, and a reward function that changes its ``sample`` changes nothing else."""
+    added: list[dict[str, Any]] = [{} for _ in rows]
+    if env is not None:
+        added = [{"env_reward": reward, "turns": turns, "env_metrics": metrics}
+                 for reward, turns, metrics in zip(env.rewards.tolist(), env.turns.tolist(), env.metrics, strict=True)]
+    return [dict(row, **extra, response_length=int(length), finish_reason=reason)
+            for row, extra, length, reason in zip(rows, added, response_lengths, finish_reasons, strict=True)]  # fmt: skip
 
 
 def _make_config(name: str, config_cls: type | None, args: dict[str, Any], key: str) -> Any:

@@ -62,84 +62,204 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+PROMPT, RESPONSE, SEQUENCE = "prompt", "response", "prompt+response"
+"""The padded second axis of a batch field (:class:`RowLayout`)."""
+PAD_TOKEN = "pad_token"
+"""A :class:`RowLayout` ``fill``: the tokenizer's pad token (:func:`concat_batches`' ``pad_token_id``)."""
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How one field of a batch moves when rows are selected (:func:`select_rows`) or batches are stacked
+    (:func:`concat_rows`): every field of :class:`RolloutBatch` and of the dataclasses it holds declares one."""
+
+    pad: str | None = None
+    """Its padded second axis: ``"prompt"`` (left-padded to the prompt width P), ``"response"``
+    (right-padded to the response width T), ``"prompt+response"`` (the grid of both, split at each
+    batch's P), ``None`` (none: ``[B]`` and ``[B, K]`` tensors, lists, a dataclass of rows)."""
+    fill: float | str = 0
+    """The padding value (``"pad_token"``: the tokenizer's)."""
+    missing_as: str | None = None
+    """Stacking batches of which only some have this field (``None`` or an empty list): the field that
+    stands in for it in the others; ``None``: the stacked batch lacks it too."""
+
+
+def column(*, pad: str | None = None, fill: float | str = 0, missing_as: str | None = None, **kwargs: Any) -> Any:
+    """A dataclass field of a batch with its :class:`RowLayout` (``kwargs``: ``default`` or ``default_factory``)."""
+    return field(metadata={"rows": RowLayout(pad, fill, missing_as)}, **kwargs)
+
+
+def row_layout(cls: type, f: Any) -> RowLayout:
+    try:
+        return f.metadata["rows"]
+    except KeyError:
+        raise TypeError(f"{cls.__name__}.{f.name} declares no row layout: declare it with rlite.rollout.column()") from None
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, list) and not value)
+
+
+def select_rows(batch: Any, index: list[int]) -> Any:
+    """The rows ``index`` of a batch dataclass, every field by its :class:`RowLayout` (missing stays missing)."""
+    idx = torch.tensor(index, dtype=torch.long)
+
+    def take(value: Any) -> Any:
+        if _missing(value):
+            return [] if isinstance(value, list) else None
+        if isinstance(value, torch.Tensor):
+            return value[idx]
+        if isinstance(value, list):
+            return [value[i] for i in index]
+        return select_rows(value, index)
+
+    cls = type(batch)
+    values = {}
+    for f in fields(cls):
+        row_layout(cls, f)  # a field nobody declared is an error, never silently dropped
+        values[f.name] = take(getattr(batch, f.name))
+    return cls(**values)
+
+
+def pad_rows(x: torch.Tensor, pad: str | None, fill: float, prompt_width: int, widths: tuple[int, int]) -> torch.Tensor:
+    """``x`` of a batch whose prompts are ``prompt_width`` wide re-padded to ``widths`` (P, T) along ``pad``."""
+    trailing = (0, 0) * (x.dim() - 2)
+    if pad == PROMPT:
+        return torch.nn.functional.pad(x, (*trailing, widths[0] - x.shape[1], 0), value=fill)
+    if pad == RESPONSE:
+        return torch.nn.functional.pad(x, (*trailing, 0, widths[1] - x.shape[1]), value=fill)
+    if pad == SEQUENCE:
+        return torch.cat([pad_rows(x[:, :prompt_width], PROMPT, fill, prompt_width, widths),
+                          pad_rows(x[:, prompt_width:], RESPONSE, fill, prompt_width, widths)], dim=1)
+    return x
+
+
+def concat_rows(parts: list[Any], prompt_widths: list[int], widths: tuple[int, int], pad_token_id: int) -> Any:
+    """Batch dataclasses stacked row-wise, every field by its :class:`RowLayout`; ``prompt_widths``: each
+    part's P, ``widths``: the stacked batch's (P, T)."""
+    cls = type(parts[0])
+    values = {}
+    for f in fields(cls):
+        layout = row_layout(cls, f)
+        column_parts = [getattr(part, f.name) for part in parts]
+        missing = [_missing(v) for v in column_parts]
+        if any(missing):
+            if all(missing) or layout.missing_as is None:
+                values[f.name] = [] if isinstance(column_parts[0], list) else None
+                continue
+            column_parts = [getattr(part, layout.missing_as) if gone else v
+                            for part, v, gone in zip(parts, column_parts, missing)]  # fmt: skip
+        first = column_parts[0]
+        if isinstance(first, list):
+            values[f.name] = [x for v in column_parts for x in v]
+        elif isinstance(first, torch.Tensor):
+            fill = pad_token_id if layout.fill == PAD_TOKEN else layout.fill
+            values[f.name] = torch.cat([pad_rows(v, layout.pad, fill, p, widths) for v, p in zip(column_parts, prompt_widths)])
+        else:
+            values[f.name] = concat_rows(column_parts, prompt_widths, widths, pad_token_id)
+    return cls(**values)
+
+
 @dataclass
 class TrainTargets:
     """What the loss needs beyond the samples, per row, filled by :mod:`rlite.stages.targets`."""
 
-    advantages: torch.Tensor
+    advantages: torch.Tensor = column(pad=RESPONSE)
     """[B, T] advantage of each response token (0 outside the response)."""
-    returns: torch.Tensor
+    returns: torch.Tensor = column(pad=RESPONSE)
     """[B, T] return targets (the critic's regression target; equal to the advantages without one)."""
-    loss_mask: torch.Tensor
+    loss_mask: torch.Tensor = column(pad=RESPONSE)
     """[B, T] 1 for the tokens in the loss (response mask, minus truncated samples and rejected tokens)."""
-    old_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = column(pad=RESPONSE, default=None)
     """[B, T] pi_old of the PPO ratio; ``None``: the first training forward's (ratio exactly 1)."""
-    ref_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = column(pad=RESPONSE, default=None)
     """[B, T] reference-model log-probs (KL term)."""
-    is_weights: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = column(pad=RESPONSE, default=None)
     """[B, T] importance weights of the mismatch corrections multiplying the per-token loss."""
-    old_values: torch.Tensor | None = None
+    old_values: torch.Tensor | None = column(pad=RESPONSE, default=None)
     """[B, T] the critic's values before the update (PPO with GAE)."""
 
-    def select(self, idx: torch.Tensor) -> TrainTargets:
-        return TrainTargets(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
-                               for f in fields(self)})
+    def select(self, rows: torch.Tensor | list[int]) -> TrainTargets:
+        return select_rows(self, rows.tolist() if isinstance(rows, torch.Tensor) else list(rows))
+
+
+@dataclass
+class EnvResults:
+    """What the environments of a multi-turn rollout (:mod:`rlite.workflows`) said about each trajectory."""
+
+    rewards: torch.Tensor = column()
+    """[B] float64: the environment's rewards, summed over the trajectory (the ``env_reward`` reward function's value)."""
+    turns: torch.Tensor = column()
+    """[B] int64: the turns sampled."""
+    metrics: list[dict[str, float]] = column()
+    """The environment's own numbers about each ended episode (``metrics()``; ``correct`` decides accuracy)."""
+
+    @classmethod
+    def of(cls, trajectories: list) -> EnvResults:
+        """The results of ended :class:`rlite.workflows.Trajectory` s."""
+        return cls(rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64),
+                   turns=torch.tensor([int(t.turns) for t in trajectories], dtype=torch.long),
+                   metrics=[t.metrics for t in trajectories])  # fmt: skip
 
 
 @dataclass
 class RolloutBatch:
     """Samples of one step on one rank; tensors have B rows (groups contiguous)."""
 
-    prompt_ids: torch.Tensor
+    prompt_ids: torch.Tensor = column(pad=PROMPT, fill=PAD_TOKEN)
     """[B, P] left-padded prompt tokens."""
-    prompt_mask: torch.Tensor
+    prompt_mask: torch.Tensor = column(pad=PROMPT)
     """[B, P] 1 for real prompt tokens."""
-    response_ids: torch.Tensor
+    response_ids: torch.Tensor = column(pad=RESPONSE, fill=PAD_TOKEN)
     """[B, T] generated tokens, right-padded."""
-    response_mask: torch.Tensor
+    response_mask: torch.Tensor = column(pad=RESPONSE)
     """[B, T] 1 for tokens that count in the loss (the sampled ones: a multi-turn response has zero
     spans inside, where an environment's observation tokens sit)."""
-    rollout_logprobs: torch.Tensor
+    rollout_logprobs: torch.Tensor = column(pad=RESPONSE)
     """[B, T] log-probs reported by the engine."""
-    group_ids: torch.Tensor
+    group_ids: torch.Tensor = column()
     """[B] global prompt slot of each sample: equal ids form a GRPO group."""
-    finish_reasons: list[str]
+    finish_reasons: list[str] = column()
     """``stop`` or ``length`` per sample."""
-    samples: list[dict[str, Any]]
-    """The data row of each sample's prompt (answer, metadata)."""
-    completion_texts: list[str] = field(default_factory=list)
+    samples: list[dict[str, Any]] = column()
+    """The data row of each sample's prompt (answer, metadata), as loaded: what the rollout adds is in typed
+    fields (``finish_reasons``, ``response_lengths``, ``env``); a reward function sees both
+    (:func:`rlite.rewards.reward_sample`)."""
+    completion_texts: list[str] = column(default_factory=list)
     """Decoded completions (filled before rewards)."""
-    scores: torch.Tensor | None = None
+    scores: torch.Tensor | None = column(default=None)
     """[B] scalar rewards (filled by the reward step)."""
-    correct: torch.Tensor | None = None
+    correct: torch.Tensor | None = column(default=None)
     """[B] bool: the answer is right (:func:`rlite.tasks.is_correct`; filled by the reward step)."""
-    reward_components: torch.Tensor | None = None
+    reward_components: torch.Tensor | None = column(default=None)
     """[B, K] each reward function's unweighted value (``scores`` is their weighted sum)."""
-    baseline_texts: list[str] = field(default_factory=list)
+    baseline_texts: list[str] = column(default_factory=list)
     """The decoded greedy completion of each sample's prompt (with ``baseline_scores``; else empty)."""
-    baseline_scores: torch.Tensor | None = None
+    baseline_scores: torch.Tensor | None = column(default=None)
     """[B] reward of one greedy completion of each sample's prompt; only for an advantage estimator
     registered with ``needs_greedy_baseline=True`` (ReMax)."""
-    weight_versions: list[int] = field(default_factory=list)
+    weight_versions: list[int] = column(default_factory=list)
     """Weight version each sample was drawn with."""
-    targets: TrainTargets | None = None
+    targets: TrainTargets | None = column(default=None)
     """Advantages, loss mask and the log-probs of the loss (filled before the update)."""
-    routed_experts: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = column(pad=SEQUENCE, fill=-1, default=None)
     """[B, P + T, L, K] experts the engine routed each token to in every decoder layer (int16; -1
     where nothing was recorded: padding, dense layers, each response's last token), on the grid of
     ``cat(prompt_ids, response_ids)``; ``None`` unless the engine was asked (:mod:`rlite.moe_routing`)."""
-    policy_top_ids: torch.Tensor | None = None
+    policy_top_ids: torch.Tensor | None = column(pad=RESPONSE, default=None)
     """[B, T, k] the policy's k most likely tokens at each response position, as the engine reported
     them while sampling (``SamplingParams.top_logprobs``: a draft distils from them); ``None`` unless asked."""
-    policy_top_logprobs: torch.Tensor | None = None
+    policy_top_logprobs: torch.Tensor | None = column(pad=RESPONSE, default=None)
     """[B, T, k] their log-probs (``log_softmax(logits / temperature)``; 0 after each response)."""
-    response_attention_mask: torch.Tensor | None = None
+    response_attention_mask: torch.Tensor | None = column(pad=RESPONSE, missing_as="response_mask", default=None)
     """[B, T] 1 for every real response token, sampled or observed (multi-turn, :mod:`rlite.workflows`);
     ``None``: every response token is sampled, and this equals ``response_mask``."""
-    token_weight_versions: torch.Tensor | None = None
+    token_weight_versions: torch.Tensor | None = column(pad=RESPONSE, fill=-1, default=None)
     """[B, T] the weight version that sampled each response token (-1 on observations and padding), for
     rollouts whose later turns or segments may be sampled after a weight sync (asynchronous rollouts);
     ``None``: every token has its sample's ``weight_versions`` entry."""
+    env: EnvResults | None = column(default=None)
+    """What the environments said about each trajectory (a multi-turn rollout; ``None``: single turn)."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -149,33 +269,8 @@ class RolloutBatch:
         return self.response_mask.sum(-1)
 
     def select(self, rows: slice | list[int]) -> RolloutBatch:
-        """A view of some rows (micro-/mini-batches)."""
-        index = list(range(len(self)))[rows] if isinstance(rows, slice) else list(rows)
-        idx = torch.tensor(index, dtype=torch.long)
-        return RolloutBatch(
-            prompt_ids=self.prompt_ids[idx],
-            prompt_mask=self.prompt_mask[idx],
-            response_ids=self.response_ids[idx],
-            response_mask=self.response_mask[idx],
-            rollout_logprobs=self.rollout_logprobs[idx],
-            group_ids=self.group_ids[idx],
-            finish_reasons=[self.finish_reasons[i] for i in index],
-            samples=[self.samples[i] for i in index],
-            completion_texts=[self.completion_texts[i] for i in index] if self.completion_texts else [],
-            scores=None if self.scores is None else self.scores[idx],
-            correct=None if self.correct is None else self.correct[idx],
-            reward_components=None if self.reward_components is None else self.reward_components[idx],
-            baseline_texts=[self.baseline_texts[i] for i in index] if self.baseline_texts else [],
-            baseline_scores=None if self.baseline_scores is None else self.baseline_scores[idx],
-            weight_versions=[self.weight_versions[i] for i in index] if self.weight_versions else [],
-            targets=None if self.targets is None else self.targets.select(idx),
-            routed_experts=None if self.routed_experts is None else self.routed_experts[idx],
-            policy_top_ids=None if self.policy_top_ids is None else self.policy_top_ids[idx],
-            policy_top_logprobs=None if self.policy_top_logprobs is None else self.policy_top_logprobs[idx],
-            response_attention_mask=None if self.response_attention_mask is None
-            else self.response_attention_mask[idx],
-            token_weight_versions=None if self.token_weight_versions is None else self.token_weight_versions[idx],
-        )
+        """A view of some rows (micro-/mini-batches, groups): every field by its :class:`RowLayout`."""
+        return select_rows(self, list(range(len(self)))[rows] if isinstance(rows, slice) else list(rows))
 
     @property
     def response_present(self) -> torch.Tensor:
@@ -329,61 +424,9 @@ def pad_to_width(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
-    """Stack batches row-wise, re-padding prompts (left) and responses (right) to common widths."""
+    """Stack batches row-wise, re-padding prompts (left) and responses (right) to common widths: every
+    field by its :class:`RowLayout`."""
     if len(batches) == 1:
         return batches[0]
-    prompt_width = max(b.prompt_ids.shape[1] for b in batches)
-    response_width = max(b.response_ids.shape[1] for b in batches)
-
-    def left(x, fill):
-        return torch.nn.functional.pad(x, (prompt_width - x.shape[1], 0), value=fill)
-
-    def right(x, fill):
-        return torch.nn.functional.pad(x, (0, response_width - x.shape[1]), value=fill)
-
-    def right3(x):  # [b, t, k] along t
-        return torch.nn.functional.pad(x, (0, 0, 0, response_width - x.shape[1]))
-
-    cat = torch.cat
-    return RolloutBatch(
-        prompt_ids=cat([left(b.prompt_ids, pad_token_id) for b in batches]),
-        prompt_mask=cat([left(b.prompt_mask, 0) for b in batches]),
-        response_ids=cat([right(b.response_ids, pad_token_id) for b in batches]),
-        response_mask=cat([right(b.response_mask, 0) for b in batches]),
-        rollout_logprobs=cat([right(b.rollout_logprobs, 0) for b in batches]),
-        group_ids=cat([b.group_ids for b in batches]),
-        finish_reasons=[r for b in batches for r in b.finish_reasons],
-        samples=[s for b in batches for s in b.samples],
-        completion_texts=[t for b in batches for t in b.completion_texts],
-        scores=None if any(b.scores is None for b in batches) else cat([b.scores for b in batches]),
-        correct=None if any(b.correct is None for b in batches) else cat([b.correct for b in batches]),
-        reward_components=None if any(b.reward_components is None for b in batches)
-        else cat([b.reward_components for b in batches]),
-        baseline_texts=[t for b in batches for t in b.baseline_texts],
-        baseline_scores=None if any(b.baseline_scores is None for b in batches)
-        else cat([b.baseline_scores for b in batches]),
-        weight_versions=[v for b in batches for v in b.weight_versions],
-        routed_experts=concat_routing(batches, prompt_width, response_width),
-        policy_top_ids=None if batches[0].policy_top_ids is None else cat([right3(b.policy_top_ids) for b in batches]),
-        policy_top_logprobs=None if batches[0].policy_top_logprobs is None
-        else cat([right3(b.policy_top_logprobs) for b in batches]),
-        response_attention_mask=None if all(b.response_attention_mask is None for b in batches)
-        else cat([right(b.response_present, 0) for b in batches]),
-        token_weight_versions=None if any(b.token_weight_versions is None for b in batches)
-        else cat([right(b.token_weight_versions, -1) for b in batches]),
-    )
-
-
-def concat_routing(batches: list[RolloutBatch], prompt_width: int, response_width: int) -> torch.Tensor | None:
-    """The batches' routing grids re-padded with -1 like their prompts (left) and responses (right)."""
-    if any(b.routed_experts is None for b in batches):
-        return None
-    parts = []
-    for b in batches:
-        p = b.prompt_ids.shape[1]
-        prompt, response = b.routed_experts[:, :p], b.routed_experts[:, p:]
-        pad = (0, 0, 0, 0)
-        prompt = torch.nn.functional.pad(prompt, (*pad, prompt_width - p, 0), value=-1)
-        response = torch.nn.functional.pad(response, (*pad, 0, response_width - response.shape[1]), value=-1)
-        parts.append(torch.cat([prompt, response], dim=1))
-    return torch.cat(parts)
+    widths = (max(b.prompt_ids.shape[1] for b in batches), max(b.response_ids.shape[1] for b in batches))
+    return concat_rows(batches, [b.prompt_ids.shape[1] for b in batches], widths, pad_token_id)

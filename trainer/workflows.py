@@ -24,8 +24,10 @@ and the observation tokens. A trajectory ends when its environment says done (``
 ``rollout.max_response_tokens`` (``length``; the budget counts sampled and observation tokens). It
 always ends with a sampled turn: an observation is appended only when another turn follows.
 
-The environment's rewards are summed over the trajectory into ``sample["env_reward"]``, which the
-built-in ``env_reward`` reward function returns; the number of turns is ``sample["turns"]``.
+The environment's rewards are summed over the trajectory: the batch keeps them, the turns and the
+environment's ``metrics()`` as typed columns (``RolloutBatch.env``, :class:`rlite.rollout.EnvResults`), and
+the reward functions see them as ``sample["env_reward"]``, ``sample["turns"]`` and ``sample["env_metrics"]``
+(:func:`rlite.rewards.reward_samples`): the built-in ``env_reward`` reward function returns the first.
 """
 
 from __future__ import annotations

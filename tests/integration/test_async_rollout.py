@@ -122,7 +122,7 @@ def test_async_refuses_tensor_parallel_replicas(tmp_path, model_dir):
                       pm=build_plugin_manager(autoload=False))
     layout = DataLayout(rank=0, size=1, replica_rank=0, replica_size=2)  # two ranks share one batch
     with pytest.raises(ConfigError, match="rollout.mode=async: .*replicas of 2 ranks"):
-        build_rollouts(cfg, IdleEngine(), None, None, None, layout, None, None)
+        build_rollouts(cfg, IdleEngine(), None, None, None, layout, None, None, None)
 
 
 class ThreeTurns:

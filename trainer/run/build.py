@@ -6,6 +6,7 @@ engine (last, so a failure before it leaves no engine process behind), and resum
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -27,15 +28,17 @@ from rlite.metrics import StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.provenance import append_metrics_record
-from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner
+from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner, reward_samples
 from rlite.run.checkpoint import find_resume_checkpoint
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.run.limits import check_run_fits
 from rlite.run.state import Run
 from rlite.samples import SampleWriter
 from rlite.stages.async_rollout import AsyncRollouts
-from rlite.stages.collect import Rollouts
+from rlite.stages.collect import RolloutOptions, Rollouts
+from rlite.stages.evaluate import Evaluation
 from rlite.stages.routing import replay_plan, routing_setup
+from rlite.stages.scoring import RolloutScoring
 from rlite.stages.sync import check_sync_mode
 from rlite.stages.targets import TargetsSpec
 from rlite.stages.update import LossSpec
@@ -165,11 +168,18 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         else:
             engine = start()
     timer = StepTimer()
+    samples = SampleWriter(run_dir / "samples.jsonl", loggers) if ctx.is_main and cfg.logging.samples_every else None
     try:
-        rollouts = build_rollouts(cfg, engine, sampler, rewards, tokenizer, layout, pm.hook, timer)
+        check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
+        routing = routing_setup(cfg, backend, engine, layout)
+        forward = dataclasses.replace(forward, routing=replay_plan(routing))
+        options = rollout_options(cfg, pm, engine, layout, draft=draft, record_routing=routing is not None, turns=turns)
+        scoring = RolloutScoring(rewards, layout, cfg.training.accuracy_threshold)
+        rollouts = build_rollouts(cfg, engine, sampler, scoring, tokenizer, layout, pm.hook, timer, options)
         rollouts.resume_ahead(rollouts_ahead, start_step)
     except BaseException:
         engine.shutdown()
+        rewards.close()
         raise
     run = Run(
         config=cfg,
@@ -181,6 +191,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         sampler=sampler,
         layout=layout,
         rollouts=rollouts,
+        evaluation=Evaluation(engine, tokenizer, scoring, options, layout,
+                              sample_count=cfg.logging.samples_per_step if samples is not None else 0),
         backend=backend,
         reference=reference,
         critic=critic,
@@ -196,24 +208,13 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         resumed_from=resume_from,
         draft=draft,
         started=started,
-        samples=SampleWriter(run_dir / "samples.jsonl", loggers) if ctx.is_main and cfg.logging.samples_every else None,
+        samples=samples,
         provenance=provenance,
+        routing=routing,
     )
-    if run.samples is not None:
-        run.rollouts.eval_sample_count = cfg.logging.samples_per_step
     if isinstance(engine, SupervisedEngine):
         engine.resync = run.sync_weights
-    # an estimator's declared needs (its registration's metadata), never its name
-    estimator_entry = pm.registry("advantage_estimator").get(algo.advantage.name)
-    run.rollouts.greedy_baseline = bool(estimator_entry.metadata.get("needs_greedy_baseline"))
     try:
-        check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
-        run.routing = routing_setup(cfg, backend, engine, layout)
-        run.forward.routing = replay_plan(run.routing)
-        run.rollouts.record_routing = run.routing is not None
-        run.rollouts.accuracy_threshold = cfg.training.accuracy_threshold
-        run.rollouts.use_draft(draft, engine, cfg.rollout.engine.name)
-        run.rollouts.use_workflow(turns)
         run.sync_weights(version=start_step)
     except BaseException:
         engine.shutdown()
@@ -284,10 +285,34 @@ def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, res
     return record
 
 
-def build_rollouts(cfg: RunConfig, engine, sampler, rewards, tokenizer, layout: DataLayout, hooks,
-                   timer: StepTimer) -> Rollouts:
+def rollout_options(cfg: RunConfig, pm: RlitePluginManager, engine: RolloutEngine, layout: DataLayout, *,
+                    draft: SpeculativeDraft | None, record_routing: bool, turns: TurnRunner | None) -> RolloutOptions:
+    """How the run samples: the rollout config and what the advantage estimator, the draft, MoE routing
+    and the workflow ask of the rollouts; a draft is checked against the engine that must run it."""
+    if draft is not None and layout.leader and draft.spec.method not in engine.capabilities.draft_methods:
+        raise ConfigError(
+            f"rollout.draft: the {cfg.rollout.engine.name!r} engine cannot run a {draft.spec.method!r} draft "
+            f"(it runs: {', '.join(engine.capabilities.draft_methods) or 'no drafts'}); set rollout.draft=none"
+        )
+    # an estimator's declared needs (its registration's metadata), never its name
+    estimator = pm.registry("advantage_estimator").get(cfg.algorithm.advantage.name)
+    return RolloutOptions(
+        rollout=cfg.rollout,
+        seed=cfg.training.seed,
+        dynamic_sampling=cfg.algorithm.dynamic_sampling,
+        dynamic_sampling_max_rounds=cfg.algorithm.dynamic_sampling_max_rounds,
+        greedy_baseline=bool(estimator.metadata.get("needs_greedy_baseline")),
+        record_routing=record_routing,
+        speculating=draft is not None,
+        top_logprobs=0 if draft is None else int(draft.rollout_top_logprobs),
+        turns=turns,
+    )
+
+
+def build_rollouts(cfg: RunConfig, engine, sampler, scoring: RolloutScoring, tokenizer, layout: DataLayout,
+                   hooks, timer: StepTimer, options: RolloutOptions) -> Rollouts:
     """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``)."""
-    args = (engine, sampler, rewards, tokenizer, cfg.rollout, cfg.algorithm, cfg.training.seed, layout, hooks, timer)
+    args = (engine, sampler, scoring, tokenizer, options, layout, hooks, timer)
     mode = cfg.rollout.mode
     if mode == "sync":
         return Rollouts(*args)
@@ -329,7 +354,7 @@ def build_rewards(cfg: RunConfig, pm: RlitePluginManager, train_prompts) -> Rewa
     the functions will see it."""
     example = None
     if len(train_prompts):
-        example = dict(train_prompts.items[0].row, response_length=1, finish_reason="stop")
+        example = reward_samples([train_prompts.items[0].row], [1], ["stop"])[0]
     limits = FailureLimits(cfg.reward_max_failure_fraction, cfg.reward_max_timeout_fraction)
     return build_reward_runner(cfg.rewards, pm.registry("reward_function"), timeout_s=cfg.reward_timeout_s,
                                workers=cfg.reward_workers, limits=limits, example_sample=example)

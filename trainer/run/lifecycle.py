@@ -232,7 +232,7 @@ def log_samples(run: Run, step: int, batch) -> None:
     if run.samples is not None and (step % every == 0 or step == run.config.training.steps):
         from rlite.samples import train_sample_rows
 
-        rows = train_sample_rows(batch, step, run.config.logging.samples_per_step, run.rollouts.rewards.names,
+        rows = train_sample_rows(batch, step, run.config.logging.samples_per_step, run.rollouts.scoring.rewards.names,
                                  tokenizer=run.tokenizer)
         write_samples(run, step, "train", rows)
 

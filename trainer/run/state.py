@@ -22,6 +22,7 @@ from rlite.plugin_manager import RlitePluginManager
 from rlite.run.faults import Preemption
 from rlite.samples import SampleWriter
 from rlite.stages.collect import Rollouts
+from rlite.stages.evaluate import Evaluation
 from rlite.stages.routing import RoutingSetup
 from rlite.stages.sync import Quantizer, sync_weights_to_engine
 from rlite.stages.targets import TargetsSpec
@@ -43,6 +44,9 @@ class Run:
     eval_prompts: PromptSet | None
     sampler: PromptSampler
     rollouts: Rollouts
+    """Sampling and scoring each step's batch."""
+    evaluation: Evaluation
+    """The held-out evaluation."""
     backend: TrainingBackend
     reference: ScoringModel | None
     critic: CriticModel | None

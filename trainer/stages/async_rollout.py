@@ -147,13 +147,13 @@ class AsyncRollouts(Rollouts):
             return segments
         return self.turns.max_turns - 1 + self.turns.max_turns * segments
 
-    def _generate(self, prompts: list, step: int, round_index: int) -> RolloutBatch:
+    def _generate(self, prompts: list, step: int, round_index: int) -> tuple[RolloutBatch, str | None]:
         self.turn_points = 0
-        batch = super()._generate(prompts, step, round_index)
+        generated = super()._generate(prompts, step, round_index)
         if self.group is not None:  # N ranks: every rank passes the same number of agreement points
             while self.turn_points < self.points_per_generation():
                 self._let_sync_in()
-        return batch
+        return generated
 
     # -- the producer -----------------------------------------------------------------------------
     def _wait_for(self, ready, timeout_s: float | None = None, what: str = "") -> bool:
@@ -348,10 +348,6 @@ class AsyncRollouts(Rollouts):
     def weights_synced(self, version: int) -> None:
         with self.versions:
             self.versions.notify_all()
-
-    def evaluate(self, eval_prompts, step: int, max_prompts: int) -> dict[str, float]:
-        with self.exclusive_engine(step):
-            return super().evaluate(eval_prompts, step, max_prompts)
 
     def close(self) -> None:
         self.stop.set()

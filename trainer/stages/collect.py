@@ -1,10 +1,10 @@
 """Stage 1-2 of a step: sample completions from the engine and score them with the rewards.
 
 With DAPO's dynamic sampling, groups whose rewards are all equal are dropped and more prompts are
-drawn until every rank has its quota of groups. The held-out evaluation (greedy and sampled accuracy)
-lives here too: it is a rollout without training. Accuracy counts answers that are right
-(:func:`rlite.tasks.is_correct`: a built-in task's answer check, else the total reward against
-``training.accuracy_threshold``), not rewards above 0.
+drawn until every rank has its quota of groups. Three parts, each built whole by its constructor:
+:class:`RolloutOptions` (how the run samples, settled before the rollouts are built), :class:`Rollouts`
+(sampling a step's batch) and :class:`~rlite.stages.scoring.RolloutScoring` (rewards and accuracy);
+the held-out evaluation is :class:`~rlite.stages.evaluate.Evaluation`.
 
 Memory: the engine holds its weights and KV cache only from a weight sync to the end of the next
 rollout. :meth:`Rollouts.collect` releases them as soon as the batch is complete, so that the
@@ -15,21 +15,21 @@ them back. An evaluation runs between a sync and the next rollout, on memory the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from rlite.config import AlgorithmConfig, ConfigError, RolloutConfig
+from rlite.config import ConfigError, RolloutConfig
 from rlite.data import PromptSampler
-from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, broadcast_object
-from rlite.drafts import SpeculativeDraft
+from rlite.distributed import DataLayout, all_reduce_sum, from_replica_leader
 from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import StepTimer
-from rlite.rewards import RewardFailureError, RewardRunner, RewardScores, is_count_stat
-from rlite.rollout import RolloutBatch, build_rollout_batch, concat_batches
-from rlite.samples import eval_sample_rows
+from rlite.rewards import is_count_stat, reward_samples
+from rlite.rollout import EnvResults, RolloutBatch, build_rollout_batch, concat_batches
 from rlite.stages.partial import SegmentedGeneration
-from rlite.tasks import DEFAULT_ACCURACY_THRESHOLD, is_correct
-from rlite.workflows import TurnRunner, mean_env_metrics, trajectories_to_completions
+from rlite.stages.scoring import RolloutScoring
+from rlite.workflows import Trajectory, TurnRunner, trajectories_to_completions
 
 
 def sampling_params(rollout: RolloutConfig, *, seed: int, n: int | None = None, greedy: bool = False) -> SamplingParams:
@@ -53,89 +53,96 @@ def hash_seed(*parts: int) -> int:
     return value % (2**31 - 1)
 
 
-class Rollouts:
-    """What sampling a step needs: the engine, the prompts, the rewards and the tokenizer."""
+@dataclass(frozen=True)
+class RolloutOptions:
+    """How a run samples: the rollout config and what the run's other choices ask of the rollouts
+    (settled by :func:`rlite.run.build.build_run` before the rollouts are built)."""
 
-    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, rewards: RewardRunner, tokenizer,
-                 rollout: RolloutConfig, algorithm: AlgorithmConfig, seed: int, layout: DataLayout, hooks,
-                 timer: StepTimer) -> None:
-        self.engine, self.sampler, self.rewards, self.tokenizer = engine, sampler, rewards, tokenizer
-        self.rollout, self.algorithm, self.seed, self.layout, self.hooks, self.timer = (
-            rollout, algorithm, seed, layout, hooks, timer)
-        self.accuracy_threshold = DEFAULT_ACCURACY_THRESHOLD
-        """Total reward from which a data-file row counts as correct (``training.accuracy_threshold``)."""
-        self.record_routing = False
-        """Ask the engine for the experts of every MoE token (routing replay and its metrics)."""
-        self.speculating = False
-        """The engine decodes with a speculative draft: :attr:`speculation` counts what it did."""
-        self.top_logprobs = 0
-        """The policy's top log-probs per generated token the draft learns from (0: none)."""
+    rollout: RolloutConfig
+    seed: int
+    """``training.seed``: every engine call's seed derives from it, the step and the rank."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and draw more prompts (``algorithm.dynamic_sampling``)."""
+    dynamic_sampling_max_rounds: int = 1
+    """Rounds of drawing before a short batch is topped up with dropped groups."""
+    greedy_baseline: bool = False
+    """Also generate one greedy completion per prompt and score it (``batch.baseline_scores``): the
+    advantage estimator registered with ``needs_greedy_baseline=True`` (ReMax)."""
+    record_routing: bool = False
+    """Ask the engine for the experts of every MoE token (routing replay and its metrics)."""
+    speculating: bool = False
+    """The engine decodes with a speculative draft: :attr:`Rollouts.speculation` counts what it did."""
+    top_logprobs: int = 0
+    """The policy's top log-probs per generated token the draft learns from (0: none)."""
+    turns: TurnRunner | None = None
+    """A multi-turn workflow's runner (:mod:`rlite.workflows`); ``None``: one completion per sample."""
+
+    def __post_init__(self) -> None:
+        if self.speculating and self.record_routing:
+            raise ConfigError(
+                "rollout.draft: MoE routing replay and routing metrics record the engine's routing token by token, "
+                "which speculative verification does not report; set rollout.draft=none, or "
+                "algorithm.routing_replay=none and algorithm.routing_metrics=false"
+            )
+        if self.turns is not None and self.record_routing:
+            raise ConfigError(
+                "rollout.workflow: MoE routing replay and routing metrics are not recorded for multi-turn rollouts; "
+                "set algorithm.routing_replay=none and algorithm.routing_metrics=false"
+            )
+
+
+def play_turns(turns: TurnRunner, engine, prompts: list, params: SamplingParams, later_seed: Callable[[int], int],
+               between_turns: Callable[[], None] | None = None) -> list[Trajectory]:
+    """Every prompt played turn by turn through its environment; the first turn samples with
+    ``params.seed``, as a single-turn rollout would, turn ``k`` with ``later_seed(k)``."""
+    first_seed = params.seed
+    return turns.run(engine, [p.prompt_ids for p in prompts], [p.row for p in prompts], params,
+                     lambda turn: first_seed if turn == 0 else later_seed(turn), between_turns)
+
+
+class Rollouts:
+    """Sampling a step's batch: the engine, the prompts, the scoring and the tokenizer.
+
+    Built whole here; what changes afterwards is the per-step state below (:attr:`speculation`,
+    :attr:`sampling_speculation`)."""
+
+    between_turns: Callable[[], None] | None = None
+    """Called between the turns of a multi-turn rollout (asynchronous rollouts let a weight sync in)."""
+    partial: SegmentedGeneration | None = None
+    """Samples the training rollouts in segments that a weight sync may come between (partial rollouts,
+    ``rollout.partial_segment_tokens``); ``None``: each engine call is sampled whole."""
+
+    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, scoring: RolloutScoring, tokenizer,
+                 options: RolloutOptions, layout: DataLayout, hooks, timer: StepTimer) -> None:
+        self.engine, self.sampler, self.scoring, self.tokenizer = engine, sampler, scoring, tokenizer
+        self.options, self.layout, self.hooks, self.timer = options, layout, hooks, timer
+        self.sample_group = layout.group
+        """The process group of :meth:`sample`'s collectives: the data-parallel group, or, when a producer
+        thread samples (asynchronous rollouts), a group of its own beside the trainer's."""
+        # -- per-step state
         self.speculation: SpeculationStats | None = None
         """What speculative decoding did in the rollout of the batch :meth:`collect` returned last (all its
         rounds; this rank's engine)."""
         self.sampling_speculation: SpeculationStats | None = None
         """What speculative decoding has done so far in the batch :meth:`sample` is drawing (with
         asynchronous rollouts, a step ahead of :attr:`speculation`)."""
-        self.eval_sample_count = 0
-        """Generations per mode an evaluation keeps in :attr:`eval_samples` (``logging.samples_per_step``)."""
-        self.eval_samples: list[dict] = []
-        """The last evaluation's first generations as sample rows (:mod:`rlite.samples`; the replica leader's)."""
-        self.baseline_reward_error: str | None = None
-        """What went wrong scoring the greedy baselines of the batch being collected (:meth:`score` raises it)."""
-        self.greedy_baseline = False
-        """Also generate one greedy completion per prompt and score it (``batch.baseline_scores``): the
-        advantage estimator registered with ``needs_greedy_baseline=True`` (ReMax)."""
-        self.turns: TurnRunner | None = None
-        """A multi-turn workflow's runner (:mod:`rlite.workflows`); ``None``: one completion per sample."""
-        self.between_turns = None
-        """Called between the turns of a multi-turn rollout (asynchronous rollouts let a weight sync in)."""
-        self.partial: SegmentedGeneration | None = None
-        """Samples the training rollouts in segments that a weight sync may come between (partial rollouts,
-        ``rollout.partial_segment_tokens``); ``None``: each engine call is sampled whole."""
-        self.sample_group = layout.group
-        """The process group of :meth:`sample`'s collectives: the data-parallel group, or, when a producer
-        thread samples (asynchronous rollouts), a group of its own beside the trainer's."""
 
-    def use_draft(self, draft: SpeculativeDraft | None, engine: RolloutEngine, engine_name: str) -> None:
-        """Decode with ``draft`` from now on: check that the engine runs it and can serve what it needs."""
-        if draft is None:
-            return
-        if self.layout.leader and draft.spec.method not in engine.capabilities.draft_methods:
-            raise ConfigError(
-                f"rollout.draft: the {engine_name!r} engine cannot run a {draft.spec.method!r} draft "
-                f"(it runs: {', '.join(engine.capabilities.draft_methods) or 'no drafts'}); set rollout.draft=none"
-            )
-        if self.record_routing:
-            raise ConfigError(
-                "rollout.draft: MoE routing replay and routing metrics record the engine's routing token by token, "
-                "which speculative verification does not report; set rollout.draft=none, or "
-                "algorithm.routing_replay=none and algorithm.routing_metrics=false"
-            )
-        self.speculating, self.top_logprobs = True, int(draft.rollout_top_logprobs)
+    @property
+    def rollout(self) -> RolloutConfig:
+        return self.options.rollout
 
-    def use_workflow(self, runner: TurnRunner | None) -> None:
-        """Sample every trajectory turn by turn against its environment (``None``: single turn)."""
-        if runner is not None and self.record_routing:
-            raise ConfigError(
-                "rollout.workflow: MoE routing replay and routing metrics are not recorded for multi-turn rollouts; "
-                "set algorithm.routing_replay=none and algorithm.routing_metrics=false"
-            )
-        self.turns = runner
+    @property
+    def turns(self) -> TurnRunner | None:
+        return self.options.turns
 
     @property
     def per_rank(self) -> int:
         """Prompts per data-parallel shard."""
         return self.rollout.prompts_per_step // self.layout.size
 
-    def _from_leader(self, make):
-        """``make()`` on the replica's leader, its result on every rank of the replica."""
-        layout = self.layout
-        if layout.replica_size == 1:
-            return make()
-        return broadcast_object(make() if layout.leader else None, layout.replica_leader, layout.replica_group)
-
     def exclusive_engine(self, version: int):
-        """A context that holds the engine for a weight sync to ``version`` (asynchronous rollouts)."""
+        """A context that holds the engine for a weight sync to ``version``, or an evaluation after it
+        (asynchronous rollouts)."""
         return contextlib.nullcontext()
 
     def weights_synced(self, version: int) -> None:
@@ -169,26 +176,26 @@ class Rollouts:
         all ranks stay in step. A batch still short after ``dynamic_sampling_max_rounds`` is topped up
         with dropped groups, keeping the batch size (and so the loss normalisation) fixed.
         """
-        algo, per_rank = self.algorithm, self.per_rank
+        options, per_rank = self.options, self.per_rank
         kept, spare, stats_sum, rounds = [], [], {}, 0
-        self.sampling_speculation = SpeculationStats() if self.speculating else None
+        self.sampling_speculation = SpeculationStats() if options.speculating else None
         while True:
             rounds += 1
             with self.timer.phase("generation"):
-                batch = self.generate(next(self.sampler), step, rounds - 1)
+                batch, baseline_error = self.generate(next(self.sampler), step, rounds - 1)
             self.hooks.after_rollout(step=step, batch=batch)
             with self.timer.phase("reward"):
-                stats = self.score(batch)
+                stats = self.scoring.score(batch, self.sample_group, baseline_error)
             self.hooks.after_rewards(step=step, batch=batch)
             for key, value in stats.items():
                 stats_sum[key] = stats_sum.get(key, 0.0) + value
-            if not algo.dynamic_sampling:
+            if not options.dynamic_sampling:
                 return batch, stats
             for group in split_groups(batch):
                 (kept if float(group.scores.max() - group.scores.min()) > 0 else spare).append(group)
             short = float(len(kept) < per_rank)
             still_short = float(all_reduce_sum(torch.tensor([short]), self.sample_group)[0]) > 0
-            if not still_short or rounds >= algo.dynamic_sampling_max_rounds:
+            if not still_short or rounds >= options.dynamic_sampling_max_rounds:
                 break
         dropped = len(spare)
         groups = (kept + spare)[:per_rank]
@@ -201,20 +208,22 @@ class Rollouts:
         stats["dynamic_sampling/kept_fraction"] = min(len(kept), per_rank) / per_rank
         return batch, stats
 
-    def generate(self, prompts: list, step: int, round_index: int = 0) -> RolloutBatch:
-        """This shard's samples: generated by the replica's leader, the same batch on its other ranks."""
-        return self._from_leader(lambda: self._generate(prompts, step, round_index))
+    def generate(self, prompts: list, step: int, round_index: int = 0) -> tuple[RolloutBatch, str | None]:
+        """This shard's samples: generated by the replica's leader, the same batch on its other ranks; and
+        what went wrong scoring their greedy baselines (``None``: nothing, or none were asked for)."""
+        return from_replica_leader(self.layout, lambda: self._generate(prompts, step, round_index))
 
-    def _generate(self, prompts: list, step: int, round_index: int) -> RolloutBatch:
+    def _generate(self, prompts: list, step: int, round_index: int) -> tuple[RolloutBatch, str | None]:
         extra_round = (round_index,) if round_index else ()  # round 0 keeps the seed of a run without dynamic sampling
-        params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, self.layout.rank, *extra_round))
-        params.return_routed_experts = self.record_routing
-        params.top_logprobs = self.top_logprobs
+        options = self.options
+        params = sampling_params(self.rollout, seed=hash_seed(options.seed, step, self.layout.rank, *extra_round))
+        params.return_routed_experts = options.record_routing
+        params.top_logprobs = options.top_logprobs
         engine = self.engine
         if self.turns is not None:
-            return self._generate_turns(prompts, params, step, extra_round)
+            return self._generate_turns(prompts, params, step, extra_round), None
         completions = (self.partial or engine).generate([p.prompt_ids for p in prompts], params)
-        if self.speculating:
+        if options.speculating:
             self.sampling_speculation += engine.speculation_stats()
         self.check_versions(completions, step)
         batch = build_rollout_batch(
@@ -228,9 +237,9 @@ class Rollouts:
         batch.completion_texts = self.tokenizer.batch_decode(
             [c.token_ids for c in completions], skip_special_tokens=True
         )
-        if self.greedy_baseline:
-            self.greedy_rollout(batch, prompts, completions)
-        return batch
+        if options.greedy_baseline:
+            return batch, self.greedy_rollout(batch, prompts, completions)
+        return batch, None
 
     def check_versions(self, completions, step: int) -> None:
         engine = self.engine
@@ -243,146 +252,42 @@ class Rollouts:
 
     def _generate_turns(self, prompts: list, params: SamplingParams, step: int, extra_round: tuple) -> RolloutBatch:
         """A multi-turn rollout: the trajectories' tokens, sampled (in the loss) and observed (not)."""
-        trajectories = self.run_turns(prompts, params, lambda turn: hash_seed(self.seed, step, self.layout.rank,
-                                                                             *extra_round, 1 << 20 | turn),
-                                      self.between_turns, self.partial)
+        trajectories = play_turns(self.turns, self.partial or self.engine, prompts, params,
+                                  lambda turn: hash_seed(self.options.seed, step, self.layout.rank, *extra_round, 1 << 20 | turn),
+                                  self.between_turns)  # fmt: skip
         completions, loss_masks = trajectories_to_completions(trajectories)
         self.check_versions(completions, step)
         return self.trajectory_batch(trajectories, prompts, completions, loss_masks)
 
-    def run_turns(self, prompts: list, params: SamplingParams, later_seed, between_turns=None, engine=None):
-        first_seed = params.seed  # the first turn samples as a single-turn rollout would
-        return self.turns.run(engine or self.engine, [p.prompt_ids for p in prompts], [p.row for p in prompts], params,
-                              lambda turn: first_seed if turn == 0 else later_seed(turn), between_turns)
-
-    def trajectory_batch(self, trajectories, prompts: list, completions, loss_masks) -> RolloutBatch:
+    def trajectory_batch(self, trajectories: list[Trajectory], prompts: list, completions, loss_masks) -> RolloutBatch:
         for row, completion in enumerate(completions):
             completion.prompt_index = row  # one prompt row per trajectory: its first observation may differ
-        samples = [dict(prompts[t.prompt_index].row, env_reward=t.reward, turns=t.turns, env_metrics=t.metrics)
-                   for t in trajectories]
         batch = build_rollout_batch(
-            [t.context for t in trajectories], completions, samples, group_offset=0,
-            pad_token_id=self.tokenizer.pad_token_id, loss_masks=loss_masks,
+            [t.context for t in trajectories], completions, [prompts[t.prompt_index].row for t in trajectories],
+            group_offset=0, pad_token_id=self.tokenizer.pad_token_id, loss_masks=loss_masks,
         )  # fmt: skip
         batch.group_ids = self.layout.rank * self.per_rank + torch.tensor([t.prompt_index for t in trajectories])
         versions = torch.full(batch.response_ids.shape, -1, dtype=torch.long)
         for row, t in enumerate(trajectories):
             versions[row, : len(t.weight_versions)] = torch.tensor(t.weight_versions, dtype=torch.long)
         batch.token_weight_versions = versions
+        batch.env = EnvResults.of(trajectories)
         batch.completion_texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return batch
 
-    def greedy_rollout(self, batch: RolloutBatch, prompts: list, completions: list) -> None:
+    def greedy_rollout(self, batch: RolloutBatch, prompts: list, completions: list) -> str | None:
         """One greedy completion per prompt from the same weights, scored like the samples (with its own
-        length): ``batch.baseline_texts`` and ``batch.baseline_scores``, per sample (ReMax's baseline)."""
+        length): ``batch.baseline_texts`` and ``batch.baseline_scores``, per sample (ReMax's baseline).
+        Returns what went wrong scoring them (:meth:`RolloutScoring.score` raises it, a collective)."""
         greedy = self.engine.generate([p.prompt_ids for p in prompts], sampling_params(self.rollout, seed=0, n=1, greedy=True))
         by_prompt = {c.prompt_index: c for c in greedy}
         ordered = [by_prompt[i] for i in range(len(prompts))]
         texts = self.tokenizer.batch_decode([c.token_ids for c in ordered], skip_special_tokens=True)
-        rows = [dict(p.row, response_length=len(c.token_ids), finish_reason=c.finish_reason)
-                for p, c in zip(prompts, ordered)]
-        result = self.rewards.score(texts, rows)  # timed with the generation
-        self.baseline_reward_error = result.error  # raised on every rank by score(), a collective
+        samples = reward_samples([p.row for p in prompts], [len(c.token_ids) for c in ordered], [c.finish_reason for c in ordered])
+        result = self.scoring.score_samples(texts, samples)  # timed with the generation
         batch.baseline_texts = [texts[c.prompt_index] for c in completions]
         batch.baseline_scores = torch.tensor([result.scores[c.prompt_index] for c in completions], dtype=torch.float32)
-
-    def score(self, batch: RolloutBatch) -> dict[str, float]:
-        # each sample gets its own copy of the data row plus what length-aware rewards need
-        batch.samples = [
-            dict(sample, response_length=int(length), finish_reason=reason)
-            for sample, length, reason in zip(batch.samples, batch.response_lengths.tolist(), batch.finish_reasons)
-        ]
-        # the leader scores (a reward that times out on one rank must not split the replica)
-        result = self._from_leader(lambda: self.rewards.score(batch.completion_texts, batch.samples))
-        baseline_error, self.baseline_reward_error = self.baseline_reward_error, None
-        self.stop_on_reward_error(result.error or baseline_error, self.sample_group)
-        scores, stats = result.scores, result.stats
-        batch.scores = torch.tensor(scores, dtype=torch.float32)
-        batch.reward_components = torch.tensor(result.components, dtype=torch.float32).reshape(len(scores), -1)
-        batch.correct = torch.tensor([
-            self.is_correct(text, sample, score)
-            for text, sample, score in zip(batch.completion_texts, batch.samples, scores)
-        ], dtype=torch.bool)  # fmt: skip
-        if self.turns is not None:
-            stats["rollout/turns"] = sum(s["turns"] for s in batch.samples) / max(len(batch), 1)
-            stats["rollout/env_reward"] = sum(s["env_reward"] for s in batch.samples) / max(len(batch), 1)
-            stats["rollout/observation_tokens"] = float(
-                (batch.response_present - batch.response_mask).sum() / max(len(batch), 1))
-            stats.update(mean_env_metrics([s["env_metrics"] for s in batch.samples], "rollout/env/"))
-        if batch.baseline_scores is not None:
-            stats["reward/greedy_baseline"] = float(batch.baseline_scores.mean()) if len(batch) else 0.0
-        return stats
-
-    def is_correct(self, text: str, sample: dict, reward: float) -> bool:
-        """For the ``*accuracy`` metrics. A multi-turn sample's text holds every turn and observation, so
-        the task's answer check does not apply: its environment's ``correct`` metric decides, or else
-        ``reward >= training.accuracy_threshold``."""
-        if self.turns is None:
-            return is_correct(text, sample, reward, self.accuracy_threshold)
-        metrics = sample.get("env_metrics") or {}
-        return bool(metrics["correct"]) if "correct" in metrics else reward >= self.accuracy_threshold
-
-    def stop_on_reward_error(self, error: str | None, group=None) -> None:
-        """Raise :class:`RewardFailureError` on every rank when any rank's rewards passed their
-        failure bound (``error``: this rank's :attr:`RewardScores.error`; one collective over ``group``,
-        by default the data-parallel group, so that no rank goes on alone)."""
-        group = self.layout.group if group is None else group
-        failed = float(all_reduce_sum(torch.tensor([float(error is not None)]), group)[0])
-        if failed:
-            raise RewardFailureError(error or "the reward functions failed on another rank; see its log")
-
-    def score_eval(self, step: int, mode: str, items: list, texts: list[str], samples: list[dict],
-                   ) -> tuple[RewardScores, list[bool]]:  # fmt: skip
-        """Score held-out generations, keep the first ones as sample rows, and say which answers are right."""
-        result = self.rewards.score(texts, samples)
-        self.eval_samples += eval_sample_rows(step, mode, items, texts, result.scores, self.eval_sample_count)
-        correct = [self.is_correct(text, sample, reward) for text, sample, reward in zip(texts, samples, result.scores)]
-        return result, correct
-
-    @torch.no_grad()
-    def evaluate(self, eval_prompts, step: int, max_prompts: int) -> dict[str, float]:
-        """Greedy and sampled accuracy on the held-out prompts (each rank its share; global means)."""
-        if not eval_prompts:
-            return {}
-        layout = self.layout
-        items = list(eval_prompts)[:max_prompts][layout.rank :: layout.size]
-        out = {}
-        self.eval_samples = []
-        failures = timeouts = 0.0
-        for mode, greedy in (("greedy", True), ("sampled", False)):
-            params = sampling_params(self.rollout, seed=hash_seed(self.seed, step, layout.rank, 7), n=1, greedy=greedy)
-
-            def score_items(params=params, mode=mode) -> tuple[RewardScores, list[bool], list[dict]]:
-                # called with no items too: an engine serving several ranks samples them all in one call
-                if self.turns is not None:  # each held-out prompt played through its environment
-                    trajectories = self.run_turns(items, params, lambda turn: hash_seed(params.seed, turn))
-                    texts = self.tokenizer.batch_decode([t.token_ids for t in trajectories], skip_special_tokens=True)
-                    rows = [dict(p.row, env_reward=t.reward, turns=t.turns, env_metrics=t.metrics)
-                            for p, t in zip(items, trajectories)]
-                    return *self.score_eval(step, mode, items, texts, rows), [t.metrics for t in trajectories]
-                completions = self.engine.generate([p.prompt_ids for p in items], params)
-                texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-                samples = [dict(p.row, response_length=len(c.token_ids), finish_reason=c.finish_reason)
-                           for p, c in zip(items, completions)]
-                return *self.score_eval(step, mode, items, texts, samples), []
-
-            result, correct, env_metrics = self._from_leader(score_items)
-            self.stop_on_reward_error(result.error)
-            scores = result.scores
-            totals = all_reduce_sum(
-                torch.tensor([float(sum(correct)), float(sum(scores)), float(len(scores)),
-                              result.stats["reward/failures"], result.stats["reward/timeouts"]]), layout.group
-            )
-            n = max(float(totals[2]), 1.0)
-            out[f"eval/{mode}_accuracy"] = float(totals[0]) / n
-            out[f"eval/{mode}_reward"] = float(totals[1]) / n
-            if self.turns is not None:  # the environments' own numbers, over every rank's prompts
-                gathered = [m for part in all_gather_objects(env_metrics, layout.group) for m in part]
-                out.update(mean_env_metrics(gathered, f"eval/{mode}_env/"))
-            failures += float(totals[3])
-            timeouts += float(totals[4])
-        out["eval/reward_failures"], out["eval/reward_timeouts"] = failures, timeouts
-        return out
+        return result.error
 
 
 def split_groups(batch: RolloutBatch) -> list[RolloutBatch]:
