@@ -1,11 +1,28 @@
-"""The errors of rollout engines and of the weight sync that feeds them.
+"""Errors raised on several floors of the house, defined below all of them.
 
-They live below both (:mod:`rlite.engines` raises them, and so does :mod:`rlite.sync`, which an
-engine uses to receive weights) so that neither package has to import the other for them. Import them
-from :mod:`rlite.api` (or :mod:`rlite.engines.base`, which re-exports them).
+:class:`EngineError` and :class:`EngineDied`: rollout engines raise them, and so does :mod:`rlite.sync`,
+which an engine uses to receive weights, so neither package imports the other for them (import them
+from :mod:`rlite.api`, or :mod:`rlite.engines.base`, which re-exports them). :class:`RunStopped`: a
+step's stage (:mod:`rlite.stages`) or the run around it (:mod:`rlite.run`) stops the run with it
+(:mod:`rlite.run.faults` re-exports it with the other exit codes).
 """
 
 from __future__ import annotations
+
+EXIT_STOPPED = 4
+"""Exit status of a run that stopped on a fault it cannot get past (too many non-finite updates in a
+row, an engine that keeps dying, a full disk). The message names the cause and the checkpoint to
+resume from. (3 is a reward function failing past its bound, :data:`rlite.cli.EXIT_REWARDS_FAILED`: a
+bug in user code, where this is the run's own state or machine.)"""
+
+
+class RunStopped(Exception):
+    """The run stopped on purpose; ``str(self)`` says why and what to do, ``exit_code`` is the status
+    the ``rlite`` command exits with."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_STOPPED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class EngineError(RuntimeError):

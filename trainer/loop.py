@@ -20,6 +20,7 @@ from rlite.hf_models import quiet_transformers_progress
 from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager, plugin_manager_in_use
 from rlite.run.build import Run, build_run
+from rlite.run.evaluation import evaluate
 from rlite.run.faults import NonFiniteGuard, Preemption, RunStopped, latest_checkpoint_text, stop_on_full_disk
 from rlite.run.lifecycle import (
     finish_run,
@@ -29,7 +30,6 @@ from rlite.run.lifecycle import (
     save_run_checkpoint,
     step_start_state,
     stop_after_engine_failure,
-    write_samples,
 )
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
@@ -141,18 +141,6 @@ def train(run: Run) -> dict[str, Any]:
     progress.close()
     profiler.close()
     return finish_run(run, last_metrics)
-
-
-def evaluate(run: Run, step: int) -> dict[str, float]:
-    with run.rollouts.exclusive_engine(step):  # async: not while the producer samples
-        result = run.evaluation.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
-    if run.samples is not None:
-        write_samples(run, step, "eval", result.samples)
-    # an evaluation runs between a sync and the next rollout, which needs the engine whole; after
-    # the last step's nothing generates again, and the final checkpoint and export get the memory
-    if step == run.config.training.steps:
-        run.engine.release_memory()
-    return result.metrics
 
 
 def group_relative(run: Run) -> bool:

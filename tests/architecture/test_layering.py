@@ -11,11 +11,14 @@
   implementation (``rlite.backends.*``, ``rlite.engines.transformers``, ``rlite.engines.sglang``);
 * the batch type (``rlite.rollout``) imports no engine module (``rlite.engines.*``): engines build on
   it, not the other way round;
-* no import cycle among rlite's modules. Every import counts: at module level, inside a function and
+* no import cycle among rlite's modules, and none among its packages (``rlite.stages``, ``rlite.run``,
+  ``rlite.engines``, ... each taken whole, a plugin package likewise): a package that imports one
+  which imports it back is half of one layer whatever its modules do. Every import counts: at module level, inside a function and
   under ``if TYPE_CHECKING:``. A late import hides a cycle from Python, not from the reader (the two
   modules still cannot be understood or changed one without the other), and a type-only import is still
   a dependency; a cycle is broken by moving what both need into a module below them.
   ``from package import name`` counts as an import of ``package.name`` when that is a module.
+  (In the sentences above, "module" is any rlite module; the package rule reads the same imports.)
 
 Each rule is also run on a planted violation, so a checker that finds nothing cannot pass.
 """
@@ -130,6 +133,30 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def package_of(module: str) -> str:
+    """The unit of the package rule: ``rlite.X`` for the core, ``rlite.plugins.X`` for a plugin."""
+    parts = module.split(".")
+    return ".".join(parts[:3] if parts[1:2] == ["plugins"] and len(parts) > 2 else parts[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph with each module replaced by its package (:func:`package_of`)."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        edges = packages.setdefault(package_of(module), set())
+        edges.update(package_of(t) for t in targets if package_of(t) != package_of(module))
+    return packages
+
+
+def crossings(graph: dict[str, set[str]], packages: list[str]) -> dict[tuple[str, str], list[str]]:
+    """For each pair of ``packages`` with an import between them, the modules that make it."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for module in sorted(m for m in graph if package_of(m) in packages):
+        for target in sorted({package_of(t) for t in graph[module]} & set(packages) - {package_of(module)}):
+            found.setdefault((package_of(module), target), []).append(module)
+    return found
+
+
 def under(module: str, *prefixes: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
@@ -162,6 +189,12 @@ def violations(root: Path) -> list[str]:
     for cycle in import_cycles(graph):
         edges = "; ".join(f"{a} -> {', '.join(sorted(graph[a] & set(cycle)))}" for a in cycle)
         found.append(f"import cycle among {', '.join(cycle)}: {edges}")
+    explained = {frozenset(package_of(m) for m in cycle) for cycle in import_cycles(graph)}
+    for cycle in import_cycles(package_graph(graph)):
+        if frozenset(cycle) in explained:  # the module cycle above, already reported
+            continue
+        edges = "; ".join(f"{a} -> {b} ({', '.join(modules)})" for (a, b), modules in crossings(graph, cycle).items())
+        found.append(f"package import cycle among {', '.join(cycle)}: {edges}")
     return found
 
 
@@ -215,4 +248,27 @@ def test_a_planted_import_cycle_is_found(tmp_path) -> None:
     assert len(found) == 1, found
     assert found[0].startswith("import cycle among rlite.alpha, rlite.beta, rlite.gamma: "), found
     (tmp_path / "trainer/gamma.py").write_text("import torch\n")
+    assert violations(tmp_path) == []
+
+
+PACKAGE_CYCLE = {
+    "trainer/low/__init__.py": "",
+    "trainer/low/a.py": "from rlite.high.b import g  # low -> high\n",
+    "trainer/high/__init__.py": "",
+    "trainer/high/b.py": "import torch\n",
+    "trainer/high/c.py": "from rlite.low.d import h  # high -> low: no module cycle, a package one\n",
+    "trainer/low/d.py": "import torch\n",
+}
+
+
+def test_a_planted_package_cycle_is_found(tmp_path) -> None:
+    for relative, text in PACKAGE_CYCLE.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    (tmp_path / "plugins").mkdir()
+    found = violations(tmp_path)
+    assert len(found) == 1, found
+    assert found[0].startswith("package import cycle among rlite.high, rlite.low: "), found
+    assert "rlite.high.c" in found[0] and "rlite.low.a" in found[0], found
+    (tmp_path / "trainer/high/c.py").write_text("import torch\n")
     assert violations(tmp_path) == []

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlite.run.faults import EXIT_STOPPED, NonFiniteGuard, RunStopped, refuse_nonfinite
+from rlite.run.faults import EXIT_STOPPED, NonFiniteGuard, RunStopped
+from rlite.stages.sync import refuse_nonfinite
 from rlite.testing import fixed_batch, run_in_subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]

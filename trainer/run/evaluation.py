@@ -1,4 +1,5 @@
-"""``rlite eval``: evaluate a checkpoint or a model on the held-out prompts, without training."""
+"""The held-out evaluation a run makes every ``training.eval_every`` steps, and ``rlite eval``, which makes it
+for a checkpoint or a model without training."""
 
 from __future__ import annotations
 
@@ -9,9 +10,22 @@ from typing import Any
 from rlite.config import ConfigError, RunConfig
 from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.hf_models import quiet_transformers_progress
-from rlite.loop import evaluate
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run
+from rlite.run.lifecycle import write_samples
+
+
+def evaluate(run: Run, step: int) -> dict[str, float]:
+    """The held-out evaluation of ``step``: its metrics; its first generations go to ``samples.jsonl``."""
+    with run.rollouts.exclusive_engine(step):  # async: not while the producer samples
+        result = run.evaluation.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
+    if run.samples is not None:
+        write_samples(run, step, "eval", result.samples)
+    # an evaluation runs between a sync and the next rollout, which needs the engine whole; after
+    # the last step's nothing generates again, and the final checkpoint and export get the memory
+    if step == run.config.training.steps:
+        run.engine.release_memory()
+    return result.metrics
 
 
 def run_evaluation(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict[str, Any]:

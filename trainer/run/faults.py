@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+from rlite.errors import EXIT_STOPPED, RunStopped  # noqa: F401 (the names callers use)
 from rlite.run.disk import (  # noqa: F401 (DISK_FULL_*: the names callers use)
     DISK_FULL_ERRNOS,
     DISK_FULL_TEXTS,
@@ -22,24 +23,9 @@ from rlite.run.disk import (  # noqa: F401 (DISK_FULL_*: the names callers use)
     stop_now_requested,
 )
 
-EXIT_STOPPED = 4
-"""Exit status of a run that stopped on a fault it cannot get past (too many non-finite updates in a
-row, an engine that keeps dying, a full disk). The message names the cause and the checkpoint to
-resume from. (3 is a reward function failing past its bound, :data:`rlite.cli.EXIT_REWARDS_FAILED`: a
-bug in user code, where this is the run's own state or machine.)"""
-
 EXIT_PREEMPTED = 75
 """Exit status of a run stopped by SIGTERM (or Ctrl-C) after it saved a checkpoint at a step boundary
 (75 is ``EX_TEMPFAIL``: try again later). Running the same command again resumes exactly there."""
-
-
-class RunStopped(Exception):
-    """The run stopped on purpose; ``str(self)`` says why and what to do, ``exit_code`` is the status
-    the ``rlite`` command exits with."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_STOPPED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def latest_checkpoint_text(run_dir: str | Path) -> str:
@@ -116,22 +102,6 @@ class NonFiniteGuard:
             f"parallelism.param_dtype. No non-finite weights reached the engine or a checkpoint; "
             f"{latest_checkpoint_text(self.run_dir)}"
         )
-
-
-def refuse_nonfinite(named, version: int):
-    """The ``(name, tensor)`` stream unchanged, but a tensor with a NaN or infinite value stops the run
-    before the engine is handed it (an update can overflow with a finite gradient: a huge step size)."""
-    import torch
-
-    for name, tensor in named:
-        if tensor.is_floating_point() and not math.isfinite(float(torch.sum(tensor, dtype=torch.float32))):
-            if not bool(torch.isfinite(tensor).all()):
-                raise RunStopped(
-                    f"step {version}: the updated weight {name} holds NaN or infinite values although the loss "
-                    "and the gradient norm were finite; it is not sent to the engine or saved. Likely cause: the "
-                    "learning rate is too high (lower training.lr)"
-                )
-        yield name, tensor
 
 
 class Preemption:

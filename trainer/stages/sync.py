@@ -10,6 +10,7 @@ under ``draft.`` names: one weight version and one set of checksums for both.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from rlite.config import ConfigError
 from rlite.drafts import SpeculativeDraft
 from rlite.engines.base import DRAFT_PREFIX, RolloutEngine
-from rlite.run.faults import refuse_nonfinite
+from rlite.errors import RunStopped
 from rlite.training.backend import NamedTensors, TrainingBackend
 
 Quantizer = tuple[Callable, object]
@@ -139,3 +140,17 @@ def sync_weights_to_engine(
     engine.resume_memory()
     if engine.weight_version != version:
         raise RuntimeError(f"weight sync: engine reports version {engine.weight_version}, expected {version}")
+
+
+def refuse_nonfinite(named, version: int):
+    """The ``(name, tensor)`` stream unchanged, but a tensor with a NaN or infinite value stops the run
+    before the engine is handed it (an update can overflow with a finite gradient: a huge step size)."""
+    for name, tensor in named:
+        if tensor.is_floating_point() and not math.isfinite(float(torch.sum(tensor, dtype=torch.float32))):
+            if not bool(torch.isfinite(tensor).all()):
+                raise RunStopped(
+                    f"step {version}: the updated weight {name} holds NaN or infinite values although the loss "
+                    "and the gradient norm were finite; it is not sent to the engine or saved. Likely cause: the "
+                    "learning rate is too high (lower training.lr)"
+                )
+        yield name, tensor
