@@ -128,6 +128,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         mask_truncated=algo.mask_truncated,
         corrections=[] if loss_time else corrections,
         micro_batch_size=cfg.training.micro_batch_size,
+        reward_weights=tuple(rewards.weights),
     )
     quantizer = None
     if cfg.rollout.quantization.name != "none":
@@ -135,7 +136,6 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     kl_controller = build_kl_controller(algo.kl)
     if layout.leader:  # the replica's leader scores its batches
         rewards.start()
-    targets.reward_weights = tuple(rewards.weights)
     draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
     rollouts_ahead: dict = {}
     start_step = maybe_resume(resume_from, backend, critic, sampler, kl_controller, ctx, pm, draft=draft,

@@ -22,9 +22,9 @@ from rlite.stages.update import LossSpec, micro_batching, score_logprobs
 from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainingBackend
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetsSpec:
-    """The algorithm's choices that shape the targets."""
+    """The algorithm's choices that shape the targets (settled when the run is built)."""
 
     advantage: tuple  # (estimator, its config)
     old_logprob_mode: str
