@@ -28,6 +28,7 @@ for dense models (MoE with TP needs sequence parallelism, which needs Transforme
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -317,47 +318,171 @@ def response_logprobs(
     )
 
 
-def gpt_logprobs(
-    model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, T]`` log-probs (and entropies) of a batch's responses.
+@contextlib.contextmanager
+def attention_prefix(model: torch.nn.Module, *, record: list | None = None, prefix: list | None = None,
+                     source: torch.Tensor | None = None) -> Iterator[None]:
+    """Inside, each decoder layer's core attention (megatron's ``DotProductAttention``, which takes the
+    keys and values after rotary embedding, ``[s, b, groups, head_dim]``) either appends its keys and
+    values to ``record``, or attends to ``prefix[layer]`` gathered to its rows (``[:, source]``) ahead
+    of its own: the prompt pass and the response pass of :func:`shared_prompt_hidden`. A forward
+    pre-hook on megatron's module, so the model's structure and state dict stay as they are."""
 
-    Attention: each row is rotated left past its prompt's left padding (:func:`left_aligned_columns`),
-    so its real tokens sit at positions ``0..L-1`` (the positions Hugging Face gives them) and all its
-    padding comes after them: a plain causal mask is then exact for every real token and no ``[B, 1, S, S]``
-    mask is built. Output layer: only the response positions' hidden states go through
-    it, in chunks (:func:`response_logprobs`)."""
-    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
-    # the batch lives on the CPU (rollouts, loss); the model may be on a GPU: inputs go to the model's
-    # device, log-probs come back to the batch's
-    device = next(model.parameters()).device
-    ids, attention = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    def hook(layer, module, args, kwargs):
+        query, key, value, *rest = args
+        if record is not None:
+            record.append((key, value))
+            return None
+        prompt_key, prompt_value = prefix[layer]
+        key = torch.cat([prompt_key[:, source], key])
+        value = torch.cat([prompt_value[:, source], value])
+        return (query, key, value, *rest), kwargs
+
+    handles = [
+        layer.self_attention.core_attention.register_forward_pre_hook(
+            functools.partial(hook, index), with_kwargs=True
+        )
+        for index, layer in enumerate(model.decoder.layers)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def can_share_prompts(model: torch.nn.Module, spec: ForwardSpec, routing: torch.Tensor | None) -> bool:
+    """Whether :func:`shared_prompt_hidden` may run this forward: not with megatron's recompute (build
+    turns sharing off with activation checkpointing anyway), not under a routing plan (replay and
+    agreement count per forward's tokens), and not with expert parallelism (the ranks' token blocks
+    must match call for call, and each rank's prompts and lengths differ)."""
+    from megatron.core import parallel_state
+
+    return (
+        spec.share_prompts and not spec.exact_layout and spec.routing is None and routing is None
+        and model.config.recompute_granularity is None
+        and parallel_state.get_expert_model_parallel_world_size() == 1
+    )
+
+
+def shared_prompt_hidden(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, start: int, response_mask: torch.Tensor,
+    unique_rows: torch.Tensor, inverse: torch.Tensor,
+) -> torch.Tensor | None:
+    """The final hidden states ``[B, T, H]`` that predict each row's ``T`` response tokens, running each
+    distinct prompt once (a GRPO group's samples share it): fsdp2's shared-prompt forward in megatron.
+
+    Prompt pass: the distinct prompts, rotated past their left padding (positions ``0..L-1``, one causal
+    mask), their per-layer keys and values recorded (:func:`attention_prefix`). Response pass, in
+    groups of similar length (:func:`rlite.api.length_buckets`): each row's response tokens at rotary
+    positions ``L..``, through megatron's embedding and ``TransformerBlock`` (rotary embeddings given per
+    row), attending to its prompt's keys and values and causally to its own tokens. The prompt's keys
+    and values reach every sample through a gather, so their gradients sum over the samples. Same
+    maths as the full forward. ``None`` when a prompt has padding between real tokens."""
+    from rlite.api import length_buckets
+
+    device = ids.device
+    prompt_ids, prompt_attention = ids[unique_rows, :start], attention[unique_rows, :start]
+    aligned = left_aligned_columns(prompt_attention)
+    if aligned is None:
+        return None
+    columns, _ = aligned
+    lengths = prompt_attention.sum(1)  # [U] real prompt tokens
+    prompt_ids = prompt_ids.gather(1, columns)
+    recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with attention_prefix(model, record=recorded), returning_hidden_states(model):
+        prompt_hidden = model(
+            prompt_ids, torch.arange(start, device=device).expand_as(prompt_ids),
+            attention_mask(prompt_attention, right_padded=True),
+        )  # [P, U, H]
+    batch, width = ids.shape[0], ids.shape[1] - start
+    last = prompt_hidden[lengths - 1, torch.arange(len(lengths), device=device)][inverse, None]  # predicts token 0
+    if width == 1:
+        return last
+    # response token t is predicted from response token t - 1: a row of length n runs n - 1 tokens
+    steps = torch.arange(1, width + 1, device=device)
+    needs = ((response_mask.to(device).bool() * steps).amax(-1) - 1).clamp(min=0).tolist()
+    rotary = model.rotary_pos_emb(start + width)[:, 0, 0]  # [positions, rotary dim]
+    hidden = last.new_zeros(batch, width - 1, last.shape[-1])
+    for rows, run in length_buckets(needs):
+        if run == 0:
+            continue
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        source = inverse[index]
+        positions = lengths[source][:, None] + torch.arange(run, device=device)  # [b, run]
+        prompt_masked = torch.arange(start, device=device)[None] >= lengths[source][:, None]  # [b, P]
+        causal = torch.ones(run, run, dtype=torch.bool, device=device).triu(1)
+        mask = torch.cat([prompt_masked[:, None].expand(-1, run, -1), causal.expand(len(rows), -1, -1)], dim=-1)
+        tokens = ids[index, start : start + run]
+        with attention_prefix(model, prefix=recorded, source=source):
+            out = model.decoder(
+                hidden_states=model.embedding(input_ids=tokens, position_ids=positions),
+                attention_mask=mask[:, None],
+                rotary_pos_emb=rotary[positions].transpose(0, 1)[:, :, None],  # [run, b, 1, rotary dim]
+            )  # [run, b, H]
+        hidden = hidden.index_copy(0, index, torch.nn.functional.pad(out.transpose(0, 1), (0, 0, 0, width - 1 - run)))
+    return torch.cat([last, hidden], dim=1)
+
+
+def full_forward_hidden(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, start: int, width: int,
+    routing: torch.Tensor | None, spec: ForwardSpec,
+) -> torch.Tensor:
+    """The final hidden states ``[B, T, H]`` that predict each row's ``T`` response tokens, from one
+    forward over whole rows. Each row is rotated left past its prompt's left padding
+    (:func:`left_aligned_columns`), so its real tokens sit at positions ``0..L-1`` (the positions
+    Hugging Face gives them) and all its padding comes after them: a plain causal mask is then exact for
+    every real token and no ``[B, 1, S, S]`` mask is built."""
+    device = ids.device
     rows, cols = ids.shape
-    routing = inputs.routed_experts
-    if spec.routing is not None and spec.routing.replay and routing is None:
-        raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
     aligned = left_aligned_columns(attention)
     shift = torch.zeros(rows, dtype=torch.long, device=device)
     if aligned is not None:
         columns, shift = aligned
         ids, attention = ids.gather(1, columns), attention.gather(1, columns)
         if routing is not None:
-            routing = routing.to(device)
             routing = routing.gather(1, columns[:, :, None, None].expand_as(routing))
     ids, attention = same_shape_across_expert_ranks(ids, attention)
     mask = attention_mask(attention, right_padded=aligned is not None)
     position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
     if routing is not None:  # padded like the tokens (-1: no recorded choice)
         routing = torch.nn.functional.pad(
-            routing.to(device), (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
+            routing, (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
         )
     with routing_context(model, spec.routing, routing), returning_hidden_states(model):
         hidden = model(ids, position_ids, mask)  # [S, B, H]
-    start, width = inputs.response_start, inputs.response_mask.shape[1]
     # the hidden state predicting response token t of row b: original column start - 1 + t, shifted
     predicting = torch.arange(start - 1, start - 1 + width, device=device)[None] - shift[:, None]
     hidden = hidden.transpose(0, 1)[:rows]
-    hidden = hidden.gather(1, predicting[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    return hidden.gather(1, predicting[:, :, None].expand(-1, -1, hidden.shape[-1]))
+
+
+def gpt_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` log-probs (and entropies) of a batch's responses: the hidden states predicting them
+    from the shared-prompt forward (:func:`shared_prompt_hidden`, with ``spec.share_prompts`` where a
+    prompt repeats) or one forward over whole rows (:func:`full_forward_hidden`); then only the
+    response positions' hidden states go through the output layer, in chunks (:func:`response_logprobs`)."""
+    from rlite.api import unique_prompt_rows
+
+    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    # the batch lives on the CPU (rollouts, loss); the model may be on a GPU: inputs go to the model's
+    # device, log-probs come back to the batch's
+    device = next(model.parameters()).device
+    ids, attention = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    rows = ids.shape[0]
+    routing = inputs.routed_experts
+    if spec.routing is not None and spec.routing.replay and routing is None:
+        raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
+    routing = None if routing is None else routing.to(device)
+    start, width = inputs.response_start, inputs.response_mask.shape[1]
+    hidden = None
+    if can_share_prompts(model, spec, routing):
+        unique_rows, inverse = unique_prompt_rows(ids[:, :start], attention[:, :start])
+        if len(unique_rows) < rows:
+            hidden = shared_prompt_hidden(model, ids, attention, start, inputs.response_mask, unique_rows, inverse)
+    if hidden is None:
+        hidden = full_forward_hidden(model, ids, attention, start, width, routing, spec)
     selected = inputs.response_mask.to(device).bool()
     targets = inputs.input_ids.to(device)[:, start : start + width]
     logprobs_flat, entropy_flat = response_logprobs(

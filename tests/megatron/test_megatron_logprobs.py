@@ -127,3 +127,41 @@ def test_activation_checkpointing_recomputes_layers_with_the_same_numbers(tmp_pa
     assert runs[True][1].keys() == runs[False][1].keys()
     for name, grad in runs[False][1].items():
         assert torch.equal(runs[True][1][name], grad), name
+
+
+@pytest.mark.parametrize("experts", [None, 4], ids=["dense", "moe"])
+def test_shared_prompt_forward_runs_each_prompt_once_with_the_same_numbers(tmp_path, experts):
+    """``spec.share_prompts``: each distinct prompt runs once, its keys and values gathered to its samples,
+    their responses in length groups; the log-probs, entropies and gradients are the full forward's, and
+    the decoder sees far fewer tokens (fsdp2's shared-prompt forward, in megatron)."""
+    model_dir = build_tiny_model_dir(tmp_path / "m", hidden=32, layers=2, num_experts=experts, experts_per_token=2)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(megatron_plugin, name="rlite.plugins.megatron")
+    batch = fixed_batch(num_prompts=3, samples=4, prompt_len=9, max_len=7, vocab=250)
+    assert (batch.prompt_mask == 0).any(), "the batch must have left padding"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = tiny_config(model_dir, tmp_path / "run", "parallelism.backend=megatron", pm=pm)
+        backend = megatron_plugin.make_megatron(cfg, megatron_plugin.MegatronConfig(), torch.device("cpu"), 1)
+        backend.train_mode()
+        tokens = []
+        backend.model.embedding.register_forward_hook(lambda module, args, out: tokens.append(out.shape[0] * out.shape[1]))
+        runs = {}
+        for share in (False, True):
+            spec = ForwardSpec(micro_batch_size=12, temperature=0.8, chunk_size=5, exact_layout=False, share_prompts=share)
+            tokens.clear()
+            logprobs, entropy = backend.logprobs(batch, spec, with_entropy=True)
+            (logprobs * torch.linspace(0.5, 1.5, logprobs.shape[1])).sum().backward()
+            grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+            backend.model.zero_grad(set_to_none=True)
+            runs[share] = (logprobs.detach(), entropy, grads, sum(tokens))
+        backend.close()
+    finally:
+        dist.destroy_process_group()
+    (full_lp, full_ent, full_grads, full_tokens), (lp, ent, grads, shared_tokens) = runs[False], runs[True]
+    assert shared_tokens * 2 < full_tokens, (shared_tokens, full_tokens)
+    torch.testing.assert_close(lp, full_lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent, full_ent, atol=2e-5, rtol=0)
+    assert grads.keys() == full_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
