@@ -1,12 +1,14 @@
-"""FSDP2 against megatron-core on the same tiny Mixture-of-Experts GRPO job: step time and peak memory.
+"""FSDP2 against megatron-core on the same tiny GRPO job: step time and peak memory.
 
-Each backend trains the same model (a Qwen3-MoE made by ``rlite.tokenizer.build_tiny_model_dir``)
-with the same config in a fresh process, one thread, alternating A B A B over ``--repeats`` pairs;
+Each backend trains the same model (``--job moe``: a Qwen3-MoE made by ``rlite.tokenizer.build_tiny_model_dir``;
+``--job quickstart``: ``configs/quickstart.yaml``'s dense warm start and settings, evaluation and checkpoints
+off) with the same config in a fresh process, one thread, alternating A B A B over ``--repeats`` pairs;
 every process reports its per-phase ``time/*`` metrics (rlite's own, from ``metrics.jsonl``) and its
 peak RSS (``ru_maxrss``). Printed: median seconds per step over the steps after the first, the
 training phase alone, the weight sync, peak RSS, and the megatron/fsdp2 ratio of each pair.
 
-    python benchmarks/backends_moe.py [--steps 12] [--repeats 2] [--experts 8] [--hidden 128] [--append]
+    python benchmarks/backends_moe.py [--job moe|quickstart] [--steps 12] [--repeats 2] [--experts 8] [--hidden 128]
+        [--append]
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import cpu_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 CHILD = r"""
 import json, resource, sys, torch
@@ -34,7 +38,7 @@ from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 spec = json.loads(sys.argv[1])
 pm = build_plugin_manager()
-cfg = load_config(None, spec["overrides"], pm)
+cfg = load_config(spec["config"], spec["overrides"], pm)
 run_training(cfg, pm)
 rows = [json.loads(l) for l in open(spec["run_dir"] + "/metrics.jsonl") if '"reward/mean"' in l]
 print("RESULT " + json.dumps({"rows": rows, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
@@ -65,11 +69,25 @@ def overrides_for(backend: str, model_dir: Path, run_dir: Path, steps: int) -> l
     ]
 
 
-def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str) -> dict:
+def quickstart_overrides(backend: str, run_dir: Path, steps: int) -> list[str]:
+    """``configs/quickstart.yaml`` for ``steps`` steps, nothing but training (no evaluation, checkpoints or plots)."""
+    return [
+        f"model.path={ROOT / 'examples/warmstart/addition-qwen2-1m'}", f"training.steps={steps}", "training.eval_every=0",
+        f"parallelism.backend={backend}", f"logging.run_dir={run_dir}", "logging.progress_bar=false",
+        "logging.plot=false", "logging.loggers=[jsonl]", "checkpoint.every=0", "checkpoint.save_final=false",
+        "checkpoint.export_hf=false", "checkpoint.resume=never",
+    ]
+
+
+def run_backend(backend: str, model_dir: Path | None, work: Path, steps: int, tag: str) -> dict:
+    """One training process; ``model_dir`` None: the quickstart job."""
     run_dir = work / tag
-    overrides = overrides_for(backend, model_dir, run_dir, steps)
+    if model_dir is None:
+        config, overrides = str(QUICKSTART), quickstart_overrides(backend, run_dir, steps)
+    else:
+        config, overrides = None, overrides_for(backend, model_dir, run_dir, steps)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    spec = json.dumps({"overrides": overrides, "run_dir": str(run_dir)})
+    spec = json.dumps({"config": config, "overrides": overrides, "run_dir": str(run_dir)})
     out = subprocess.run([sys.executable, "-c", CHILD, spec], capture_output=True, text=True, env=env, timeout=1800)
     line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None:
@@ -87,6 +105,7 @@ def run_backend(backend: str, model_dir: Path, work: Path, steps: int, tag: str)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", choices=["moe", "quickstart"], default="moe")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--experts", type=int, default=8)
@@ -97,22 +116,26 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = build_tiny_model_dir(work / "moe", hidden=args.hidden, layers=2, heads=4, kv_heads=2,
-                                         intermediate=2 * args.hidden, num_experts=args.experts, experts_per_token=2)
+        model_dir = None
+        if args.job == "moe":
+            model_dir = build_tiny_model_dir(work / "moe", hidden=args.hidden, layers=2, heads=4, kv_heads=2,
+                                             intermediate=2 * args.hidden, num_experts=args.experts, experts_per_token=2)
         pairs = []
         for index in range(args.repeats):
             fsdp2 = run_backend("fsdp2", model_dir, work, args.steps, f"fsdp2-{index}")
             megatron = run_backend("megatron", model_dir, work, args.steps, f"megatron-{index}")
             pairs.append((fsdp2, megatron))
             print(f"pair {index}: fsdp2 {fsdp2}  megatron {megatron}", flush=True)
+    job = (f"Qwen3-MoE hidden {args.hidden}, 2 layers, {args.experts} experts top-2; GRPO, 8 prompts x 8 samples, "
+           "16 new tokens, micro-batch 32" if args.job == "moe" else
+           "configs/quickstart.yaml (Qwen2 1M dense; GRPO, 16 prompts x 16 samples, 6 new tokens, micro-batch 128)")
     lines = [
-        f"### backends_moe.py: fsdp2 vs megatron on a tiny MoE ({time.strftime('%Y-%m-%d %H:%M')})",
+        f"### backends_moe.py --job {args.job}: fsdp2 vs megatron ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores; torch {torch_version()}, megatron-core {megatron_version()}",
-        f"- command: `python benchmarks/backends_moe.py --steps {args.steps} --repeats {args.repeats} "
+        f"- command: `python benchmarks/backends_moe.py --job {args.job} --steps {args.steps} --repeats {args.repeats} "
         f"--experts {args.experts} --hidden {args.hidden}`",
-        f"- job: Qwen3-MoE hidden {args.hidden}, 2 layers, {args.experts} experts top-2; GRPO, 8 prompts x 8 samples, "
-        "16 new tokens, micro-batch 32, one process, one thread; medians over steps 2..N",
+        f"- job: {job}, one process, one thread; medians over steps 2..N",
         "",
         "| pair | fsdp2 s/step | megatron s/step | ratio | fsdp2 train s | megatron train s | fsdp2 sync ms | megatron sync ms "
         "| fsdp2 peak RSS MiB | megatron peak RSS MiB | ratio |",

@@ -20,20 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backends_moe import overrides_for  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-
-
-def quickstart_overrides(backend: str, run_dir: Path, steps: int) -> list[str]:
-    """``configs/quickstart.yaml`` for ``steps`` steps, nothing but training (no evaluation, checkpoints or plots)."""
-    return [
-        f"model.path={ROOT / 'examples/warmstart/addition-qwen2-1m'}", f"training.steps={steps}", "training.eval_every=0",
-        f"parallelism.backend={backend}", f"logging.run_dir={run_dir}", "logging.progress_bar=false",
-        "logging.plot=false", "logging.loggers=[jsonl]", "checkpoint.every=0", "checkpoint.save_final=false",
-        "checkpoint.export_hf=false", "checkpoint.resume=never",
-    ]
+from backends_moe import QUICKSTART, overrides_for, quickstart_overrides  # noqa: E402
 
 CHILD = r"""
 import json, resource, statistics, sys, torch
