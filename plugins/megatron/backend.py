@@ -7,10 +7,11 @@ Face checkpoint through :mod:`rlite.plugins.megatron.convert` and go back the sa
 sync and export.
 
 Log-probs: the decoder's hidden states at the response positions go through the output layer in
-chunks (rlite's chunked output layer at TP=1, as fsdp2's; at TP>1 each chunk's log-softmax is taken
-across the ranks' vocabulary slices, max and sum all-reduced, the gradient of the sum the identity on
-each rank as in megatron's own cross entropy, padded vocabulary rows masked out), so no
-``[tokens, vocab]`` logits are kept for backward. Padding: each row is rotated past its left padding,
+chunks (rlite's chunked output layer, as fsdp2's; at TP>1 with a ``score`` that takes each chunk's
+log-softmax across the ranks' vocabulary slices, max and sum all-reduced, the gradient of the sum the
+identity on each rank as in megatron's own cross entropy, padded vocabulary rows masked out), so no
+``[tokens, vocab]`` logits are kept for backward. With ``spec.share_prompts`` each distinct prompt of a
+micro-batch runs once (:func:`shared_prompt_hidden`). Padding: each row is rotated past its left padding,
 so its tokens get Hugging Face's positions and one causal ``[S, S]`` mask is exact.
 
 Gradients: the loss of each rank is already scaled for averaging over data-parallel ranks (rlite's
@@ -261,60 +262,33 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor:
     return model.output_layer.weight
 
 
-def vocab_parallel_chunked_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, spec: ForwardSpec,
-    *, with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs ``[N]`` (and entropies) from hidden states ``[N, H]`` with the output layer's rows split
-    over TP ranks, ``spec.chunk_size`` tokens at a time: each chunk's ``[tokens, vocab / TP]`` logits go
-    through :func:`vocab_parallel_logprobs` and, with gradients, are recomputed in backward (activation
-    checkpointing) rather than kept. The hidden states enter as megatron's column-parallel output
-    layer takes them (identity forward, gradients summed over the TP group)."""
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-    from torch.utils.checkpoint import checkpoint
-
-    hidden = copy_to_tensor_model_parallel_region(hidden)
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-
-    def chunk(h, w, y):
-        logits = (h @ w.t()).float() / spec.temperature
-        logprobs, entropy = vocab_parallel_logprobs(
-            logits, y, vocab_size, with_entropy=with_entropy, entropy_grad=spec.entropy_grad
-        )
-        return logprobs, torch.zeros_like(logprobs) if entropy is None else entropy
-
-    logprobs, entropy = [], []
-    for start in range(0, hidden.shape[0], spec.chunk_size):
-        args = (hidden[start : start + spec.chunk_size], weight, targets[start : start + spec.chunk_size])
-        lp, ent = checkpoint(chunk, *args, use_reentrant=False) if needs_grad else chunk(*args)
-        logprobs.append(lp)
-        entropy.append(ent)
-    if not logprobs:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logprobs), torch.cat(entropy)
-
-
 def response_logprobs(
     model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, spec: ForwardSpec,
     *, with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[N]`` of ``targets`` ``[N]`` from the hidden states ``[N, H]`` that
-    predict them, never holding more than one chunk's logits: at TP=1 rlite's chunked output layer
-    (the one fsdp2 uses: hand-written backward, logits kept only under ``spec.recompute_above_bytes``),
-    at TP>1 its vocabulary-parallel counterpart."""
+    predict them, never holding more than one chunk's logits: rlite's chunked output layer (the one
+    fsdp2 uses; logits kept for backward only under ``spec.recompute_above_bytes``). At TP=1 it is the
+    hand-written-backward path; at TP>1 each chunk's ``[tokens, vocab / TP]`` logits are scored by
+    :func:`vocab_parallel_logprobs` (sums combined across the ranks), and the hidden states enter as
+    megatron's column-parallel output layer takes them (identity forward, gradients summed over the TP
+    group)."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     from rlite.api import chunked_logprobs
 
     weight = output_weight(model)
+    score = None
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        return vocab_parallel_chunked_logprobs(hidden, weight, targets, vocab_size, spec, with_entropy=with_entropy)
-    weight = weight[:vocab_size] if weight.shape[0] > vocab_size else weight
+        hidden = copy_to_tensor_model_parallel_region(hidden)
+        score = functools.partial(vocab_parallel_logprobs, vocab_size=vocab_size)
+    elif weight.shape[0] > vocab_size:
+        weight = weight[:vocab_size]
     recompute = hidden.shape[0] * weight.shape[0] * 4 > spec.recompute_above_bytes
     return chunked_logprobs(
         hidden, weight, targets, temperature=spec.temperature, chunk_size=spec.chunk_size, with_entropy=with_entropy,
-        entropy_grad=spec.entropy_grad, recompute=recompute,
+        entropy_grad=spec.entropy_grad, recompute=recompute, score=score,
     )
 
 
