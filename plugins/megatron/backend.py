@@ -525,8 +525,6 @@ class MegatronBackend(BackendBase):
         return BackendCapabilities(lora=False, critic=False, weight_views=whole, routing_replay=True)
 
     def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
-        from megatron.core import parallel_state
-
         if config.model.lora.enabled:
             raise ConfigError("model.lora.enabled: the megatron backend trains full weights; use parallelism.backend=fsdp2 for LoRA")
         if config.training.pack_sequences:
@@ -535,7 +533,9 @@ class MegatronBackend(BackendBase):
                 "packed (THD) sequences yet; set training.pack_sequences=false (training.max_tokens_per_micro_batch works)"
             )
         self.config, self.cfg, self.device = config, cfg, device
-        self.cpu_shims = apply_cpu_shims()
+        self.cpu_shims = apply_cpu_shims()  # before megatron-core's first import (its JIT fuser, on a CPU)
+        from megatron.core import parallel_state
+
         init_model_parallel(cfg.tensor_parallel, cfg.expert_parallel)
         seed_model_parallel_rng(config.training.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()

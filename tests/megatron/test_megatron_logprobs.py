@@ -165,3 +165,27 @@ def test_shared_prompt_forward_runs_each_prompt_once_with_the_same_numbers(tmp_p
     assert grads.keys() == full_grads.keys()
     for name, grad in full_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only shim")
+def test_megatron_is_imported_without_torch_compile_on_a_cpu():
+    """Shim 5: on a CPU megatron-core's JIT fuser is its no-op decorator, so importing it does not pull in
+    torch's compiler stack (about 66 MiB of RSS); ``torch.compile`` is torch's own again afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "compile_ = torch.compile\n"
+        "from rlite.plugins.megatron.shims import apply_cpu_shims\n"
+        "assert apply_cpu_shims()\n"
+        "from megatron.core.models.gpt import GPTModel\n"
+        "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
+        "from megatron.core import jit\n"
+        "assert torch.compile is compile_\n"
+        "assert jit.jit_fuser is jit.noop_decorator\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor')))[:3])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
