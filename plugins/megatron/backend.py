@@ -324,23 +324,21 @@ def attention_prefix(model: torch.nn.Module, *, record: list | None = None, pref
             handle.remove()
 
 
-def can_share_prompts(model: torch.nn.Module, spec: ForwardSpec, routing: torch.Tensor | None) -> bool:
+def can_share_prompts(model: torch.nn.Module, spec: ForwardSpec) -> bool:
     """Whether :func:`shared_prompt_hidden` may run this forward: not with megatron's recompute (build
-    turns sharing off with activation checkpointing anyway), not under a routing plan (replay and
-    agreement count per forward's tokens), and not with expert parallelism (the ranks' token blocks
-    must match call for call, and each rank's prompts and lengths differ)."""
+    turns sharing off with activation checkpointing anyway), and not with expert parallelism (the ranks'
+    token blocks must match call for call, and each rank's prompts and lengths differ)."""
     from megatron.core import parallel_state
 
     return (
-        spec.share_prompts and not spec.exact_layout and spec.routing is None and routing is None
-        and model.config.recompute_granularity is None
+        spec.share_prompts and not spec.exact_layout and model.config.recompute_granularity is None
         and parallel_state.get_expert_model_parallel_world_size() == 1
     )
 
 
 def shared_prompt_hidden(
     model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, start: int, response_mask: torch.Tensor,
-    unique_rows: torch.Tensor, inverse: torch.Tensor,
+    unique_rows: torch.Tensor, inverse: torch.Tensor, routing: torch.Tensor | None, spec: ForwardSpec,
 ) -> torch.Tensor | None:
     """The final hidden states ``[B, T, H]`` that predict each row's ``T`` response tokens, running each
     distinct prompt once (a GRPO group's samples share it): fsdp2's shared-prompt forward in megatron.
@@ -351,7 +349,9 @@ def shared_prompt_hidden(
     positions ``L..``, through megatron's embedding and ``TransformerBlock`` (rotary embeddings given per
     row), attending to its prompt's keys and values and causally to its own tokens. The prompt's keys
     and values reach every sample through a gather, so their gradients sum over the samples. Same
-    maths as the full forward. ``None`` when a prompt has padding between real tokens."""
+    maths as the full forward. Under a routing plan (``spec.routing``) the prompt pass routes as the
+    group's first sample did (``routing`` ``[B, S, L, K]``), as fsdp2's shared forward does. ``None`` when
+    a prompt has padding between real tokens."""
     from rlite.api import length_buckets
 
     device = ids.device
@@ -362,8 +362,13 @@ def shared_prompt_hidden(
     columns, _ = aligned
     lengths = prompt_attention.sum(1)  # [U] real prompt tokens
     prompt_ids = prompt_ids.gather(1, columns)
+    prompt_routing = None
+    if routing is not None:
+        prompt_routing = routing[unique_rows, :start]
+        prompt_routing = prompt_routing.gather(1, columns[:, :, None, None].expand_as(prompt_routing))
     recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with attention_prefix(model, record=recorded), returning_hidden_states(model):
+    with attention_prefix(model, record=recorded), returning_hidden_states(model), \
+            routing_context(model, spec.routing, prompt_routing):
         prompt_hidden = model(
             prompt_ids, torch.arange(start, device=device).expand_as(prompt_ids),
             attention_mask(prompt_attention, right_padded=True),
@@ -387,7 +392,9 @@ def shared_prompt_hidden(
         causal = torch.ones(run, run, dtype=torch.bool, device=device).triu(1)
         mask = torch.cat([prompt_masked[:, None].expand(-1, run, -1), causal.expand(len(rows), -1, -1)], dim=-1)
         tokens = ids[index, start : start + run]
-        with attention_prefix(model, prefix=recorded, source=source):
+        bucket_routing = None if routing is None else routing[index, start : start + run]
+        with attention_prefix(model, prefix=recorded, source=source), \
+                routing_context(model, spec.routing, bucket_routing):
             out = model.decoder(
                 hidden_states=model.embedding(input_ids=tokens, position_ids=positions),
                 attention_mask=mask[:, None],
@@ -451,10 +458,12 @@ def gpt_logprobs(
     routing = None if routing is None else routing.to(device)
     start, width = inputs.response_start, inputs.response_mask.shape[1]
     hidden = None
-    if can_share_prompts(model, spec, routing):
+    if can_share_prompts(model, spec):
         unique_rows, inverse = unique_prompt_rows(ids[:, :start], attention[:, :start])
         if len(unique_rows) < rows:
-            hidden = shared_prompt_hidden(model, ids, attention, start, inputs.response_mask, unique_rows, inverse)
+            hidden = shared_prompt_hidden(
+                model, ids, attention, start, inputs.response_mask, unique_rows, inverse, routing, spec
+            )
     if hidden is None:
         hidden = full_forward_hidden(model, ids, attention, start, width, routing, spec)
     selected = inputs.response_mask.to(device).bool()
