@@ -1,10 +1,11 @@
 """FSDP2 against megatron-core on the same tiny GRPO job: step time and peak memory.
 
 Each backend trains the same model (``--job moe``: a Qwen3-MoE made by ``rlite.tokenizer.build_tiny_model_dir``;
-``--job quickstart``: ``configs/quickstart.yaml``'s dense warm start and settings, evaluation and checkpoints
-off) with the same config in a fresh process, one thread, alternating A B A B over ``--repeats`` pairs;
-every process reports its per-phase ``time/*`` metrics (rlite's own, from ``metrics.jsonl``) and its
-peak RSS (``ru_maxrss``). Printed: median seconds per step over the steps after the first, the
+``--job quickstart``: ``configs/quickstart.yaml``'s dense warm start and settings, checkpoints and periodic
+evaluation off; the loop still evaluates at step 0 and at the last step) with the same config in a fresh process, one thread, alternating A B A B over ``--repeats`` pairs;
+every process reports its per-phase ``time/*`` metrics (rlite's own, from ``metrics.jsonl``), the CPU
+seconds of each step and policy update (``time.process_time``: on a loaded machine far steadier than wall
+time) and its peak RSS (``ru_maxrss``). Printed: median seconds per step over the steps after the first, the
 training phase alone, the weight sync, peak RSS, and the megatron/fsdp2 ratio of each pair.
 
     python benchmarks/backends_moe.py [--job moe|quickstart] [--steps 12] [--repeats 2] [--experts 8] [--hidden 128]
@@ -31,17 +32,34 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 CHILD = r"""
-import json, resource, sys, torch
+import json, resource, sys, time, torch
 torch.set_num_threads(1)
+import rlite.loop as loop
 from rlite.config import load_config
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
+# CPU seconds (one thread: the process's own work, much less sensitive to a loaded machine than wall
+# time): at each step's log_metrics, and of each policy update
+marks, train_cpu = [], []
+log_metrics, update_policy = loop.log_metrics, loop.update_policy
+def timed_log_metrics(*args, **kwargs):
+    marks.append(time.process_time())
+    return log_metrics(*args, **kwargs)
+def timed_update_policy(*args, **kwargs):
+    start = time.process_time()
+    try:
+        return update_policy(*args, **kwargs)
+    finally:
+        train_cpu.append(time.process_time() - start)
+loop.log_metrics, loop.update_policy = timed_log_metrics, timed_update_policy
 spec = json.loads(sys.argv[1])
 pm = build_plugin_manager()
 cfg = load_config(spec["config"], spec["overrides"], pm)
-run_training(cfg, pm)
+loop.run_training(cfg, pm)
 rows = [json.loads(l) for l in open(spec["run_dir"] + "/metrics.jsonl") if '"reward/mean"' in l]
-print("RESULT " + json.dumps({"rows": rows, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# marks[0] is the step-0 evaluation's; the last step also evaluates
+step_cpu = [b - a for a, b in zip(marks[1:], marks[2:])][:-1]
+print("RESULT " + json.dumps({"rows": rows, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                              "step_cpu": step_cpu, "train_cpu": train_cpu[1:]}))
 """
 
 
@@ -70,7 +88,8 @@ def overrides_for(backend: str, model_dir: Path, run_dir: Path, steps: int) -> l
 
 
 def quickstart_overrides(backend: str, run_dir: Path, steps: int) -> list[str]:
-    """``configs/quickstart.yaml`` for ``steps`` steps, nothing but training (no evaluation, checkpoints or plots)."""
+    """``configs/quickstart.yaml`` for ``steps`` steps: no checkpoints, plots or periodic evaluation (the loop still
+    evaluates its 256 held-out prompts at step 0 and at the last step)."""
     return [
         f"model.path={ROOT / 'examples/warmstart/addition-qwen2-1m'}", f"training.steps={steps}", "training.eval_every=0",
         f"parallelism.backend={backend}", f"logging.run_dir={run_dir}", "logging.progress_bar=false",
@@ -95,6 +114,8 @@ def run_backend(backend: str, model_dir: Path | None, work: Path, steps: int, ta
     result = json.loads(line[len("RESULT "):])
     steady = result["rows"][1:]  # the first step pays for warm-up
     return {
+        "step_cpu_s": statistics.median(result["step_cpu"]),
+        "train_cpu_s": statistics.median(result["train_cpu"]),
         "step_s": statistics.median(r["time/step"] for r in steady),
         "train_s": statistics.median(r["time/train"] for r in steady),
         "sync_s": statistics.median(r["time/weight_sync"] for r in steady),
@@ -137,15 +158,20 @@ def main() -> int:
         f"--experts {args.experts} --hidden {args.hidden}`",
         f"- job: {job}, one process, one thread; medians over steps 2..N",
         "",
-        "| pair | fsdp2 s/step | megatron s/step | ratio | fsdp2 train s | megatron train s | fsdp2 sync ms | megatron sync ms "
+        "- CPU s: process CPU seconds (one thread), medians over steps 2..N-1 (the last also evaluates); "
+        "wall s: rlite's `time/*` medians over steps 2..N",
+        "",
+        "| pair | fsdp2 CPU s/step | megatron CPU s/step | ratio | fsdp2 train CPU s | megatron train CPU s | ratio "
+        "| fsdp2 wall s/step | megatron wall s/step | ratio | fsdp2 sync ms | megatron sync ms "
         "| fsdp2 peak RSS MiB | megatron peak RSS MiB | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for index, (a, b) in enumerate(pairs):
         lines.append(
-            f"| {index} | {a['step_s']:.3f} | {b['step_s']:.3f} | {b['step_s'] / a['step_s']:.2f} | {a['train_s']:.3f} | "
-            f"{b['train_s']:.3f} | {a['sync_s'] * 1000:.1f} | {b['sync_s'] * 1000:.1f} | {a['peak_rss_mib']:.0f} | "
-            f"{b['peak_rss_mib']:.0f} | "
+            f"| {index} | {a['step_cpu_s']:.3f} | {b['step_cpu_s']:.3f} | {b['step_cpu_s'] / a['step_cpu_s']:.2f} | "
+            f"{a['train_cpu_s']:.3f} | {b['train_cpu_s']:.3f} | {b['train_cpu_s'] / a['train_cpu_s']:.2f} | "
+            f"{a['step_s']:.3f} | {b['step_s']:.3f} | {b['step_s'] / a['step_s']:.2f} | "
+            f"{a['sync_s'] * 1000:.1f} | {b['sync_s'] * 1000:.1f} | {a['peak_rss_mib']:.0f} | {b['peak_rss_mib']:.0f} | "
             f"{b['peak_rss_mib'] / a['peak_rss_mib']:.2f} |"
         )
     text = "\n".join(lines) + "\n"
