@@ -177,9 +177,10 @@ def test_shared_prompt_forward_runs_each_prompt_once_with_the_same_numbers(tmp_p
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only shim")
-def test_megatron_is_imported_without_torch_compile_on_a_cpu():
-    """Shim 5: on a CPU megatron-core's JIT fuser is its no-op decorator, so importing it does not pull in
-    torch's compiler stack (about 66 MiB of RSS); ``torch.compile`` is torch's own again afterwards."""
+def test_megatron_is_imported_without_torch_compile_or_metric_writers_on_a_cpu():
+    """Shims 5 and 6: on a CPU megatron-core's JIT fuser is its no-op decorator, so importing it does not pull
+    in torch's compiler stack (about 66 MiB of RSS), and it imports neither wandb nor tensorboard (24 MiB),
+    which stay importable; ``torch.compile`` is torch's own again afterwards."""
     import subprocess
     import sys
 
@@ -194,7 +195,13 @@ def test_megatron_is_imported_without_torch_compile_on_a_cpu():
         "assert torch.compile is compile_\n"
         "assert jit.jit_fuser is jit.noop_decorator\n"
         "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor')))[:3])\n"
+        "print([m for m in ('wandb', 'torch.utils.tensorboard') if m in sys.modules])\n"
+        "import importlib, importlib.util\n"
+        "for module, package in (('wandb', 'wandb'), ('torch.utils.tensorboard', 'tensorboard')):\n"
+        "    if importlib.util.find_spec(package):  # installed: still importable for rlite's own loggers\n"
+        "        importlib.import_module(module)\n"
+        "print('importable')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    assert out.stdout.strip().splitlines()[-3:] == ["[]", "[]", "importable"], out.stdout
