@@ -1,10 +1,12 @@
-"""Where the time of one tiny MoE GRPO job goes, fsdp2 against megatron: the job of
-``benchmarks/backends_moe.py`` run under ``torch.profiler`` (CPU), one process per backend.
+"""Where the time of one tiny GRPO job goes, fsdp2 against megatron: the MoE job of
+``benchmarks/backends_moe.py`` (``--job moe``, the default) or the dense quickstart (``--job quickstart``:
+``configs/quickstart.yaml`` with evaluation and checkpoints off) run under ``torch.profiler`` (CPU), one
+process per backend.
 
 Printed per backend: rlite's per-phase ``time/*`` medians (steps after the first), peak RSS, and the
 operators with the most self CPU time over the whole run (rollout included: the same engine for both).
 
-    python benchmarks/profile_backends.py [--steps 4] [--rows 25] [--backends fsdp2,megatron]
+    python benchmarks/profile_backends.py [--job moe|quickstart] [--steps 4] [--rows 25] [--backends fsdp2,megatron]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backends_moe import overrides_for  # noqa: E402
+from backends_moe import QUICKSTART, overrides_for, quickstart_overrides  # noqa: E402
 
 CHILD = r"""
 import json, resource, statistics, sys, torch
@@ -29,7 +31,7 @@ from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 spec = json.loads(sys.argv[1])
 pm = build_plugin_manager()
-cfg = load_config(None, spec["overrides"], pm)
+cfg = load_config(spec["config"], spec["overrides"], pm)
 with profile(activities=[ProfilerActivity.CPU], profile_memory=spec["memory"]) as prof:
     run_training(cfg, pm)
 rows = [json.loads(l) for l in open(spec["run_dir"] + "/metrics.jsonl") if '"reward/mean"' in l][1:]
@@ -43,6 +45,7 @@ print(prof.key_averages().table(sort_by=sort, row_limit=spec["rows"], max_name_c
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", choices=["moe", "quickstart"], default="moe")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--backends", default="fsdp2,megatron")
@@ -53,12 +56,17 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = build_tiny_model_dir(work / "moe", hidden=128, layers=2, heads=4, kv_heads=2,
-                                         intermediate=256, num_experts=8, experts_per_token=2)
+        if args.job == "moe":
+            model_dir = build_tiny_model_dir(work / "moe", hidden=128, layers=2, heads=4, kv_heads=2,
+                                             intermediate=256, num_experts=8, experts_per_token=2)
         for backend in args.backends.split(","):
             run_dir = work / backend
-            spec = {"overrides": overrides_for(backend, model_dir, run_dir, args.steps), "run_dir": str(run_dir),
-                    "rows": args.rows, "memory": args.memory}
+            if args.job == "moe":
+                config, overrides = None, overrides_for(backend, model_dir, run_dir, args.steps)
+            else:
+                config, overrides = str(QUICKSTART), quickstart_overrides(backend, run_dir, args.steps)
+            spec = {"config": config, "overrides": overrides, "run_dir": str(run_dir), "rows": args.rows,
+                    "memory": args.memory}
             out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True,
                                  env=env, timeout=1800)
             print(f"===== {backend}\n{out.stdout}", flush=True)

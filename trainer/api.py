@@ -98,7 +98,7 @@ if TYPE_CHECKING:  # the names _LAZY loads on first use, for type checkers and l
     from rlite.engines.transformers.process import ProcessEngine
     from rlite.hf_models import apply_lora, load_causal_lm, skeleton_causal_lm
     from rlite.samples import samples_markdown
-    from rlite.training.logprobs import chunked_logprobs
+    from rlite.training.logprobs import chunked_logprobs, length_buckets, unique_prompt_rows
 
 _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
@@ -110,6 +110,8 @@ _LAZY = {
     "skeleton_causal_lm": "rlite.hf_models",
     "samples_markdown": "rlite.samples",
     "chunked_logprobs": "rlite.training.logprobs",
+    "length_buckets": "rlite.training.logprobs",
+    "unique_prompt_rows": "rlite.training.logprobs",
 }
 
 
@@ -155,6 +157,8 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "build_lr_scheduler",
     "optimizer_state_bytes_to_come",
     "chunked_logprobs",
+    "length_buckets",
+    "unique_prompt_rows",
     # Rollout engines
     "RolloutEngine",
     "EngineWrapper",

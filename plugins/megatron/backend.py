@@ -7,10 +7,11 @@ Face checkpoint through :mod:`rlite.plugins.megatron.convert` and go back the sa
 sync and export.
 
 Log-probs: the decoder's hidden states at the response positions go through the output layer in
-chunks (rlite's chunked output layer at TP=1, as fsdp2's; at TP>1 each chunk's log-softmax is taken
-across the ranks' vocabulary slices, max and sum all-reduced, the gradient of the sum the identity on
-each rank as in megatron's own cross entropy, padded vocabulary rows masked out), so no
-``[tokens, vocab]`` logits are kept for backward. Padding: each row is rotated past its left padding,
+chunks (rlite's chunked output layer, as fsdp2's; at TP>1 with a ``score`` that takes each chunk's
+log-softmax across the ranks' vocabulary slices, max and sum all-reduced, the gradient of the sum the
+identity on each rank as in megatron's own cross entropy, padded vocabulary rows masked out), so no
+``[tokens, vocab]`` logits are kept for backward. With ``spec.share_prompts`` each distinct prompt of a
+micro-batch runs once (:func:`shared_prompt_hidden`). Padding: each row is rotated past its left padding,
 so its tokens get Hugging Face's positions and one causal ``[S, S]`` mask is exact.
 
 Gradients: the loss of each rank is already scaled for averaging over data-parallel ranks (rlite's
@@ -28,6 +29,7 @@ for dense models (MoE with TP needs sequence parallelism, which needs Transforme
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -260,104 +262,210 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor:
     return model.output_layer.weight
 
 
-def vocab_parallel_chunked_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, spec: ForwardSpec,
-    *, with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs ``[N]`` (and entropies) from hidden states ``[N, H]`` with the output layer's rows split
-    over TP ranks, ``spec.chunk_size`` tokens at a time: each chunk's ``[tokens, vocab / TP]`` logits go
-    through :func:`vocab_parallel_logprobs` and, with gradients, are recomputed in backward (activation
-    checkpointing) rather than kept. The hidden states enter as megatron's column-parallel output
-    layer takes them (identity forward, gradients summed over the TP group)."""
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-    from torch.utils.checkpoint import checkpoint
-
-    hidden = copy_to_tensor_model_parallel_region(hidden)
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-
-    def chunk(h, w, y):
-        logits = (h @ w.t()).float() / spec.temperature
-        logprobs, entropy = vocab_parallel_logprobs(
-            logits, y, vocab_size, with_entropy=with_entropy, entropy_grad=spec.entropy_grad
-        )
-        return logprobs, torch.zeros_like(logprobs) if entropy is None else entropy
-
-    logprobs, entropy = [], []
-    for start in range(0, hidden.shape[0], spec.chunk_size):
-        args = (hidden[start : start + spec.chunk_size], weight, targets[start : start + spec.chunk_size])
-        lp, ent = checkpoint(chunk, *args, use_reentrant=False) if needs_grad else chunk(*args)
-        logprobs.append(lp)
-        entropy.append(ent)
-    if not logprobs:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logprobs), torch.cat(entropy)
-
-
 def response_logprobs(
     model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, spec: ForwardSpec,
     *, with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[N]`` of ``targets`` ``[N]`` from the hidden states ``[N, H]`` that
-    predict them, never holding more than one chunk's logits: at TP=1 rlite's chunked output layer
-    (the one fsdp2 uses: hand-written backward, logits kept only under ``spec.recompute_above_bytes``),
-    at TP>1 its vocabulary-parallel counterpart."""
+    predict them, never holding more than one chunk's logits: rlite's chunked output layer (the one
+    fsdp2 uses; logits kept for backward only under ``spec.recompute_above_bytes``). At TP=1 it is the
+    hand-written-backward path; at TP>1 each chunk's ``[tokens, vocab / TP]`` logits are scored by
+    :func:`vocab_parallel_logprobs` (sums combined across the ranks), and the hidden states enter as
+    megatron's column-parallel output layer takes them (identity forward, gradients summed over the TP
+    group)."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     from rlite.api import chunked_logprobs
 
     weight = output_weight(model)
+    score = None
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        return vocab_parallel_chunked_logprobs(hidden, weight, targets, vocab_size, spec, with_entropy=with_entropy)
-    weight = weight[:vocab_size] if weight.shape[0] > vocab_size else weight
+        hidden = copy_to_tensor_model_parallel_region(hidden)
+        score = functools.partial(vocab_parallel_logprobs, vocab_size=vocab_size)
+    elif weight.shape[0] > vocab_size:
+        weight = weight[:vocab_size]
     recompute = hidden.shape[0] * weight.shape[0] * 4 > spec.recompute_above_bytes
     return chunked_logprobs(
         hidden, weight, targets, temperature=spec.temperature, chunk_size=spec.chunk_size, with_entropy=with_entropy,
-        entropy_grad=spec.entropy_grad, recompute=recompute,
+        entropy_grad=spec.entropy_grad, recompute=recompute, score=score,
     )
 
 
-def gpt_logprobs(
-    model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, T]`` log-probs (and entropies) of a batch's responses.
+@contextlib.contextmanager
+def attention_prefix(model: torch.nn.Module, *, record: list | None = None, prefix: list | None = None,
+                     source: torch.Tensor | None = None) -> Iterator[None]:
+    """Inside, each decoder layer's core attention (megatron's ``DotProductAttention``, which takes the
+    keys and values after rotary embedding, ``[s, b, groups, head_dim]``) either appends its keys and
+    values to ``record``, or attends to ``prefix[layer]`` gathered to its rows (``[:, source]``) ahead
+    of its own: the prompt pass and the response pass of :func:`shared_prompt_hidden`. A forward
+    pre-hook on megatron's module, so the model's structure and state dict stay as they are."""
 
-    Attention: each row is rotated left past its prompt's left padding (:func:`left_aligned_columns`),
-    so its real tokens sit at positions ``0..L-1`` (the positions Hugging Face gives them) and all its
-    padding comes after them: a plain causal mask is then exact for every real token and no ``[B, 1, S, S]``
-    mask is built. Output layer: only the response positions' hidden states go through
-    it, in chunks (:func:`response_logprobs`)."""
-    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
-    # the batch lives on the CPU (rollouts, loss); the model may be on a GPU: inputs go to the model's
-    # device, log-probs come back to the batch's
-    device = next(model.parameters()).device
-    ids, attention = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    def hook(layer, module, args, kwargs):
+        query, key, value, *rest = args
+        if record is not None:
+            record.append((key, value))
+            return None
+        prompt_key, prompt_value = prefix[layer]
+        key = torch.cat([prompt_key[:, source], key])
+        value = torch.cat([prompt_value[:, source], value])
+        return (query, key, value, *rest), kwargs
+
+    handles = [
+        layer.self_attention.core_attention.register_forward_pre_hook(
+            functools.partial(hook, index), with_kwargs=True
+        )
+        for index, layer in enumerate(model.decoder.layers)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def can_share_prompts(model: torch.nn.Module, spec: ForwardSpec) -> bool:
+    """Whether :func:`shared_prompt_hidden` may run this forward: not with megatron's recompute (build
+    turns sharing off with activation checkpointing anyway), and not with expert parallelism (the ranks'
+    token blocks must match call for call, and each rank's prompts and lengths differ)."""
+    from megatron.core import parallel_state
+
+    return (
+        spec.share_prompts and not spec.exact_layout and model.config.recompute_granularity is None
+        and parallel_state.get_expert_model_parallel_world_size() == 1
+    )
+
+
+def shared_prompt_hidden(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, start: int, response_mask: torch.Tensor,
+    unique_rows: torch.Tensor, inverse: torch.Tensor, routing: torch.Tensor | None, spec: ForwardSpec,
+) -> torch.Tensor | None:
+    """The final hidden states ``[B, T, H]`` that predict each row's ``T`` response tokens, running each
+    distinct prompt once (a GRPO group's samples share it): fsdp2's shared-prompt forward in megatron.
+
+    Prompt pass: the distinct prompts, rotated past their left padding (positions ``0..L-1``, one causal
+    mask), their per-layer keys and values recorded (:func:`attention_prefix`). Response pass, in
+    groups of similar length (:func:`rlite.api.length_buckets`): each row's response tokens at rotary
+    positions ``L..``, through megatron's embedding and ``TransformerBlock`` (rotary embeddings given per
+    row), attending to its prompt's keys and values and causally to its own tokens. The prompt's keys
+    and values reach every sample through a gather, so their gradients sum over the samples. Same
+    maths as the full forward. Under a routing plan (``spec.routing``) the prompt pass routes as the
+    group's first sample did (``routing`` ``[B, S, L, K]``), as fsdp2's shared forward does. ``None`` when
+    a prompt has padding between real tokens."""
+    from rlite.api import length_buckets
+
+    device = ids.device
+    prompt_ids, prompt_attention = ids[unique_rows, :start], attention[unique_rows, :start]
+    aligned = left_aligned_columns(prompt_attention)
+    if aligned is None:
+        return None
+    columns, _ = aligned
+    lengths = prompt_attention.sum(1)  # [U] real prompt tokens
+    prompt_ids = prompt_ids.gather(1, columns)
+    prompt_routing = None
+    if routing is not None:
+        prompt_routing = routing[unique_rows, :start]
+        prompt_routing = prompt_routing.gather(1, columns[:, :, None, None].expand_as(prompt_routing))
+    recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with attention_prefix(model, record=recorded), returning_hidden_states(model), \
+            routing_context(model, spec.routing, prompt_routing):
+        prompt_hidden = model(
+            prompt_ids, torch.arange(start, device=device).expand_as(prompt_ids),
+            attention_mask(prompt_attention, right_padded=True),
+        )  # [P, U, H]
+    batch, width = ids.shape[0], ids.shape[1] - start
+    last = prompt_hidden[lengths - 1, torch.arange(len(lengths), device=device)][inverse, None]  # predicts token 0
+    if width == 1:
+        return last
+    # response token t is predicted from response token t - 1: a row of length n runs n - 1 tokens
+    steps = torch.arange(1, width + 1, device=device)
+    needs = ((response_mask.to(device).bool() * steps).amax(-1) - 1).clamp(min=0).tolist()
+    rotary = model.rotary_pos_emb(start + width)[:, 0, 0]  # [positions, rotary dim]
+    hidden = last.new_zeros(batch, width - 1, last.shape[-1])
+    for rows, run in length_buckets(needs):
+        if run == 0:
+            continue
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        source = inverse[index]
+        positions = lengths[source][:, None] + torch.arange(run, device=device)  # [b, run]
+        prompt_masked = torch.arange(start, device=device)[None] >= lengths[source][:, None]  # [b, P]
+        causal = torch.ones(run, run, dtype=torch.bool, device=device).triu(1)
+        mask = torch.cat([prompt_masked[:, None].expand(-1, run, -1), causal.expand(len(rows), -1, -1)], dim=-1)
+        tokens = ids[index, start : start + run]
+        bucket_routing = None if routing is None else routing[index, start : start + run]
+        with attention_prefix(model, prefix=recorded, source=source), \
+                routing_context(model, spec.routing, bucket_routing):
+            out = model.decoder(
+                hidden_states=model.embedding(input_ids=tokens, position_ids=positions),
+                attention_mask=mask[:, None],
+                rotary_pos_emb=rotary[positions].transpose(0, 1)[:, :, None],  # [run, b, 1, rotary dim]
+            )  # [run, b, H]
+        hidden = hidden.index_copy(0, index, torch.nn.functional.pad(out.transpose(0, 1), (0, 0, 0, width - 1 - run)))
+    return torch.cat([last, hidden], dim=1)
+
+
+def full_forward_hidden(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, start: int, width: int,
+    routing: torch.Tensor | None, spec: ForwardSpec,
+) -> torch.Tensor:
+    """The final hidden states ``[B, T, H]`` that predict each row's ``T`` response tokens, from one
+    forward over whole rows. Each row is rotated left past its prompt's left padding
+    (:func:`left_aligned_columns`), so its real tokens sit at positions ``0..L-1`` (the positions
+    Hugging Face gives them) and all its padding comes after them: a plain causal mask is then exact for
+    every real token and no ``[B, 1, S, S]`` mask is built."""
+    device = ids.device
     rows, cols = ids.shape
-    routing = inputs.routed_experts
-    if spec.routing is not None and spec.routing.replay and routing is None:
-        raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
     aligned = left_aligned_columns(attention)
     shift = torch.zeros(rows, dtype=torch.long, device=device)
     if aligned is not None:
         columns, shift = aligned
         ids, attention = ids.gather(1, columns), attention.gather(1, columns)
         if routing is not None:
-            routing = routing.to(device)
             routing = routing.gather(1, columns[:, :, None, None].expand_as(routing))
     ids, attention = same_shape_across_expert_ranks(ids, attention)
     mask = attention_mask(attention, right_padded=aligned is not None)
     position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
     if routing is not None:  # padded like the tokens (-1: no recorded choice)
         routing = torch.nn.functional.pad(
-            routing.to(device), (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
+            routing, (0, 0, 0, 0, 0, ids.shape[1] - cols, 0, ids.shape[0] - rows), value=-1
         )
     with routing_context(model, spec.routing, routing), returning_hidden_states(model):
         hidden = model(ids, position_ids, mask)  # [S, B, H]
-    start, width = inputs.response_start, inputs.response_mask.shape[1]
     # the hidden state predicting response token t of row b: original column start - 1 + t, shifted
     predicting = torch.arange(start - 1, start - 1 + width, device=device)[None] - shift[:, None]
     hidden = hidden.transpose(0, 1)[:rows]
-    hidden = hidden.gather(1, predicting[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    return hidden.gather(1, predicting[:, :, None].expand(-1, -1, hidden.shape[-1]))
+
+
+def gpt_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, spec: ForwardSpec, vocab_size: int, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` log-probs (and entropies) of a batch's responses: the hidden states predicting them
+    from the shared-prompt forward (:func:`shared_prompt_hidden`, with ``spec.share_prompts`` where a
+    prompt repeats) or one forward over whole rows (:func:`full_forward_hidden`); then only the
+    response positions' hidden states go through the output layer, in chunks (:func:`response_logprobs`)."""
+    from rlite.api import unique_prompt_rows
+
+    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    # the batch lives on the CPU (rollouts, loss); the model may be on a GPU: inputs go to the model's
+    # device, log-probs come back to the batch's
+    device = next(model.parameters()).device
+    ids, attention = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    rows = ids.shape[0]
+    routing = inputs.routed_experts
+    if spec.routing is not None and spec.routing.replay and routing is None:
+        raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
+    routing = None if routing is None else routing.to(device)
+    start, width = inputs.response_start, inputs.response_mask.shape[1]
+    hidden = None
+    if can_share_prompts(model, spec):
+        unique_rows, inverse = unique_prompt_rows(ids[:, :start], attention[:, :start])
+        if len(unique_rows) < rows:
+            hidden = shared_prompt_hidden(
+                model, ids, attention, start, inputs.response_mask, unique_rows, inverse, routing, spec
+            )
+    if hidden is None:
+        hidden = full_forward_hidden(model, ids, attention, start, width, routing, spec)
     selected = inputs.response_mask.to(device).bool()
     targets = inputs.input_ids.to(device)[:, start : start + width]
     logprobs_flat, entropy_flat = response_logprobs(
@@ -426,8 +534,6 @@ class MegatronBackend(BackendBase):
         return BackendCapabilities(lora=False, critic=False, weight_views=whole, routing_replay=True)
 
     def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
-        from megatron.core import parallel_state
-
         if config.model.lora.enabled:
             raise ConfigError("model.lora.enabled: the megatron backend trains full weights; use parallelism.backend=fsdp2 for LoRA")
         if config.training.pack_sequences:
@@ -436,7 +542,9 @@ class MegatronBackend(BackendBase):
                 "packed (THD) sequences yet; set training.pack_sequences=false (training.max_tokens_per_micro_batch works)"
             )
         self.config, self.cfg, self.device = config, cfg, device
-        self.cpu_shims = apply_cpu_shims()
+        self.cpu_shims = apply_cpu_shims()  # before megatron-core's first import (its JIT fuser, on a CPU)
+        from megatron.core import parallel_state
+
         init_model_parallel(cfg.tensor_parallel, cfg.expert_parallel)
         seed_model_parallel_rng(config.training.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -127,3 +127,81 @@ def test_activation_checkpointing_recomputes_layers_with_the_same_numbers(tmp_pa
     assert runs[True][1].keys() == runs[False][1].keys()
     for name, grad in runs[False][1].items():
         assert torch.equal(runs[True][1][name], grad), name
+
+
+@pytest.mark.parametrize("experts,replay", [(None, False), (4, False), (4, True)], ids=["dense", "moe", "moe-replay"])
+def test_shared_prompt_forward_runs_each_prompt_once_with_the_same_numbers(tmp_path, experts, replay):
+    """``spec.share_prompts``: each distinct prompt runs once, its keys and values gathered to its samples,
+    their responses in length groups; the log-probs, entropies and gradients are the full forward's, and
+    the decoder sees far fewer tokens (fsdp2's shared-prompt forward, in megatron). Under routing replay
+    a group's prompt routes as its first sample did: here every sample's prompt routing is the first's."""
+    from rlite.moe_routing import RoutingPlan
+
+    model_dir = build_tiny_model_dir(tmp_path / "m", hidden=32, layers=2, num_experts=experts, experts_per_token=2)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(megatron_plugin, name="rlite.plugins.megatron")
+    batch = fixed_batch(num_prompts=3, samples=4, prompt_len=9, max_len=7, vocab=250,
+                        routing=(2, 4, 2) if replay else None)
+    assert (batch.prompt_mask == 0).any(), "the batch must have left padding"
+    if replay:
+        width = batch.prompt_ids.shape[1]
+        for row in range(batch.routed_experts.shape[0]):
+            batch.routed_experts[row, :width] = batch.routed_experts[row - row % 4, :width]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = tiny_config(model_dir, tmp_path / "run", "parallelism.backend=megatron", pm=pm)
+        backend = megatron_plugin.make_megatron(cfg, megatron_plugin.MegatronConfig(), torch.device("cpu"), 1)
+        backend.train_mode()
+        tokens = []
+        backend.model.embedding.register_forward_hook(lambda module, args, out: tokens.append(out.shape[0] * out.shape[1]))
+        runs = {}
+        for share in (False, True):
+            spec = ForwardSpec(micro_batch_size=12, temperature=0.8, chunk_size=5, exact_layout=False, share_prompts=share,
+                               routing=RoutingPlan(True) if replay else None)
+            tokens.clear()
+            logprobs, entropy = backend.logprobs(batch, spec, with_entropy=True)
+            (logprobs * torch.linspace(0.5, 1.5, logprobs.shape[1])).sum().backward()
+            grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+            backend.model.zero_grad(set_to_none=True)
+            runs[share] = (logprobs.detach(), entropy, grads, sum(tokens))
+        backend.close()
+    finally:
+        dist.destroy_process_group()
+    (full_lp, full_ent, full_grads, full_tokens), (lp, ent, grads, shared_tokens) = runs[False], runs[True]
+    assert shared_tokens < 0.6 * full_tokens, (shared_tokens, full_tokens)
+    torch.testing.assert_close(lp, full_lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent, full_ent, atol=2e-5, rtol=0)
+    assert grads.keys() == full_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only shim")
+def test_megatron_is_imported_without_torch_compile_or_metric_writers_on_a_cpu():
+    """Shims 5 and 6: on a CPU megatron-core's JIT fuser is its no-op decorator, so importing it does not pull
+    in torch's compiler stack (about 66 MiB of RSS), and it imports neither wandb nor tensorboard (24 MiB),
+    which stay importable; ``torch.compile`` is torch's own again afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "compile_ = torch.compile\n"
+        "from rlite.plugins.megatron.shims import apply_cpu_shims\n"
+        "assert apply_cpu_shims()\n"
+        "from megatron.core.models.gpt import GPTModel\n"
+        "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
+        "from megatron.core import jit\n"
+        "assert torch.compile is compile_\n"
+        "assert jit.jit_fuser is jit.noop_decorator\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor')))[:3])\n"
+        "print([m for m in ('wandb', 'torch.utils.tensorboard') if m in sys.modules])\n"
+        "import importlib, importlib.util\n"
+        "for module, package in (('wandb', 'wandb'), ('torch.utils.tensorboard', 'tensorboard')):\n"
+        "    if importlib.util.find_spec(package):  # installed: still importable for rlite's own loggers\n"
+        "        importlib.import_module(module)\n"
+        "print('importable')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-3:] == ["[]", "[]", "importable"], out.stdout

@@ -43,19 +43,30 @@ from rlite.training.grad_accumulation import add_matmul, in_place, matmul_grad
 from rlite.training.packing import PackedRows
 
 
-def _chunk_logprob_entropy(hidden, weight, bias, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
-    logits = hidden @ weight.t()
-    if bias is not None:
-        logits = logits + bias
-    logits = logits.float() / temperature
+def softmax_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(z)[y]`` and (with ``with_entropy``) ``H = logsumexp(z) - softmax(z) . z`` of one
+    chunk's float32 logits ``z`` ``[tokens, vocab]``, the whole vocabulary on this rank: the default
+    ``score`` of :func:`chunked_logprobs`. The entropy has gradients only with ``entropy_grad``."""
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not with_entropy:
-        return logprobs, torch.zeros_like(logprobs)
+        return logprobs, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         z = logits if entropy_grad else logits.detach()
         entropy = (lse if entropy_grad else lse.detach()) - (torch.softmax(z, dim=-1) * z).sum(-1)
     return logprobs, entropy
+
+
+def _chunk_logprob_entropy(hidden, weight, bias, targets, temperature: float, with_entropy: bool, entropy_grad: bool,
+                           score=softmax_logprobs):
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    logits = logits.float() / temperature
+    logprobs, entropy = score(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    return logprobs, torch.zeros_like(logprobs) if entropy is None else entropy
 
 
 def chunked_logprobs(
@@ -69,27 +80,33 @@ def chunked_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     recompute: bool = True,
+    score=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` from hidden states ``[N, H]``.
 
     ``recompute`` recomputes each chunk's logits in backward instead of keeping them;
     ``entropy_grad=False`` computes the entropy outside the autograd graph (a metric only).
-    Without a bias and with no gradient through the entropy this is :class:`LinearLogprobFunction`;
-    otherwise each chunk runs under activation checkpointing.
+    ``score(logits, targets, *, with_entropy, entropy_grad) -> (logprobs, entropy or None)`` turns one
+    chunk's float32 logits ``(h W^T + b) / T`` into log-probs and entropies; the default,
+    :func:`softmax_logprobs`, has the whole vocabulary, and a backend whose ranks each hold a slice of
+    the output layer passes one that combines the slices' sums across ranks (megatron's tensor parallelism).
+    Without a bias or a ``score`` and with no gradient through the entropy this is
+    :class:`LinearLogprobFunction`; otherwise each chunk runs under activation checkpointing.
     """
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if bias is None and not (with_entropy and entropy_grad and needs_grad):
+    if score is None and bias is None and not (with_entropy and entropy_grad and needs_grad):
         keep_probs = needs_grad and not recompute
         return LinearLogprobFunction.apply(hidden, weight, targets, temperature, chunk_size, with_entropy, keep_probs)
+    score = score or softmax_logprobs
     outputs_lp, outputs_ent = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
         if needs_grad and recompute:
             lp, ent = checkpoint(
-                _chunk_logprob_entropy, *args, temperature, with_entropy, entropy_grad, use_reentrant=False
+                _chunk_logprob_entropy, *args, temperature, with_entropy, entropy_grad, score, use_reentrant=False
             )
         else:
-            lp, ent = _chunk_logprob_entropy(*args, temperature, with_entropy, entropy_grad)
+            lp, ent = _chunk_logprob_entropy(*args, temperature, with_entropy, entropy_grad, score)
         outputs_lp.append(lp)
         outputs_ent.append(ent)
     if not outputs_lp:
