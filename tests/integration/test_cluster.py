@@ -233,7 +233,10 @@ def test_a_rank_killed_mid_run_restarts_the_group_which_resumes_and_ends_bitwise
                          env=_env(probe_site, **_kill_rank_3_at_step_3(tmp_path), **OWN_STORE))  # fmt: skip
     _succeeded(results)
     stderr = "".join(err for _, err in results)
-    assert (tmp_path / "kill-once").is_file() and "failed (exitcode: -9) local_rank: 1" in stderr  # torchrun saw it
+    # rank 3 killed itself, and torchrun saw a worker fail. Which one it names is timing: it reports the
+    # failure with the earliest timestamp, and rank 2 (local rank 0 there), whose collective broke when rank 3
+    # died, can carry an earlier one than the SIGKILL (a killed worker's time is when torchrun notices it)
+    assert (tmp_path / "kill-once").is_file() and "failed (exitcode: " in stderr
     assert "(step 2)" in stderr  # "resumed from ... (step 2)": the last checkpoint before the kill
     a, b = _exported(tmp_path / "straight"), _exported(tmp_path / "killed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

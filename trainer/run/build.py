@@ -48,6 +48,15 @@ from rlite.workflows import TurnRunner, turn_format
 log = logging.getLogger("rlite")
 
 
+def write_run_config(run_dir: Path, text: str) -> None:
+    """Replace ``<run_dir>/config.yaml`` in one step (a temporary file renamed over it): every other rank
+    reads the old one in :func:`rlite.run.lifecycle.check_resume_config` while the main rank writes, and
+    must see it whole, never a file cut short (which reads as another run's config)."""
+    tmp = run_dir / f".config.yaml.{os.getpid()}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, run_dir / "config.yaml")
+
+
 def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool = False) -> Run:
     """Everything a run needs, resumed from ``checkpoint.resume``'s checkpoint. ``evaluation_only``
     (``rlite eval``): the run folder's config, metrics and loggers are left as they are."""
@@ -68,7 +77,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.is_main and not evaluation_only:
-        (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        write_run_config(run_dir, config_to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
     try:
         train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
