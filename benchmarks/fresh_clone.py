@@ -66,15 +66,14 @@ def one_run(source: Path, commit: str, folder: Path, log: Path, timeout_s: int) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10, help="how many fresh clones to run, one after another")
-    parser.add_argument("--commit", default="HEAD", help="commit to clone (default: this checkout's HEAD)")
+    parser.add_argument("--commit", default="HEAD",
+                        help="commit to clone, resolved at each run's start (default: this checkout's HEAD)")
     parser.add_argument("--source", type=Path, default=REPO, help="repository to clone (default: this one)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rlite-fresh"),
                         help="where the clones, logs and results.tsv go")
     parser.add_argument("--timeout-s", type=int, default=90 * 60, help="per-run limit (CI's is 90 minutes)")
     args = parser.parse_args(argv)
 
-    commit = subprocess.run(["git", "-C", str(args.source), "rev-parse", args.commit], check=True,
-                            capture_output=True, text=True).stdout.strip()
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = args.workdir / "results.tsv"
     failures = 0
@@ -82,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         if (args.workdir / "STOP").exists():
             print("STOP file found: ending the series", file=sys.stderr)
             break
+        # resolved per run: a series on HEAD follows the commits made while it runs
+        commit = subprocess.run(["git", "-C", str(args.source), "rev-parse", args.commit], check=True,
+                                capture_output=True, text=True).stdout.strip()
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
         name = f"{commit[:7]}-{stamp}"
         folder, log = args.workdir / name, args.workdir / f"{name}.log"
