@@ -140,13 +140,20 @@ def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: tor
     )
 
 
-def build_gpt_model(shape: ModelShape, tcfg, tp: int):
+def build_gpt_model(shape: ModelShape, tcfg, tp: int, *, grouped_experts: bool = True):
+    """The ``GPTModel`` of megatron-core's local layer spec; with ``grouped_experts`` its MoE layers' experts
+    run as two grouped matrix products (:class:`~rlite.plugins.megatron.experts.GroupedExperts`, the same
+    parameters) instead of megatron's loop over experts."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(
         num_experts=shape.num_experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm, normalization="RMSNorm"
     )
+    if shape.is_moe and grouped_experts:
+        from rlite.plugins.megatron.experts import GroupedExperts
+
+        spec.submodules.mlp.submodules.experts.module = GroupedExperts
     return GPTModel(
         tcfg,
         transformer_layer_spec=spec,
