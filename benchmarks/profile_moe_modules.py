@@ -34,6 +34,7 @@ MEGATRON_MODULES = {
     "MLP": "expert/shared MLP",
     "SelfAttention": "attention (qkv, rotary, proj)",
     "DotProductAttention": "core attention",
+    "SDPAttention": "core attention",
     "RMSNorm": "norm",
     "WrappedTorchNorm": "norm",
     "LanguageModelEmbedding": "embedding",

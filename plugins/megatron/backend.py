@@ -2,7 +2,8 @@
 expert parallelism, behind rlite's :class:`~rlite.api.TrainingBackend` contract.
 
 The model runs megatron-core's *local* layer spec (no Transformer Engine): RMSNorm, SwiGLU MLPs or
-MoE layers with the ``allgather`` token dispatcher, rotary attention. Weights come from the Hugging
+MoE layers with the ``allgather`` token dispatcher, rotary attention; its experts as grouped matrix
+products and its core attention through ``scaled_dot_product_attention`` (:func:`build_gpt_model`). Weights come from the Hugging
 Face checkpoint through :mod:`rlite.plugins.megatron.convert` and go back the same way for weight
 sync and export.
 
@@ -140,10 +141,12 @@ def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: tor
     )
 
 
-def build_gpt_model(shape: ModelShape, tcfg, tp: int, *, grouped_experts: bool = True):
-    """The ``GPTModel`` of megatron-core's local layer spec; with ``grouped_experts`` its MoE layers' experts
-    run as two grouped matrix products (:class:`~rlite.plugins.megatron.experts.GroupedExperts`, the same
-    parameters) instead of megatron's loop over experts."""
+def build_gpt_model(shape: ModelShape, tcfg, tp: int, *, grouped_experts: bool = True, sdpa_attention: bool = True):
+    """The ``GPTModel`` of megatron-core's local layer spec, with two of its modules replaced by rlite's
+    (same parameters, same formula): with ``grouped_experts`` the MoE layers' experts run as two grouped
+    matrix products (:class:`~rlite.plugins.megatron.experts.GroupedExperts`, bitwise megatron's loop over
+    experts), with ``sdpa_attention`` the core attention is one ``scaled_dot_product_attention``
+    (:class:`~rlite.plugins.megatron.attention.SDPAttention`, equal to float rounding)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -154,6 +157,10 @@ def build_gpt_model(shape: ModelShape, tcfg, tp: int, *, grouped_experts: bool =
         from rlite.plugins.megatron.experts import GroupedExperts
 
         spec.submodules.mlp.submodules.experts.module = GroupedExperts
+    if sdpa_attention:
+        from rlite.plugins.megatron.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return GPTModel(
         tcfg,
         transformer_layer_spec=spec,
