@@ -414,7 +414,7 @@ class TrainingConfig:
     optimizer_offload: str = "none"
     """Where AdamW's two moments live between steps: ``none`` (in memory) or ``disk`` (files, streamed through small
     staging buffers during each step with direct I/O; the same numbers in half the memory of weights + gradients +
-    moments, for about 1 s per step per 135M parameters on a fast local disk; ``rlite.backends.fsdp2.optim_offload``)."""
+    moments, for about 1 s per step per 135M parameters on a fast local disk; ``rlite.training.optim_offload``)."""
     optimizer_offload_dir: str = ""
     """Folder for the ``disk`` moments ("" = ``<run_dir>/optimizer_offload``); a local disk, scratch space."""
     keep_freed_memory: bool = True
