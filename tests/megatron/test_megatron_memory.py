@@ -44,9 +44,18 @@ def world_of_one():
     dist.destroy_process_group()
 
 
+class EvenChars:
+    """A dense reward (share of characters with even code points): advantages are rarely zero."""
+
+    @hookimpl
+    def register_reward_functions(self, register):
+        register("even_chars", lambda completion, sample, cfg: sum(ord(c) % 2 == 0 for c in completion) / max(len(completion), 1))
+
+
 def plugins():
     pm = build_plugin_manager(autoload=False)
     pm.register(megatron_plugin, name="rlite.plugins.megatron")  # as its entry point would
+    pm.register(EvenChars(), name="even-chars")
     return pm
 
 
@@ -251,7 +260,7 @@ class CrashAfterCheckpoint:
 def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir, overrides):
     """Through the loop: a run that crashes after its step-2 checkpoint and resumes ends with bitwise the
     exported weights (the float32 masters under bf16) and metrics of one that did not."""
-    common = ("parallelism.backend=megatron", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6",
+    common = ("parallelism.backend=megatron", "rewards=[even_chars]", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6",
               "checkpoint.every=2", "checkpoint.export_hf=true", "training.steps=4", *overrides)
     run_training(tiny_config(model_dir, tmp_path / "straight", *common, pm=plugins()), plugins())
     crashing = plugins()
@@ -276,9 +285,8 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path, model_dir, overrides)
 def test_zero1_on_two_ranks_halves_optimizer_state_and_equals_one_rank(tmp_path, model_dir):
     """Two data-parallel ranks (spawned, gloo), two steps with a checkpoint between them: with ZeRO-1 each rank
     keeps about half the optimizer state (moments; masters too under bf16) of an unsharded rank, the weights
-    equal the unsharded two-rank run's to float32 rounding and the one-rank run's to the usual data-parallel
-    tolerance (bf16: to the bf16 tolerance of the update), and resuming the second step from the checkpoint
-    is bitwise."""
+    equal the unsharded two-rank run's to float32 rounding and the one-rank run's to the data-parallel
+    invariance tests' tolerance, under bf16 too, and resuming the second step from the checkpoint is bitwise."""
     from rank_workers import megatron_memory_steps
 
     zero1 = "parallelism.backend={name: megatron, args: {distributed_optimizer: true}}"
@@ -309,7 +317,8 @@ def test_zero1_on_two_ranks_halves_optimizer_state_and_equals_one_rank(tmp_path,
     for step in ("first", "second"):
         close(runs["zero1"][step], runs["plain"][step], rtol=1e-6, atol=1e-7)
         close(runs["zero1"][step], runs["one"][step], rtol=1e-5, atol=1e-6)
-        # bf16: two ranks' bf16 gradients summed in float32 against one rank's (TOLERANCE_BF16_DP)
-        close(runs["zero1-bf16"][step], runs["one-bf16"][step], rtol=0, atol=2e-4)
+        # bf16 gradients summed in float32 over two ranks or over one rank's micro-batches: the same
+        # tolerance (measured equal: sums of a few bf16 values are exact in float32)
+        close(runs["zero1-bf16"][step], runs["one-bf16"][step], rtol=1e-5, atol=1e-6)
     moved = [k for k in runs["one"]["first"] if not torch.equal(runs["zero1"]["second"][k], runs["plain"]["first"][k])]
     assert len(moved) > len(runs["one"]["first"]) // 2, "the second step must have changed the weights"
