@@ -49,15 +49,22 @@ class MainParam:
     """ZeRO-1: the elements of ``param.view(-1)`` that ``main`` holds (None: all of them, shaped as ``param``)."""
     main_grad: torch.Tensor | None
     """The gradient accumulated in ``reduce_dtype`` (None: it accumulates in ``param.grad``)."""
+    accumulated: bool = False
+    """Whether a gradient reached ``main_grad`` since the last step (an expert no token was routed to gets
+    none, and like a parameter whose ``.grad`` is None it is not stepped)."""
 
     @property
     def is_copy(self) -> bool:
         return self.main.untyped_storage().data_ptr() != self.param.untyped_storage().data_ptr()
 
+    def has_gradient(self) -> bool:
+        return self.accumulated if self.main_grad is not None else self.param.grad is not None
+
     def gradient(self) -> torch.Tensor:
-        """The accumulated gradient, whole: the main-gradient buffer or ``param.grad`` (zeros if none: every
-        rank takes part in every reduction)."""
+        """The accumulated gradient, whole: the main-gradient buffer or ``param.grad``; zeros where there is
+        none (a reduction over ranks: every rank takes part in every one), and from then on it has one."""
         if self.main_grad is not None:
+            self.accumulated = True
             return self.main_grad
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
@@ -110,13 +117,15 @@ class MainParams:
             main_grad = None
             if reduce_dtype != param.dtype:
                 main_grad = torch.zeros(param.shape, dtype=reduce_dtype, device=param.device)
-                param.register_post_accumulate_grad_hook(self._accumulate_hook(main_grad))
             self.params.append(MainParam(name, param, main, group, shard, main_grad))
+            if main_grad is not None:
+                param.register_post_accumulate_grad_hook(self._accumulate_hook(self.params[-1]))
 
     @staticmethod
-    def _accumulate_hook(main_grad: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def _accumulate_hook(mp: MainParam) -> Callable[[torch.Tensor], None]:
         def accumulate(param: torch.Tensor) -> None:
-            main_grad.add_(param.grad)  # in reduce_dtype
+            mp.main_grad.add_(param.grad)  # in reduce_dtype
+            mp.accumulated = True
             param.grad = None
 
         return accumulate
@@ -133,22 +142,28 @@ class MainParams:
     # -- a step -----------------------------------------------------------------------------------
     def reduce_gradients(self, dp_size: int) -> None:
         """Sum every gradient over the ranks holding copies of its parameter and divide by the data-parallel
-        size (rlite scales each rank's loss for averaging over data-parallel ranks), in the gradient's dtype."""
+        size (rlite scales each rank's loss for averaging over data-parallel ranks), in the gradient's dtype.
+        An expert held by one rank alone (expert parallelism = world size) is divided too: its tokens came
+        from every data-parallel rank."""
+        if dp_size == 1:
+            return
         for mp in self.params:
-            if mp.group is None:
-                continue
             grad = mp.gradient()
-            dist.all_reduce(grad, group=mp.group)
+            if mp.group is not None:
+                dist.all_reduce(grad, group=mp.group)
             grad.div_(dp_size)
 
     def squared_norms(self) -> list[tuple[MainParam, torch.Tensor]]:
         """``(param, sum of its gradient's squares in float64)``: for the global norm, before clipping."""
-        return [(mp, mp.gradient().detach().double().square().sum()) for mp in self.params]
+        return [(mp, mp.gradient().detach().double().square().sum()) for mp in self.params if mp.has_gradient()]
 
     def hand_gradients_to_optimizer(self, scale: float | None) -> None:
         """Set each optimized tensor's ``.grad``: this rank's part of the reduced gradient in the optimized
-        tensor's dtype, times ``scale`` (clipping) when given."""
+        tensor's dtype, times ``scale`` (clipping) when given. A parameter without a gradient gets none, so
+        AdamW leaves it (and its moments) as they are, as torch's AdamW skips a ``.grad`` of None."""
         for mp in self.params:
+            if not mp.has_gradient():
+                continue
             grad = mp.gradient()
             if mp.shard is not None:
                 grad = grad.reshape(-1)[mp.shard]
@@ -181,6 +196,7 @@ class MainParams:
             mp.main.grad = None
             if mp.main_grad is not None:
                 mp.main_grad.zero_()
+                mp.accumulated = False
 
     # -- weights out ------------------------------------------------------------------------------
     def full_master(self, mp: MainParam) -> torch.Tensor:

@@ -237,7 +237,7 @@ def megatron_memory_steps(rank: int, world_size: int, init_file: str, model_dir:
                 *overrides,
             ], pm)
 
-            def build():
+            def build(run_cfg=run_cfg):
                 factory, backend_cfg = resolve_choice(pm.registry("training_backend"), run_cfg.parallelism.backend)
                 return factory(run_cfg, backend_cfg, torch.device("cpu"), 2)
 

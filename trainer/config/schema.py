@@ -475,11 +475,13 @@ class ParallelismConfig:
     backend: Choice = field(default_factory=lambda: Choice("fsdp2"))
     """Training backend (fsdp2 built in)."""
     param_dtype: str = "float32"
-    """Dtype of parameters during forward/backward (FSDP2 MixedPrecisionPolicy.param_dtype)."""
+    """Dtype of parameters during forward/backward (FSDP2 MixedPrecisionPolicy.param_dtype; megatron: the model is
+    built in it, AdamW steps master weights in ``model.dtype``)."""
     reduce_dtype: str = "float32"
-    """Dtype of gradient reduction (MixedPrecisionPolicy.reduce_dtype)."""
+    """Dtype of gradient reduction (FSDP2 MixedPrecisionPolicy.reduce_dtype; megatron: the dtype gradients
+    accumulate over micro-batches and are all-reduced in, megatron's ``main_grad``)."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
+    """Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy; fsdp2 only)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward instead of storing them."""
     lean_activations: bool = True
