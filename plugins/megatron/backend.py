@@ -48,7 +48,6 @@ from rlite.api import (
     build_lr_scheduler,
     load_causal_lm,
     model_inputs,
-    optimizer_state_bytes_to_come,
     pad_to_width,
     skeleton_causal_lm,
 )
@@ -861,9 +860,13 @@ class MegatronBackend(BackendBase):
         raise ConfigError("algorithm.critic.enabled: the megatron backend has no critic yet; use parallelism.backend=fsdp2")
 
     def device_bytes_to_come(self) -> int:
-        if not isinstance(self.optimizer, torch.optim.AdamW):  # DiskOffloadAdamW keeps its moments in files
+        """AdamW's two moments of every tensor it steps, until its first step (the master weights, which
+        ``optimizer_state_bytes_to_come`` would not count as they need no gradient, exist already);
+        ``DiskOffloadAdamW`` keeps its moments in files."""
+        if not isinstance(self.optimizer, torch.optim.AdamW) or self.optimizer.state:
             return 0
-        return optimizer_state_bytes_to_come(self.optimizer, self.device)
+        optimized = self.main_params.optimized()
+        return sum(2 * t.numel() * t.element_size() for t in optimized if t.device == self.device)
 
     def close(self) -> None:
         close = getattr(self.optimizer, "close", None)  # DiskOffloadAdamW: deletes the moment files

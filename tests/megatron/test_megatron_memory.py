@@ -135,6 +135,8 @@ def test_bf16_parameters_float32_masters_and_main_gradients(tmp_path, model_dir,
         assert not {t.untyped_storage().data_ptr() for t in optimized} & model_storage, "masters are copies"
         assert all(torch.equal(mp.main, initial[mp.name]) for mp in params)
         assert any(not torch.equal(mp.main, mp.param.float()) for mp in params), "masters were not kept in fp32"
+        # the moments to come (a colocated engine leaves room for them): float32, shaped as the masters
+        assert backend.device_bytes_to_come() == 8 * sum(mp.param.numel() for mp in params)
 
         backward(backend, micro_batches=2)
         for mp in params:
@@ -144,6 +146,7 @@ def test_bf16_parameters_float32_masters_and_main_gradients(tmp_path, model_dir,
                 assert mp.main_grad is None and mp.param.grad.dtype == torch.bfloat16
         assert any(float(mp.gradient().abs().sum()) > 0 for mp in params)
         backend.step()
+        assert backend.device_bytes_to_come() == 0
         for mp in params:
             assert torch.equal(mp.param, mp.main.to(torch.bfloat16)), mp.name
         assert any(not torch.equal(mp.main, initial[mp.name]) for mp in params), "the step moved nothing"
