@@ -626,9 +626,10 @@ class MegatronBackend(BackendBase):
         and that part by megatron name as read (in ``model.dtype``: the master weights' initial values).
 
         The model is built with megatron's own ``bf16``/``params_dtype`` settings and cast to ``param_dtype``,
-        rather than wrapped in megatron's ``Float16Module``: that wrapper casts the module too, and upcasts the output, which here is the hidden states that enter rlite's chunked output
-        layer in the compute dtype (logits in float32 after the matmul, as fsdp2's); and the backend calls the
-        ``GPTModel``'s embedding and decoder directly (shared prompts), past any wrapper."""
+        rather than wrapped in megatron's ``Float16Module``: that wrapper casts the module too, but also upcasts
+        the output, which here is the hidden states that enter rlite's chunked output layer in the compute dtype
+        (logits in float32 after the matmul, as fsdp2's); and the backend calls the ``GPTModel``'s embedding and
+        decoder directly (shared prompts), past any wrapper."""
         cfg = self.cfg
         tcfg = transformer_config(
             self.shape, tp=cfg.tensor_parallel, ep=cfg.expert_parallel,
