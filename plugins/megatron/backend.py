@@ -20,6 +20,10 @@ size, and an expert's gradients are summed over the expert-data-parallel group a
 same data-parallel size (its copies together saw every rank's tokens once). The gradient norm counts
 tensor-parallel duplicates once and sums expert norms over the expert-parallel group.
 
+Memory settings (``parallelism.param_dtype``/``reduce_dtype``, ``model.dtype``, ``training.optimizer_offload``,
+ZeRO-1): the model is built in ``param_dtype``; master weights, main gradients and the optimizer's sharding
+are :mod:`rlite.plugins.megatron.optimizer`'s.
+
 Data: the ranks of a tensor-parallel group see the same batch (:meth:`MegatronBackend.data_layout`:
 the loop shards prompts by data-parallel rank, and the group's rank 0 generates and broadcasts);
 expert-parallel ranks see different batches, as data-parallel ranks do. Tensor parallelism > 1 is
