@@ -10,17 +10,14 @@ from rlite.api import hookimpl
 
 
 def make_fsdp2(config, cfg, device, total_optimizer_steps):
-    from pathlib import Path
-
     import torch.distributed as dist
 
-    from rlite.api import FSDP2Backend
+    from rlite.api import FSDP2Backend, optimizer_offload_dir
 
     offload_dir = None
     if config.training.optimizer_offload == "disk":
         rank = dist.get_rank() if dist.is_initialized() else 0
-        root = config.training.optimizer_offload_dir or Path(config.logging.run_dir) / "optimizer_offload"
-        offload_dir = Path(root) / f"rank{rank}"
+        offload_dir = optimizer_offload_dir(config.training.optimizer_offload_dir, config.logging.run_dir, rank)
     return FSDP2Backend.build(
         config.model, config.parallelism, config.training, device, total_optimizer_steps, offload_dir=offload_dir
     )

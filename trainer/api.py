@@ -99,6 +99,7 @@ if TYPE_CHECKING:  # the names _LAZY loads on first use, for type checkers and l
     from rlite.hf_models import apply_lora, load_causal_lm, skeleton_causal_lm
     from rlite.samples import samples_markdown
     from rlite.training.logprobs import chunked_logprobs, length_buckets, unique_prompt_rows
+    from rlite.training.optim_offload import DiskOffloadAdamW, optimizer_offload_dir
 
 _LAZY = {
     "FSDP2Backend": "rlite.backends.fsdp2.backend",
@@ -112,6 +113,8 @@ _LAZY = {
     "chunked_logprobs": "rlite.training.logprobs",
     "length_buckets": "rlite.training.logprobs",
     "unique_prompt_rows": "rlite.training.logprobs",
+    "DiskOffloadAdamW": "rlite.training.optim_offload",
+    "optimizer_offload_dir": "rlite.training.optim_offload",
 }
 
 
@@ -159,6 +162,8 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "chunked_logprobs",
     "length_buckets",
     "unique_prompt_rows",
+    "DiskOffloadAdamW",
+    "optimizer_offload_dir",
     # Rollout engines
     "RolloutEngine",
     "EngineWrapper",

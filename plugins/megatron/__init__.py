@@ -25,8 +25,17 @@ class MegatronConfig:
     """Tensor-parallel size (attention heads, MLP and vocabulary split over this many ranks)."""
     expert_parallel: int = 1
     """Expert-parallel size (each rank holds num_experts / expert_parallel experts)."""
+    distributed_optimizer: bool = False
+    """ZeRO-1, megatron's "distributed optimizer": each data-parallel rank keeps AdamW's moments (and the master
+    weights under ``parallelism.param_dtype=bfloat16``) for its own slice of every parameter only, steps that
+    slice and all-gathers the result (experts are split over their expert-data-parallel ranks). With one
+    data-parallel rank there is nothing to split and it changes nothing."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ConfigError(
+                f"parallelism.backend.args.distributed_optimizer must be true or false, got {self.distributed_optimizer!r}"
+            )
         if self.tensor_parallel < 1 or self.expert_parallel < 1:
             raise ConfigError("parallelism.backend.args: tensor_parallel and expert_parallel must be >= 1")
         if not megatron_installed():

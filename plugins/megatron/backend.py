@@ -21,6 +21,10 @@ size, and an expert's gradients are summed over the expert-data-parallel group a
 same data-parallel size (its copies together saw every rank's tokens once). The gradient norm counts
 tensor-parallel duplicates once and sums expert norms over the expert-parallel group.
 
+Memory settings (``parallelism.param_dtype``/``reduce_dtype``, ``model.dtype``, ``training.optimizer_offload``,
+ZeRO-1): the model is built in ``param_dtype``; master weights, main gradients and the optimizer's sharding
+are :mod:`rlite.plugins.megatron.optimizer`'s.
+
 Data: the ranks of a tensor-parallel group see the same batch (:meth:`MegatronBackend.data_layout`:
 the loop shards prompts by data-parallel rank, and the group's rank 0 generates and broadcasts);
 expert-parallel ranks see different batches, as data-parallel ranks do. Tensor parallelism > 1 is
@@ -49,7 +53,6 @@ from rlite.api import (
     build_lr_scheduler,
     load_causal_lm,
     model_inputs,
-    optimizer_state_bytes_to_come,
     pad_to_width,
     skeleton_causal_lm,
 )
@@ -66,6 +69,7 @@ from rlite.plugins.megatron.convert import (
     tp_layout,
     tp_merge,
 )
+from rlite.plugins.megatron.optimizer import MainParam, MainParams
 from rlite.plugins.megatron.routing import routing_context
 from rlite.plugins.megatron.shims import apply_cpu_shims, seed_model_parallel_rng
 
@@ -88,6 +92,8 @@ def init_model_parallel(tp: int, ep: int) -> None:
 
 
 def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: torch.dtype, recompute: bool = False):
+    """megatron-core's config for ``shape``. ``params_dtype`` bf16 (fp16) also sets megatron's ``bf16`` (``fp16``)
+    flag, with which its attention takes the softmax of bf16 scores in float32 (``attention_softmax_in_fp32``)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -119,6 +125,8 @@ def transformer_config(shape: ModelShape, *, tp: int, ep: int, params_dtype: tor
         expert_tensor_parallel_size=1,
         use_cpu_initialization=True,
         params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
         gated_linear_unit=True,
         activation_func=F.silu,
         normalization="RMSNorm",
@@ -539,11 +547,13 @@ def hf_weights(model_cfg) -> tuple[Any, Mapping[str, Any], Mapping[str, torch.Te
 
 
 class MegatronBackend(BackendBase):
-    """A megatron-core ``GPTModel`` with AdamW and rlite's LR schedule."""
+    """A megatron-core ``GPTModel`` with AdamW (master weights, main gradients and ZeRO-1 as
+    :mod:`rlite.plugins.megatron.optimizer` says) and rlite's LR schedule."""
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        # one rank holding every weight whole: Hugging Face tensors can be views of the parameters
+        # one rank holding every weight whole: Hugging Face tensors can be views of the weights served
+        # (the parameters, or the master weights that AdamW updates in place)
         whole = self.cfg.tensor_parallel == 1 and self.cfg.expert_parallel == 1
         return BackendCapabilities(lora=False, critic=False, weight_views=whole, routing_replay=True)
 
@@ -583,30 +593,77 @@ class MegatronBackend(BackendBase):
                 f"{self.shape.num_experts} experts"
             )
         self.full_names = [name for name, _ in hf_to_megatron_full(names, self.shape, tp_size=cfg.tensor_parallel)]
-        self.model = self._build_model(hf_state)
-        self.weight_plan: list[tuple[str, torch.Tensor, int | None, bool]] | None = None  # on the first sync
-        del hf_state, names  # the megatron model holds this rank's part
-        train = config.training
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=train.lr, betas=tuple(train.betas), eps=train.eps, weight_decay=train.weight_decay, fused=True
+        self.model, local = self._build_model(hf_state)
+        self.weight_plan: list[tuple[str, MainParam, int | None, bool]] | None = None  # on the first sync
+        del hf_state, names  # the megatron model (and the master weights) hold this rank's part
+        par = config.parallelism
+        master_dtype = getattr(torch, config.model.dtype)
+        self.main_params = MainParams(
+            [(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
+            local if master_dtype != getattr(torch, par.param_dtype) else None,
+            master_dtype=master_dtype, reduce_dtype=getattr(torch, par.reduce_dtype), group_of=self._replica_group,
+            zero1=cfg.distributed_optimizer,
         )
-        self.scheduler = build_lr_scheduler(self.optimizer, train, total_optimizer_steps)
-        self.grad_clip = train.grad_clip
+        del local
+        self.optimizer = self._build_optimizer(config, device)
+        self.scheduler = build_lr_scheduler(self.optimizer, config.training, total_optimizer_steps)
+        self.grad_clip = config.training.grad_clip
 
-    def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """A ``GPTModel`` holding this rank's part of the Hugging Face weights."""
+    def _build_optimizer(self, config, device: torch.device) -> torch.optim.Optimizer:
+        """AdamW over what :class:`MainParams` optimizes: torch's fused one, or with its moments in files
+        (``training.optimizer_offload=disk``, rlite's ``DiskOffloadAdamW``, which steps fp32 tensors in CPU memory)."""
+        train = config.training
+        adamw = dict(lr=train.lr, betas=tuple(train.betas), eps=train.eps, weight_decay=train.weight_decay)
+        if train.optimizer_offload != "disk":
+            return torch.optim.AdamW(self.main_params.optimized(), **adamw, fused=True)
+        from rlite.api import DiskOffloadAdamW, optimizer_offload_dir
+
+        if device.type != "cpu":
+            raise ConfigError(
+                "training.optimizer_offload=disk with parallelism.backend=megatron on a GPU: the disk-offloaded AdamW "
+                "steps weights held in CPU memory, and the megatron backend keeps its weights on the GPU; set "
+                "training.optimizer_offload=none, or use parallelism.backend=fsdp2 with parallelism.cpu_offload=true"
+            )
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        folder = optimizer_offload_dir(train.optimizer_offload_dir, config.logging.run_dir, rank)
+        return DiskOffloadAdamW(self.main_params.optimized(), folder, **adamw)
+
+    def _replica_group(self, name: str):
+        """The ranks that hold copies of parameter ``name`` (None: none but this one): the data-parallel group
+        for dense parameters, the expert-data-parallel group for experts."""
+        from megatron.core import parallel_state as ps
+
+        if self._is_expert(name):
+            group = ps.get_expert_data_parallel_group()
+        else:
+            group = ps.get_data_parallel_group()
+        return group if dist.is_initialized() and dist.get_world_size(group) > 1 else None
+
+    def _build_model(self, hf_state: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        """A ``GPTModel`` holding this rank's part of the Hugging Face weights in ``parallelism.param_dtype``,
+        and that part by megatron name as read (in ``model.dtype``: the master weights' initial values).
+
+        The model is built with megatron's own ``bf16``/``params_dtype`` settings and cast to ``param_dtype``,
+        rather than wrapped in megatron's ``Float16Module``: that wrapper casts the module too, but also upcasts
+        the output, which here is the hidden states that enter rlite's chunked output layer in the compute dtype
+        (logits in float32 after the matmul, as fsdp2's); and the backend calls the ``GPTModel``'s embedding and
+        decoder directly (shared prompts), past any wrapper."""
         cfg = self.cfg
         tcfg = transformer_config(
-            self.shape, tp=cfg.tensor_parallel, ep=cfg.expert_parallel, params_dtype=torch.float32,
+            self.shape, tp=cfg.tensor_parallel, ep=cfg.expert_parallel,
+            params_dtype=getattr(torch, self.config.parallelism.param_dtype),
             recompute=self.config.parallelism.activation_checkpointing,
         )
         model = build_gpt_model(self.shape, tcfg, cfg.tensor_parallel)
-        load_weights(model, hf_to_megatron_local(
+        local = hf_to_megatron_local(
             hf_state, self.shape, tp_rank=self.tp_rank, tp_size=cfg.tensor_parallel, ep_rank=self.ep_rank,
             ep_size=cfg.expert_parallel,
-        ))
-        return model.to(self.device)
+        )
+        # megatron's torch-norm fallback (no Apex, no Transformer Engine) makes float32 norm weights whatever
+        # params_dtype says: cast the whole module, as Float16Module does
+        model = model.to(device=self.device, dtype=tcfg.params_dtype)
+        load_weights(model, local)  # cast into param_dtype
+        return model, local
 
     # -- training ---------------------------------------------------------------------------------
     def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
@@ -621,34 +678,16 @@ class MegatronBackend(BackendBase):
     def _is_expert(self, name: str) -> bool:
         return ".mlp.experts." in name
 
-    def _reduce_gradients(self) -> None:
-        from megatron.core import parallel_state
-
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world == 1:
-            return
-        dense = parallel_state.get_data_parallel_group()
-        experts = parallel_state.get_expert_data_parallel_group()
-        dp_size = parallel_state.get_data_parallel_world_size()
-        for name, param in self.model.named_parameters():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)  # every rank takes part in every reduction
-            dist.all_reduce(param.grad, group=experts if self._is_expert(name) else dense)
-            param.grad.div_(dp_size)
-
     def _grad_norm(self) -> torch.Tensor:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         dense = torch.zeros((), dtype=torch.float64, device=self.device)
         expert = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, param in self.model.named_parameters():
-            if param.grad is None:
-                continue
-            sq = param.grad.detach().double().square().sum()
-            if self._is_expert(name):
+        for mp, sq in self.main_params.squared_norms():
+            if self._is_expert(mp.name):
                 expert += sq
-            elif param_is_not_tensor_parallel_duplicate(param):
+            elif param_is_not_tensor_parallel_duplicate(mp.param):
                 dense += sq
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
@@ -657,14 +696,23 @@ class MegatronBackend(BackendBase):
         return (dense + expert).sqrt()
 
     def clip_gradients(self) -> float:
-        self._reduce_gradients()
+        from megatron.core import parallel_state
+
+        self.main_params.reduce_gradients(parallel_state.get_data_parallel_world_size())
         norm = float(self._grad_norm())
+        scale = None
         if math.isfinite(norm) and self.grad_clip > 0 and norm > self.grad_clip:
             scale = self.grad_clip / (norm + 1e-6)  # torch's clip_grad_norm_ rule
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(scale)
+        self.main_params.hand_gradients_to_optimizer(scale)
         return norm
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.main_params.copy_to_model()  # masters into the model's dtype; ZeRO-1 slices gathered
+        self.scheduler.step()
+
+    def zero_grad(self) -> None:
+        self.main_params.zero_grad()
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -686,11 +734,11 @@ class MegatronBackend(BackendBase):
         )
 
     # -- weights out ------------------------------------------------------------------------------
-    def _weight_plan(self) -> list[tuple[str, torch.Tensor, int | None, bool]]:
+    def _weight_plan(self) -> list[tuple[str, MainParam, int | None, bool]]:
         """Per full megatron weight, in :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`'s order:
         ``(name, this rank's parameter, the expert's owning EP rank or None, whether it is TP-split)``.
-        Worked out once: the parameters are updated in place, never replaced."""
-        params = dict(self.model.named_parameters())
+        Worked out once: parameters and master weights are updated in place, never replaced."""
+        params = {mp.name: mp for mp in self.main_params.params}
         ep_size, tp_size = self.cfg.expert_parallel, self.cfg.tensor_parallel
         per_rank = self.shape.num_experts // ep_size if self.shape.is_moe else 0
         plan = []
@@ -704,23 +752,34 @@ class MegatronBackend(BackendBase):
                 plan.append((name, params[name], None, tp_size > 1 and tp_layout(name) != "replicated"))
         return plan
 
+    def _served(self, mp: MainParam) -> torch.Tensor:
+        """This rank's weight as the engine samples from it: the master weight where AdamW steps one (as
+        fsdp2 serves its float32 sharded parameters under ``param_dtype=bfloat16``; ZeRO-1 slices gathered,
+        a collective over the parameter's replicas), else the parameter. Not a copy where it need not be."""
+        return self.main_params.full_master(mp).detach() if mp.is_copy else mp.param.detach()
+
     def _full_megatron(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight, full (TP shards gathered, experts broadcast by their owner), in the order of
         :func:`~rlite.plugins.megatron.convert.hf_to_megatron_full`. A collective. ``views``: a weight
-        this rank holds whole is the parameter itself (detached), not a copy."""
+        this rank holds whole is its parameter or master weight itself (detached), not a copy."""
         from megatron.core import parallel_state
 
         if self.weight_plan is None:
             self.weight_plan = self._weight_plan()
         ep_size = self.cfg.expert_parallel
-        for name, param, owner, tp_split in self.weight_plan:
-            local = param.detach()
+        for name, mp, owner, tp_split in self.weight_plan:
             if owner is not None and ep_size > 1:
                 group = parallel_state.get_expert_model_parallel_group()
-                tensor = local.clone() if owner == self.ep_rank else torch.empty_like(local)
+                if owner == self.ep_rank:  # (every rank of an expert-data-parallel group owns the same experts)
+                    tensor = self._served(mp).clone()
+                else:
+                    dtype = mp.main.dtype if mp.is_copy else mp.param.dtype
+                    tensor = torch.empty(mp.param.shape, dtype=dtype, device=mp.param.device)
                 dist.broadcast(tensor, src=dist.get_global_rank(group, owner), group=group)
                 yield name, tensor
-            elif tp_split:
+                continue
+            local = self._served(mp)
+            if tp_split:
                 shards = [torch.empty_like(local) for _ in range(self.cfg.tensor_parallel)]
                 dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
                 yield name, tp_merge(name, shards)
@@ -752,29 +811,51 @@ class MegatronBackend(BackendBase):
             name = f"{name}.tp{self.tp_rank}"
         return name
 
+    def _optimizer_key(self, mp: MainParam) -> str:
+        """:meth:`_checkpoint_key`, and under ZeRO-1 the rank's place among the parameter's replicas (each
+        holds its own slice of the optimizer state)."""
+        key = self._checkpoint_key(mp.name)
+        return key if mp.shard is None else f"{key}.zero{dist.get_rank(mp.group)}"
+
+    def _optimizer_state(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """AdamW's state of ``tensor``; before the first step, zeros to load into."""
+        state = self.optimizer.state.get(tensor)
+        if state:
+            return state
+        if hasattr(self.optimizer, "init_state"):  # DiskOffloadAdamW: the moments' files
+            self.optimizer.init_state()
+            return self.optimizer.state[tensor]
+        state = self.optimizer.state[tensor] = {
+            "step": torch.zeros((), dtype=torch.float32, device=tensor.device),
+            "exp_avg": torch.zeros_like(tensor),
+            "exp_avg_sq": torch.zeros_like(tensor),
+        }
+        return state
+
     def checkpoint_state(self) -> dict[str, Any]:
-        params = dict(self.model.named_parameters())
-        model = {self._checkpoint_key(n): p.detach() for n, p in params.items()}
-        optim = {}
-        for name, param in params.items():
-            state = self.optimizer.state.get(param)
-            if not state:  # before the first step: zeros to load into
-                state = self.optimizer.state[param] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=param.device),
-                    "exp_avg": torch.zeros_like(param),
-                    "exp_avg_sq": torch.zeros_like(param),
-                }
-            optim[self._checkpoint_key(name)] = dict(state)
+        """The model's parameters (``param_dtype``) by :meth:`_checkpoint_key`, and per parameter AdamW's step
+        and moments with the master weight where there is one (``master``; under ZeRO-1 this rank's slice)."""
+        model, optim = {}, {}
+        for mp in self.main_params.params:
+            model[self._checkpoint_key(mp.name)] = mp.param.detach()
+            if not mp.main.numel():  # a rank's empty ZeRO-1 slice
+                continue
+            entry = dict(self._optimizer_state(mp.main))
+            if mp.is_copy:
+                entry["master"] = mp.main.detach()
+            optim[self._optimizer_key(mp)] = entry
         return {"model": model, "optim": optim}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                key = self._checkpoint_key(name)
-                param.copy_(state["model"][key])
-                target = self.optimizer.state[param]
-                for slot, value in state["optim"][key].items():
-                    target[slot].copy_(value)
+            for mp in self.main_params.params:
+                mp.param.copy_(state["model"][self._checkpoint_key(mp.name)])
+                if not mp.main.numel():
+                    continue
+                target = self._optimizer_state(mp.main)
+                for slot, value in state["optim"][self._optimizer_key(mp)].items():
+                    (mp.main if slot == "master" else target[slot]).copy_(value)
+        self.after_checkpoint()  # DiskOffloadAdamW: the load wrote the moments through its mappings
 
     def lr_scheduler_state(self) -> dict[str, Any]:
         return self.scheduler.state_dict()
@@ -783,12 +864,14 @@ class MegatronBackend(BackendBase):
         self.scheduler.load_state_dict(state)
 
     def after_checkpoint(self) -> None:
-        pass
+        release = getattr(self.optimizer, "release_pages", None)  # DiskOffloadAdamW only
+        if release is not None:  # a save or load touched the moments' mappings: give those pages back
+            release()
 
     # -- other models -----------------------------------------------------------------------------
     def build_reference(self) -> MegatronReference:
         """The initial policy, loaded again from its Hugging Face folder."""
-        model = self._build_model(hf_weights(self.config.model)[1])
+        model, _ = self._build_model(hf_weights(self.config.model)[1])
         model.requires_grad_(False)
         return MegatronReference(model, self.shape.vocab_size)
 
@@ -796,9 +879,18 @@ class MegatronBackend(BackendBase):
         raise ConfigError("algorithm.critic.enabled: the megatron backend has no critic yet; use parallelism.backend=fsdp2")
 
     def device_bytes_to_come(self) -> int:
-        return optimizer_state_bytes_to_come(self.optimizer, self.device)
+        """AdamW's two moments of every tensor it steps, until its first step (the master weights, which
+        ``optimizer_state_bytes_to_come`` would not count as they need no gradient, exist already);
+        ``DiskOffloadAdamW`` keeps its moments in files."""
+        if not isinstance(self.optimizer, torch.optim.AdamW) or self.optimizer.state:
+            return 0
+        optimized = self.main_params.optimized()
+        return sum(2 * t.numel() * t.element_size() for t in optimized if t.device == self.device)
 
     def close(self) -> None:
+        close = getattr(self.optimizer, "close", None)  # DiskOffloadAdamW: deletes the moment files
+        if close is not None:
+            close()
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rlite.backends.fsdp2.optim_offload import DiskOffloadAdamW
+from rlite.training.optim_offload import DiskOffloadAdamW
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -165,7 +165,7 @@ def test_io_failure_is_an_error_not_a_hang(tmp_path, monkeypatch, fail):
     pipeline's threads end."""
     import threading
 
-    from rlite.backends.fsdp2 import optim_offload
+    from rlite.training import optim_offload
 
     model = _model()
     _set_grads(model, 0)

@@ -194,3 +194,79 @@ def sharded_load(rank: int, world_size: int, init_file: str, model_dir: str, out
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def megatron_memory_steps(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str,
+                          variants: dict[str, list[str]]) -> None:
+    """For each ``variants`` entry (name -> overrides of a megatron run): two optimizer steps on a fixed
+    global batch (rank r takes slice r of it) with a ``torch.distributed.checkpoint`` after the first, then the
+    second step again from that checkpoint in a freshly built backend. Writes ``out_dir/<name>.rank<r>.pt``:
+    the full weights after each step, after the resumed second step, and the bytes this rank keeps for the
+    optimizer (masters and moments) after the first step. AdamW with eps=1, as :func:`fixed_batch_update`."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        from rlite.algorithms import AdvantageInput
+        from rlite.plugin_manager import build_plugin_manager, resolve_choice
+        from rlite.rollout import TrainTargets
+        from rlite.stages.update import LossSpec, update_policy
+        from rlite.training.backend import ForwardSpec
+
+        pm = build_plugin_manager()
+        grpo = pm.registry("advantage_estimator").get("grpo")
+        ppo_clip = pm.registry("policy_loss").get("ppo_clip")
+        spec = ForwardSpec(micro_batch_size=4, temperature=1.0, chunk_size=16, exact_layout=False)
+        loss = LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), "token-mean", 7.0, None, 0.0, 0.01)
+        batches = []
+        for seed in (0, 1):
+            batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250, seed=seed)
+            advantages, returns = grpo.implementation(
+                AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), grpo.config_cls()
+            )
+            batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
+            batches.append(batch)
+
+        for name, overrides in variants.items():
+            run_cfg = load_config(None, [
+                f"model.path={model_dir}", "data.task=addition", "training.lr=1e-2", "training.eps=1.0",
+                "training.grad_clip=0.0", "training.micro_batch_size=4", f"logging.run_dir={out_dir}/{name}-run",
+                *overrides,
+            ], pm)
+
+            def build(run_cfg=run_cfg):
+                factory, backend_cfg = resolve_choice(pm.registry("training_backend"), run_cfg.parallelism.backend)
+                return factory(run_cfg, backend_cfg, torch.device("cpu"), 2)
+
+            def step(backend, batch):
+                layout = backend.data_layout()
+                per_rank = len(batch) // layout.size
+                local = batch.select(slice(layout.rank * per_rank, (layout.rank + 1) * per_rank))
+                update_policy(backend, local, spec, loss, minibatches=1, epochs=1, dp_size=layout.size,
+                              dp_group=layout.group)
+                return {n: t.detach().clone() for n, t in backend.full_weights()}
+
+            backend = build()
+            first = step(backend, batches[0])
+            state_bytes = backend.main_params.state_bytes(backend.optimizer)
+            checkpoint = Path(out_dir) / f"{name}-checkpoint"
+            dcp.save(backend.checkpoint_state(), checkpoint_id=str(checkpoint))
+            scheduler = backend.lr_scheduler_state()
+            backend.after_checkpoint()
+            second = step(backend, batches[1])
+            backend.close()
+            resumed_backend = build()
+            state = resumed_backend.checkpoint_state()
+            dcp.load(state, checkpoint_id=str(checkpoint))
+            resumed_backend.load_checkpoint_state(state)
+            resumed_backend.load_lr_scheduler_state(scheduler)
+            resumed = step(resumed_backend, batches[1])
+            resumed_backend.close()
+            torch.save({"first": first, "second": second, "resumed": resumed, "state_bytes": state_bytes},
+                       Path(out_dir) / f"{name}.rank{rank}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

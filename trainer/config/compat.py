@@ -90,9 +90,6 @@ class Rule:
 
 
 MEGATRON = equals("parallelism.backend", "megatron")
-FLOAT32_ONLY = ("megatron-core's GPTModel here keeps float32 parameters, gradients and optimizer state (no mixed "
-                "precision: bf16 parameters with float32 main gradients need megatron-core's mixed-precision optimizer, "
-                "which makes CUDA tensors in 0.16.1 and is not wired in), so this would be silently ignored")  # fmt: skip
 ON_FSDP2 = "or use parallelism.backend=fsdp2, which implements it"
 MULTI_TURN = Setting("rollout.multi_turn", bool, "a multi-turn rollout.workflow",
                      lambda v: f"rollout.workflow={v['rollout.workflow']} (multi-turn)",
@@ -127,19 +124,19 @@ DRAFT = differs("rollout.draft", "none", "rollout.draft=ngram")
 
 
 RULES: tuple[Rule, ...] = (
-    # -- the megatron backend implements none of FSDP2's memory settings ----------------------------
-    Rule(MEGATRON, differs("parallelism.param_dtype", "float32", "parallelism.param_dtype=bfloat16"), FLOAT32_ONLY,
-         f"set parallelism.param_dtype=float32, {ON_FSDP2}"),
-    Rule(MEGATRON, differs("parallelism.reduce_dtype", "float32", "parallelism.reduce_dtype=bfloat16"), FLOAT32_ONLY,
-         f"set parallelism.reduce_dtype=float32, {ON_FSDP2}"),
-    Rule(MEGATRON, differs("model.dtype", "float32", "model.dtype=bfloat16"), FLOAT32_ONLY.replace("parameters", "master weights"),
-         f"set model.dtype=float32, {ON_FSDP2}"),
+    # -- memory settings ----------------------------------------------------------------------------
+    Rule(equals("training.optimizer_offload", "disk"), differs("model.dtype", "float32", "model.dtype=bfloat16"),
+         "the disk-offloaded AdamW steps float32 weights (torch's fused kernel on float32 moment files)",
+         "set model.dtype=float32 (parallelism.param_dtype=bfloat16 still computes in bf16 over float32 master "
+         "weights), or training.optimizer_offload=none"),
     Rule(MEGATRON, equals("parallelism.cpu_offload", True),
-         "the megatron backend keeps parameters, gradients and optimizer state on the training device (it would be "
-         "silently ignored)", f"set parallelism.cpu_offload=false, {ON_FSDP2}"),
-    Rule(MEGATRON, equals("training.optimizer_offload", "disk"),
-         "the megatron backend keeps AdamW's moments in memory (it would be silently ignored)",
-         f"set training.optimizer_offload=none, {ON_FSDP2}"),
+         "the megatron backend keeps parameters and gradients on the training device between uses, where FSDP2's "
+         "CPUOffloadPolicy moves them to the host (megatron-core 0.16.1's optimizer CPU offload, HybridDeviceOptimizer, "
+         "copies state over CUDA streams and comes only with megatron's distributed optimizer over its own DDP "
+         "buffers, which this backend does not build; on a CPU the weights are in host memory anyway), so it would "
+         "be silently ignored",
+         "set parallelism.cpu_offload=false (training.optimizer_offload=disk moves AdamW's moments off the device "
+         f"on a CPU), {ON_FSDP2}"),
     Rule(MEGATRON, equals("training.liger_fused_logprobs", True),
          "the megatron backend computes log-probs over its tensor-parallel vocabulary slices itself (liger's kernel "
          "would be silently ignored)", f"set training.liger_fused_logprobs=false, {ON_FSDP2}"),

@@ -414,7 +414,7 @@ class TrainingConfig:
     optimizer_offload: str = "none"
     """Where AdamW's two moments live between steps: ``none`` (in memory) or ``disk`` (files, streamed through small
     staging buffers during each step with direct I/O; the same numbers in half the memory of weights + gradients +
-    moments, for about 1 s per step per 135M parameters on a fast local disk; ``rlite.backends.fsdp2.optim_offload``)."""
+    moments, for about 1 s per step per 135M parameters on a fast local disk; ``rlite.training.optim_offload``)."""
     optimizer_offload_dir: str = ""
     """Folder for the ``disk`` moments ("" = ``<run_dir>/optimizer_offload``); a local disk, scratch space."""
     keep_freed_memory: bool = True
@@ -475,11 +475,13 @@ class ParallelismConfig:
     backend: Choice = field(default_factory=lambda: Choice("fsdp2"))
     """Training backend (fsdp2 built in)."""
     param_dtype: str = "float32"
-    """Dtype of parameters during forward/backward (FSDP2 MixedPrecisionPolicy.param_dtype)."""
+    """Dtype of parameters during forward/backward (FSDP2 MixedPrecisionPolicy.param_dtype; megatron: the model is
+    built in it, AdamW steps master weights in ``model.dtype``)."""
     reduce_dtype: str = "float32"
-    """Dtype of gradient reduction (MixedPrecisionPolicy.reduce_dtype)."""
+    """Dtype of gradient reduction (FSDP2 MixedPrecisionPolicy.reduce_dtype; megatron: the dtype gradients
+    accumulate over micro-batches and are all-reduced in, megatron's ``main_grad``)."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
+    """Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy; fsdp2 only)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward instead of storing them."""
     lean_activations: bool = True

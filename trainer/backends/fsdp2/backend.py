@@ -143,7 +143,7 @@ class FSDP2Backend(BackendBase):
         params = [p for p in policy.parameters() if p.requires_grad]
         adamw = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
         if train_cfg.optimizer_offload == "disk":
-            from rlite.backends.fsdp2.optim_offload import DiskOffloadAdamW
+            from rlite.training.optim_offload import DiskOffloadAdamW
 
             if offload_dir is None:
                 raise ValueError("training.optimizer_offload=disk: the backend was built without a folder for the moments")

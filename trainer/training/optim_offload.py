@@ -272,6 +272,13 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
             local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
 
+    def init_state(self) -> None:
+        """Create every parameter's moment file and state entry (zeros, step 0) now rather than at the first
+        step: a backend that loads a checkpoint into ``self.state`` in place (megatron's) needs them."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._file_of(p)
+
     def load_state_dict(self, state_dict) -> None:
         """Load as torch does, then move every loaded moment into its parameter's file."""
         self.wait()
@@ -454,3 +461,9 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
             self._staging.close()
             self._staging = None
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def optimizer_offload_dir(optimizer_offload_dir: str, run_dir: str | Path, rank: int) -> Path:
+    """This rank's folder for the moments of ``training.optimizer_offload=disk``: under
+    ``training.optimizer_offload_dir`` (given as ``optimizer_offload_dir``), or ``<run_dir>/optimizer_offload``."""
+    return Path(optimizer_offload_dir or Path(run_dir) / "optimizer_offload") / f"rank{rank}"
