@@ -3,9 +3,9 @@ expert parallelism, behind rlite's :class:`~rlite.api.TrainingBackend` contract.
 
 The model runs megatron-core's *local* layer spec (no Transformer Engine): RMSNorm, SwiGLU MLPs or
 MoE layers with the ``allgather`` token dispatcher, rotary attention; its experts as grouped matrix
-products and its core attention through ``scaled_dot_product_attention`` (:func:`build_gpt_model`). Weights come from the Hugging
-Face checkpoint through :mod:`rlite.plugins.megatron.convert` and go back the same way for weight
-sync and export.
+products and its core attention through ``scaled_dot_product_attention`` (:func:`build_gpt_model`).
+Weights come from the Hugging Face checkpoint through :mod:`rlite.plugins.megatron.convert` and go back
+the same way for weight sync and export.
 
 Log-probs: the decoder's hidden states at the response positions go through the output layer in
 chunks (rlite's chunked output layer, as fsdp2's; at TP>1 with a ``score`` that takes each chunk's

@@ -1,6 +1,7 @@
 """The megatron backend's MoE experts as two grouped matrix products (``rlite.plugins.megatron.experts``,
-issue #32): the same numbers as megatron's loop over experts (``SequentialMLP``), bitwise on a CPU, in the
-full and the shared-prompt forward and their gradients; the stacked weights are views of the parameters."""
+issue #32): the same numbers as megatron's loop over experts (``SequentialMLP``), bitwise on a CPU in float32
+and bfloat16, in the full and the shared-prompt forward and their gradients; the stacked weights are views of
+the parameters."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 from rlite.training.backend import ForwardSpec  # noqa: E402
 
 
-@pytest.fixture
-def backend(tmp_path):
+@pytest.fixture(params=["float32", "bfloat16"])
+def backend(tmp_path, request):
+    """The megatron backend on a tiny MoE, its model in float32 or bfloat16 (gradients in the same dtype)."""
     model_dir = build_tiny_model_dir(tmp_path / "moe", hidden=32, layers=2, num_experts=4, experts_per_token=2)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     pm = build_plugin_manager(autoload=False)
     pm.register(megatron_plugin, name="rlite.plugins.megatron")
-    cfg = tiny_config(model_dir, tmp_path, "parallelism.backend=megatron", pm=pm)
+    cfg = tiny_config(model_dir, tmp_path, "parallelism.backend=megatron", f"parallelism.param_dtype={request.param}",
+                      f"parallelism.reduce_dtype={request.param}", pm=pm)
     made = megatron_plugin.make_megatron(cfg, megatron_plugin.MegatronConfig(), torch.device("cpu"), 1)
     yield made
     made.close()
@@ -73,9 +76,9 @@ def test_an_expert_without_tokens_and_a_rank_without_any(backend):
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     experts = experts_of(backend.model)[0]
-    hidden = backend.model.config.hidden_size
+    hidden, dtype = backend.model.config.hidden_size, experts.projections()[0][0].dtype
     for counts in ([3, 0, 5, 2], [0, 0, 0, 0]):
-        tokens = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(1))
+        tokens = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
         probs = torch.rand(sum(counts), generator=torch.Generator().manual_seed(2))
         per_expert = torch.tensor(counts)
         results = []
@@ -98,7 +101,7 @@ def test_stacked_expert_weights_are_views_of_the_parameters(backend):
     stacked = StackedWeights.apply(*fc1)
     assert stacked.data_ptr() == fc1[0].data_ptr(), "no copy: the experts' weights lie back to back"
     assert torch.equal(stacked, torch.stack(fc1))
-    for dtype in (torch.float64, torch.float32):  # .to() gives each parameter a storage of its own: packed again
+    for dtype in (torch.float64, fc1[0].dtype):  # .to() gives each parameter a storage of its own: packed again
         experts.to(dtype)
         assert StackedWeights.apply(*experts.projections()[0]).data_ptr() == experts.projections()[0][0].data_ptr()
     fc1 = experts.projections()[0]
