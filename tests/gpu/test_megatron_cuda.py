@@ -86,7 +86,9 @@ def test_megatron_logprobs_and_gradients_on_cuda_equal_the_transformers_model(tm
         shutdown_distributed(ctx, finished=True)
 
 
-def test_megatron_trains_on_cuda_with_bitwise_weight_sync(tmp_path, model_dir, monkeypatch):
+@pytest.mark.parametrize("precision", [(), ("parallelism.param_dtype=bfloat16",)], ids=["float32", "bf16-masters"])
+def test_megatron_trains_on_cuda_with_bitwise_weight_sync(tmp_path, model_dir, monkeypatch, precision):
+    """Float32, and bf16 compute with float32 master weights (which the engine gets, as from fsdp2)."""
     from rlite.distributed import shutdown_distributed
     from rlite.loop import train
     from rlite.run.build import build_run
@@ -109,7 +111,8 @@ def test_megatron_trains_on_cuda_with_bitwise_weight_sync(tmp_path, model_dir, m
 
     auditor = SyncAuditor()
     pm.register(auditor, name="sync-auditor")
-    run = build_run(tiny_config(model_dir, tmp_path / "run", *RUN, "training.steps=3", "algorithm.kl.coef=0.01", pm=pm), pm)
+    run = build_run(tiny_config(model_dir, tmp_path / "run", *RUN, "training.steps=3", "algorithm.kl.coef=0.01", *precision,
+                                pm=pm), pm)
     auditor.backend = run.backend
     try:
         assert run.ctx.device.type == "cuda"
