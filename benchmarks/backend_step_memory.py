@@ -22,22 +22,15 @@ import torch.distributed as dist
 
 
 def saved_bytes_and_seconds(backend, batch, spec) -> tuple[int, float]:
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        base = tensor if tensor._base is None else tensor._base
-        if not (base.is_leaf and base.requires_grad):  # a weight (or a view of one) is not activation memory
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+    from rlite.testing import SavedActivations
 
     backend.train_mode()
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedActivations() as saved:
         logprobs, _ = backend.logprobs(batch, spec, with_entropy=True)
     logprobs.sum().backward()
     seconds = time.perf_counter() - start
-    return sum(storages.values()), seconds
+    return saved.bytes, seconds
 
 
 def full_weights_seconds(backend) -> float:

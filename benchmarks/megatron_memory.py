@@ -36,16 +36,10 @@ def nbytes(tensors) -> int:
 
 
 def measure(backend, batch, spec) -> dict[str, float]:
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        base = tensor if tensor._base is None else tensor._base
-        if not (base.is_leaf and base.requires_grad):  # a weight is not activation memory
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
+    from rlite.testing import SavedActivations
 
     backend.train_mode()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedActivations() as saved:
         logprobs, _ = backend.logprobs(batch, spec)
     logprobs.sum().backward()
     params = backend.main_params.params
@@ -57,7 +51,7 @@ def measure(backend, batch, spec) -> dict[str, float]:
     row["masters"] = masters / numel
     row["moments"] = (backend.main_params.state_bytes(backend.optimizer) - masters) / numel
     row["total"] = row["parameters"] + row["gradients"] + row["masters"] + row["moments"]
-    row["activations MiB"] = sum(saved.values()) / 2**20
+    row["activations MiB"] = saved.bytes / 2**20
     return row
 
 

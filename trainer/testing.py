@@ -242,6 +242,38 @@ def recorded_runs(rank: int, world_size: int, init_file: str, model_dir: str, ou
             dist.destroy_process_group()
 
 
+class SavedActivations:
+    """Activation memory: the bytes of the distinct storages autograd saves for backward inside the ``with``
+    block, weights left out (leaf tensors that require a gradient, and views of them)::
+
+        with SavedActivations() as saved:
+            loss = model(x).sum()
+        saved.bytes
+    """
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor if tensor._base is None else tensor._base
+        if not (base.is_leaf and base.requires_grad):
+            storage = tensor.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """P-value of a chi-square goodness-of-fit test of ``counts`` (draws per outcome) against ``probs``;
     outcomes expecting fewer than 5 draws are merged into one cell. Asserts that no outcome of

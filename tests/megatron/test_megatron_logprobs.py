@@ -18,7 +18,7 @@ from rlite.api import ConfigError  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
 from rlite.plugins.megatron import backend as megatron_backend  # noqa: E402
 from rlite.plugins.megatron.backend import left_aligned_columns  # noqa: E402
-from rlite.testing import fixed_batch, tiny_config  # noqa: E402
+from rlite.testing import SavedActivations, fixed_batch, tiny_config  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 from rlite.training.backend import ForwardSpec  # noqa: E402
 
@@ -102,19 +102,11 @@ def test_activation_checkpointing_recomputes_layers_with_the_same_numbers(tmp_pa
                               f"parallelism.activation_checkpointing={recompute}", pm=pm)
             backend = megatron_plugin.make_megatron(cfg, megatron_plugin.MegatronConfig(), torch.device("cpu"), 1)
             backend.train_mode()
-            saved = {}
-
-            def pack(tensor, saved=saved):
-                base = tensor if tensor._base is None else tensor._base
-                if not (base.is_leaf and base.requires_grad):  # weights are not activations
-                    saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-                return tensor
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with SavedActivations() as saved:
                 logprobs, _ = backend.logprobs(batch, spec)
             logprobs.sum().backward()
             grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
-            runs[recompute] = (logprobs.detach(), grads, sum(saved.values()))
+            runs[recompute] = (logprobs.detach(), grads, saved.bytes)
             backend.close()
         with pytest.raises(ConfigError, match="recomputes each layer"):
             cfg = tiny_config(model_dir, tmp_path / "replay", "parallelism.backend=megatron",

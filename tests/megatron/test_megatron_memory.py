@@ -20,7 +20,7 @@ from rlite import hookimpl  # noqa: E402
 from rlite.config import ConfigError, ModelConfig  # noqa: E402
 from rlite.loop import run_training  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
-from rlite.testing import fixed_batch, read_jsonl, spawn_ranks, tiny_config  # noqa: E402
+from rlite.testing import SavedActivations, fixed_batch, read_jsonl, spawn_ranks, tiny_config  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 from rlite.training.backend import ForwardSpec  # noqa: E402
 
@@ -171,17 +171,9 @@ def test_bf16_halves_parameter_gradient_and_activation_bytes(tmp_path, model_dir
     for name, overrides in (("fp32", ()), ("bf16", BF16), ("bf16-reduce", (*BF16, "parallelism.reduce_dtype=bfloat16"))):
         backend = build(model_dir, tmp_path / name, *overrides)
         try:
-            saved = {}
-
-            def pack(tensor, saved=saved):
-                base = tensor if tensor._base is None else tensor._base
-                if not (base.is_leaf and base.requires_grad):  # weights are not activations
-                    saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-                return tensor
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with SavedActivations() as saved:
                 logprobs, _ = backend.logprobs(batch(), SPEC)
-            activations = sum(saved.values())
+            activations = saved.bytes
             logprobs.sum().backward()
             params = backend.main_params.params
             held = nbytes(mp.param for mp in params) + nbytes(mp.param.grad for mp in params)
