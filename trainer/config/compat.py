@@ -119,6 +119,15 @@ SINGLE_TURN = Setting("rollout.multi_turn", lambda v: not v, "a single-turn roll
 NOT_ASYNC = Setting("rollout.mode", lambda v: v != "async", "rollout.mode=sync or one_step_off")
 TURN_SETTINGS_IGNORED = ("only a multi-turn workflow samples turn by turn against an environment, so it would be "
                          "silently ignored")
+SAMPLES_IN_THREAD = Setting("rollout.samples_in_thread", bool,
+                            "rollout.mode=one_step_off or async (max_staleness > 0) with the in-process engine",
+                            lambda v: f"rollout.mode={v['rollout.mode']} with rollout.engine={v['rollout.engine']} in "
+                                      "process", example=("rollout.mode=one_step_off",
+                                                          "rollout.engine.args.share_weights=false"),
+                            names=("rollout.mode", "rollout.engine.args.process"))
+LORA_DROPOUT = Setting("model.lora.dropout_active", bool, "model.lora.enabled=true with model.lora.dropout > 0",
+                       lambda v: f"model.lora.dropout={v['model.lora.dropout']}",
+                       example=("model.lora.enabled=true", "model.lora.dropout=0.05"), names=("model.lora.dropout",))
 TRUE_ON_POLICY = equals("rollout.true_on_policy", True)
 DRAFT = differs("rollout.draft", "none", "rollout.draft=ngram")
 
@@ -183,6 +192,12 @@ RULES: tuple[Rule, ...] = (
     Rule(differs("rollout.observation_role", "user", "rollout.observation_role=tool"), SINGLE_TURN,
          TURN_SETTINGS_IGNORED.replace("so it", "so the role of its observations"),
          "set a multi-turn rollout.workflow, or leave rollout.observation_role out"),
+    Rule(LORA_DROPOUT, SAMPLES_IN_THREAD,
+         "the in-process engine samples in a thread of the trainer's process, seeding torch's global random "
+         "generator for each call and restoring it after, and LoRA dropout in the training thread draws from that "
+         "same generator: its masks would repeat and the samples would depend on the threads' timing",
+         "set model.lora.dropout=0 (usual in RL), rollout.engine.args.process=true (the engine in its own process), "
+         "or rollout.mode=sync"),
     Rule(OVERLAPS, SHARES_WEIGHTS,
          "the engine samples while the trainer updates, so it needs its own copy of the weights",
          "set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true), or rollout.mode=sync"),
@@ -232,6 +247,8 @@ def derive(values: dict[str, Any], single_turn: Callable[[str], bool] | None = N
     values["rollout.overlaps"] = mode == "one_step_off" or (mode == "async" and values["rollout.max_staleness"] > 0)
     in_process = values["rollout.engine"] == "transformers" and not values.get("rollout.engine.args.process", False)
     values["rollout.engine_shares_weights"] = in_process and values.get("rollout.engine.args.share_weights", True)
+    values["rollout.samples_in_thread"] = in_process and values["rollout.overlaps"]
+    values["model.lora.dropout_active"] = values["model.lora.enabled"] and values["model.lora.dropout"] > 0
     if "model.moe" in values:
         records = values["algorithm.routing_replay"] == "rollout" or values["algorithm.routing_metrics"]
         values["model.records_routing"] = values["model.moe"] and records

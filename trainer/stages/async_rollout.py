@@ -32,8 +32,9 @@ collectives called without a group run on the calling thread's); a batch (the pr
 queued; then the trainer's, and the producer keeps only a shallow copy for checkpoints, under
 ``versions``); the batch's speculative-decoding counts travel with it (the producer is already counting
 the next batch's). Torch's global random generator is the producer's while it samples (the engine seeds
-it for every call and restores it after); the trainer draws from it only through dropout, so with
-``model.lora.dropout > 0`` the two threads' draws interleave and the batches are not reproducible.
+it for every call and restores it after); the trainer draws from it only through LoRA dropout, which is
+therefore refused with an in-process engine here (``docs/compatibility.md``): the restore would repeat the
+trainer's masks, and the two threads' draws would interleave.
 
 In ``async`` mode a multi-turn rollout lets a pending weight sync in between two turns (a partial rollout): its later turns sample with the new weights, and every token's
 version is recorded (``RolloutBatch.token_weight_versions``); a sample's version is its oldest token's,
