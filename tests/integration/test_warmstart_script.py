@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,15 @@ def run_script(flags: list[str], out: Path, **env: str) -> str:
     result = subprocess.run([sys.executable, str(SCRIPT), *flags, "--out", str(out)], env=run_in_subprocess_env(**env),
                             check=True, capture_output=True, text=True, timeout=1800)  # fmt: skip
     return result.stdout
+
+
+def test_importing_the_script_leaves_the_environment_alone():
+    """The script pins CPU kernels through the environment when run; imported (as these tests do) it must not:
+    every later subprocess of the test session would load torch with other kernels (it did: a two-rank bf16
+    test then differed from its in-process one-rank reference at bf16 rounding)."""
+    before = dict(os.environ)
+    load_script()
+    assert dict(os.environ) == before
 
 
 def test_every_warm_start_has_a_recorded_hash():

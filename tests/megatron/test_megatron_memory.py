@@ -375,7 +375,7 @@ def test_zero1_on_two_ranks_halves_optimizer_state_and_equals_one_rank(tmp_path,
 
     def close(a, b, rtol, atol):
         for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
+            torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
     for step in ("first", "second"):
         close(runs["zero1"][step], runs["plain"][step], rtol=1e-6, atol=1e-7)
