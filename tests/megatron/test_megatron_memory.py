@@ -356,7 +356,9 @@ def test_zero1_on_two_ranks_halves_optimizer_state_and_equals_one_rank(tmp_path,
     two = {"plain": ["parallelism.backend=megatron"], "zero1": [zero1], "zero1-bf16": [zero1, *BF16]}
     one = {"one": ["parallelism.backend=megatron"], "one-bf16": ["parallelism.backend=megatron", *BF16]}
     spawn_ranks(megatron_memory_steps, (2, str(tmp_path / "init2"), str(model_dir), str(tmp_path), two), nprocs=2)
-    megatron_memory_steps(0, 1, str(tmp_path / "init1"), str(model_dir), str(tmp_path), one)
+    # the one-rank reference in a fresh process too, like the two ranks: run in the pytest process after the
+    # suite's first ~480 tests its bf16 weights differed from theirs at bf16 rounding (cause not found)
+    spawn_ranks(megatron_memory_steps, (1, str(tmp_path / "init1"), str(model_dir), str(tmp_path), one), nprocs=1)
 
     def load(name, rank=0):
         return torch.load(Path(tmp_path) / f"{name}.rank{rank}.pt", weights_only=False)
