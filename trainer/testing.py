@@ -242,6 +242,15 @@ def recorded_runs(rank: int, world_size: int, init_file: str, model_dir: str, ou
             dist.destroy_process_group()
 
 
+class EvenChars:
+    """A plugin with a dense test reward, ``even_chars`` (the share of a completion's characters with even code
+    points): a group's advantages are rarely all zero, so every step has a gradient."""
+
+    @hookimpl
+    def register_reward_functions(self, register):
+        register("even_chars", lambda completion, sample, cfg: sum(ord(c) % 2 == 0 for c in completion) / max(len(completion), 1))
+
+
 class SavedActivations:
     """Activation memory: the bytes of the distinct storages autograd saves for backward inside the ``with``
     block, weights left out (leaf tensors that require a gradient, and views of them)::

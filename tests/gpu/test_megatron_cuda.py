@@ -24,15 +24,11 @@ def model_dir(request, tmp_path_factory):
     return build_tiny_model_dir(tmp_path_factory.mktemp(request.param), hidden=32, layers=2, **MODELS[request.param])
 
 
-class EvenChars:
-    @hookimpl
-    def register_reward_functions(self, register):
-        register("even_chars", lambda completion, sample, cfg: sum(ord(c) % 2 == 0 for c in completion) / max(len(completion), 1))
-
 
 def plugins():
     import rlite.plugins.megatron as megatron_plugin
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.testing import EvenChars
 
     pm = build_plugin_manager(autoload=False)
     pm.register(megatron_plugin, name="rlite.plugins.megatron")

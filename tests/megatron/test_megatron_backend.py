@@ -18,7 +18,7 @@ from rlite.distributed import shutdown_distributed  # noqa: E402
 from rlite.loop import run_training, train  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
 from rlite.run.build import build_run  # noqa: E402
-from rlite.testing import fixed_batch, read_jsonl, tiny_config  # noqa: E402
+from rlite.testing import EvenChars, fixed_batch, read_jsonl, tiny_config  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 from rlite.training.backend import ForwardSpec  # noqa: E402
 
@@ -29,13 +29,6 @@ MODELS = {"dense": {}, "moe": {"num_experts": 4, "experts_per_token": 2}}
 def model_dir(request, tmp_path_factory):
     return build_tiny_model_dir(tmp_path_factory.mktemp(request.param), hidden=32, layers=2, **MODELS[request.param])
 
-
-class EvenChars:
-    """A dense reward (share of characters with even code points): advantages are rarely zero."""
-
-    @hookimpl
-    def register_reward_functions(self, register):
-        register("even_chars", lambda completion, sample, cfg: sum(ord(c) % 2 == 0 for c in completion) / max(len(completion), 1))
 
 
 def plugins():

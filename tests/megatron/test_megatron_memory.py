@@ -20,7 +20,7 @@ from rlite import hookimpl  # noqa: E402
 from rlite.config import ConfigError, ModelConfig  # noqa: E402
 from rlite.loop import run_training  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
-from rlite.testing import SavedActivations, fixed_batch, read_jsonl, spawn_ranks, tiny_config  # noqa: E402
+from rlite.testing import EvenChars, SavedActivations, fixed_batch, read_jsonl, spawn_ranks, tiny_config  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 from rlite.training.backend import ForwardSpec  # noqa: E402
 
@@ -43,13 +43,6 @@ def world_of_one():
     yield
     dist.destroy_process_group()
 
-
-class EvenChars:
-    """A dense reward (share of characters with even code points): advantages are rarely zero."""
-
-    @hookimpl
-    def register_reward_functions(self, register):
-        register("even_chars", lambda completion, sample, cfg: sum(ord(c) % 2 == 0 for c in completion) / max(len(completion), 1))
 
 
 def plugins():
