@@ -350,7 +350,9 @@ def test_zero1_on_two_ranks_halves_optimizer_state_and_equals_one_rank(tmp_path,
     one = {"one": ["parallelism.backend=megatron"], "one-bf16": ["parallelism.backend=megatron", *BF16]}
     spawn_ranks(megatron_memory_steps, (2, str(tmp_path / "init2"), str(model_dir), str(tmp_path), two), nprocs=2)
     # the one-rank reference in a fresh process too, like the two ranks: run in the pytest process after the
-    # suite's first ~480 tests its bf16 weights differed from theirs at bf16 rounding (cause not found)
+    # suite's first ~480 tests its bf16 weights differed from theirs at bf16 rounding (cause, since fixed: an
+    # earlier test had put ATEN_CPU_CAPABILITY=avx2 in the test process's environment, so the spawned ranks ran
+    # AVX2 kernels and this process AVX512 ones; RESULTS.md, "The cause of the ZeRO-1 bf16 difference")
     spawn_ranks(megatron_memory_steps, (1, str(tmp_path / "init1"), str(model_dir), str(tmp_path), one), nprocs=1)
 
     def load(name, rank=0):
