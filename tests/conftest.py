@@ -47,6 +47,9 @@ except ImportError:  # the config and plugin tests do not need it
 else:
     torch.set_num_threads(1)
 
+# kernel-environment guard: a test (or test module import) that leaves ATEN_CPU_CAPABILITY & co. changed fails
+from env_guard import _kernel_environment_left_alone, pytest_collection_finish  # noqa: E402, F401
+
 from rlite import plugin_manager  # noqa: E402
 from rlite.plugin_manager import RlitePluginManager, build_plugin_manager  # noqa: E402
 
