@@ -154,7 +154,10 @@ def register_training_backends(register: Register) -> None:
         :class:`rlite.api.TrainingBackend`: log-probs of a batch, ``backward`` and ``step``, the full
         weights as (Hugging Face name, tensor) pairs for weight sync and export, checkpoint state,
         the LoRA adapter where it trains one, reference model and critic, ``close()``. The loop,
-        weight sync, export and checkpointing use nothing else.
+        weight sync, export and checkpointing use nothing else. Optional ``trainer_memory=fn``:
+        ``fn(config, cfg, parameters, world_size)`` returns the bytes one rank holds by part
+        (``{"weights": ..., "gradients": ..., "AdamW moments": ...}``) for the memory check a run makes
+        before it allocates (docs/memory.md); without it the backend is estimated as FSDP2's shards.
     """
 
 

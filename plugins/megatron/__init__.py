@@ -51,6 +51,32 @@ def make_megatron(config, cfg: MegatronConfig, device, total_optimizer_steps: in
     return MegatronBackend(config, cfg, device, total_optimizer_steps)
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def megatron_trainer_memory(config, cfg: MegatronConfig, parameters: int, world_size: int) -> dict[str, int]:
+    """One rank's trainer state, for the memory check run before a run allocates (``rlite.run.limits``,
+    docs/memory.md). Unlike FSDP2's shards, every data-parallel rank holds a whole replica of its
+    tensor-parallel slice: the model in ``parallelism.param_dtype``, float32 masters where ``model.dtype``
+    differs from it, gradients in ``reduce_dtype`` where that differs (megatron's main_grad) and AdamW's two
+    moments in ``model.dtype``; ZeRO-1 splits masters and moments over the data-parallel ranks. Experts are
+    counted as if every parameter were split over tensor x expert parallel ranks, so the estimate errs low,
+    as the rest of the check does (a refused run would not have fit)."""
+    n = -(-parameters // (cfg.tensor_parallel * cfg.expert_parallel))
+    data_parallel = max(1, world_size // cfg.tensor_parallel)
+    zero = data_parallel if cfg.distributed_optimizer else 1
+    model_b = DTYPE_BYTES[config.model.dtype]
+    param_b = DTYPE_BYTES[config.parallelism.param_dtype]
+    reduce_b = DTYPE_BYTES[config.parallelism.reduce_dtype]
+    return {
+        "weights": n * param_b,
+        "master weights": -(-n * model_b // zero) if config.model.dtype != config.parallelism.param_dtype else 0,
+        "gradients": n * (reduce_b if config.parallelism.reduce_dtype != config.parallelism.param_dtype else param_b),
+        "AdamW moments": -(-2 * n * model_b // zero) if config.training.optimizer_offload == "none" else 0,
+        "reference model": n * param_b if config.algorithm.kl.coef != 0 else 0,
+    }
+
+
 @hookimpl
 def register_training_backends(register):
-    register("megatron", make_megatron, MegatronConfig)
+    register("megatron", make_megatron, MegatronConfig, trainer_memory=megatron_trainer_memory)

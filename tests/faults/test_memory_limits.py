@@ -128,3 +128,65 @@ def test_the_estimate_follows_its_documented_formula(tmp_path, model_dir) -> Non
     lora = tiny_config(model_dir, tmp_path / "run", "model.lora.enabled=true", "training.optimizer_offload=disk")
     lora_parts = limits.estimate_memory(lora, shape).parts
     assert lora_parts["gradients"] == lora_parts["AdamW moments"] == 0 and lora_parts["engine weights"] == 4 * p
+
+
+def test_a_backends_registered_trainer_memory_replaces_the_sharded_formula(tmp_path, model_dir) -> None:
+    """The estimate takes the trainer's parts from the backend's registered ``trainer_memory`` (one rank's
+    bytes; on CPU every rank's share is in the host's memory, on a GPU one rank's is): fsdp2 registers none
+    and is counted as shards, megatron (plugin module only; megatron-core is not needed) as a replica per
+    data-parallel rank with masters, main gradients and ZeRO-1, by the formula in docs/memory.md."""
+    from transformers import AutoConfig
+
+    import rlite.plugins.megatron as megatron_plugin
+    from rlite.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(autoload=False)
+    pm.register(megatron_plugin, name="rlite.plugins.megatron")
+    shape = limits.model_shape(AutoConfig.from_pretrained(model_dir))
+    p = shape.parameters
+    fsdp2 = tiny_config(model_dir, tmp_path / "run", pm=pm)
+    for world_size, on_gpu in ((1, False), (2, False), (2, True)):
+        with_pm = limits.estimate_memory(fsdp2, shape, world_size=world_size, on_gpu=on_gpu, pm=pm).parts
+        assert with_pm == limits.estimate_memory(fsdp2, shape, world_size=world_size, on_gpu=on_gpu).parts
+        assert with_pm["weights"] == (-(-4 * p // 2) if on_gpu else 4 * p)
+
+    def megatron(*overrides, world_size, on_gpu=False, args=None):
+        backend = "parallelism.backend=megatron" if args is None else f"parallelism.backend={{name: megatron, args: {args}}}"
+        cfg = tiny_config(model_dir, tmp_path / "run", backend, *overrides, pm=pm)
+        parts = limits.estimate_memory(cfg, shape, world_size=world_size, on_gpu=on_gpu, pm=pm).parts
+        return {k: v for k, v in parts.items() if k in ("weights", "master weights", "gradients", "AdamW moments")}
+
+    bf16 = "parallelism.param_dtype=bfloat16"
+    # two data-parallel ranks on CPU: two whole replicas in the host's memory (FSDP2 would hold one)
+    assert megatron(world_size=2) == {"weights": 8 * p, "master weights": 0, "gradients": 8 * p, "AdamW moments": 16 * p}
+    # bf16 parameters, float32 masters and main gradients (reduce_dtype float32), a rank's own on a GPU
+    assert megatron(bf16, world_size=2, on_gpu=True) == {
+        "weights": 2 * p, "master weights": 4 * p, "gradients": 4 * p, "AdamW moments": 8 * p}  # fmt: skip
+    assert megatron(bf16, "parallelism.reduce_dtype=bfloat16", world_size=1)["gradients"] == 2 * p
+    # ZeRO-1 over two data-parallel ranks: half the masters and moments on each
+    assert megatron(bf16, world_size=2, on_gpu=True, args="{distributed_optimizer: true}") == {
+        "weights": 2 * p, "master weights": 2 * p, "gradients": 4 * p, "AdamW moments": 4 * p}  # fmt: skip
+    # tensor parallel over both ranks: one replica, split in two
+    split = -(-p // 2)
+    assert megatron(world_size=2, on_gpu=True, args="{tensor_parallel: 2}") == {
+        "weights": 4 * split, "master weights": 0, "gradients": 4 * split, "AdamW moments": 8 * split}  # fmt: skip
+    assert megatron("training.optimizer_offload=disk", world_size=1)["AdamW moments"] == 0
+
+
+def test_a_trainer_memory_that_returns_no_byte_counts_names_its_plugin(tmp_path, model_dir) -> None:
+    from transformers import AutoConfig
+
+    from rlite import hookimpl
+    from rlite.plugin_manager import PluginError, build_plugin_manager
+
+    class Sloppy:
+        @hookimpl
+        def register_training_backends(self, register):
+            register("sloppy", lambda *args: None, trainer_memory=lambda config, cfg, parameters, world_size: {"weights": 1.5})
+
+    pm = build_plugin_manager(autoload=False)
+    pm.register(Sloppy(), name="sloppy-backends")
+    cfg = tiny_config(model_dir, tmp_path / "run", "parallelism.backend=sloppy", pm=pm)
+    shape = limits.model_shape(AutoConfig.from_pretrained(model_dir))
+    with pytest.raises(PluginError, match=r"training backend 'sloppy' \(plugin 'sloppy-backends'\): trainer_memory must return"):
+        limits.estimate_memory(cfg, shape, pm=pm)

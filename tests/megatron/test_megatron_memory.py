@@ -178,6 +178,37 @@ def test_bf16_halves_parameter_gradient_and_activation_bytes(tmp_path, model_dir
     assert measured["bf16"][1] < 0.7 * measured["fp32"][1], measured
 
 
+@pytest.mark.parametrize("precision", [(), BF16, (*BF16, "parallelism.reduce_dtype=bfloat16"), ("model.dtype=bfloat16", *BF16)],
+                         ids=["fp32", "bf16", "bf16-reduce", "pure-bf16"])
+def test_the_memory_checks_estimate_is_what_a_rank_holds(tmp_path, model_dir, world_of_one, precision):
+    """The bytes the run's memory check counts for a megatron rank (``trainer_memory``, docs/memory.md) equal
+    the tensors it holds, measured: the model's parameters, the gradients between micro-batches (``.grad`` or
+    main gradients) after a backward, and the masters and AdamW moments after a step."""
+    from transformers import AutoConfig
+
+    from rlite.run import limits
+
+    cfg = tiny_config(model_dir, tmp_path / "est", "parallelism.backend=megatron", *precision, pm=plugins())
+    shape = limits.model_shape(AutoConfig.from_pretrained(model_dir))
+    parts = limits.estimate_memory(cfg, shape, pm=plugins()).parts
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    backend = build(model_dir, tmp_path / "run", *LINEAR_ADAMW, *precision)
+    try:
+        params = backend.main_params.params
+        assert sum(mp.param.numel() for mp in params) == shape.parameters
+        assert parts["weights"] == nbytes(mp.param for mp in params)
+        backward(backend)
+        assert parts["gradients"] == nbytes(mp.param.grad for mp in params) + nbytes(mp.main_grad for mp in params)
+        backend.step()
+        held = backend.main_params.state_bytes(backend.optimizer)  # masters (where copies) and moments
+        assert parts["master weights"] + parts["AdamW moments"] == held, (parts, held)
+    finally:
+        backend.close()
+
+
 def test_pure_bf16_steps_the_bf16_parameters_themselves(tmp_path, model_dir, world_of_one):
     """model.dtype=bfloat16 with param_dtype=bfloat16 (fsdp2's pure bf16): no master copies, AdamW's moments
     in bf16 on the model's parameters."""

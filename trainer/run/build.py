@@ -85,7 +85,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         raise ConfigError(str(exc).strip("'\"")) from exc
     longest_prompt = max((len(p.prompt_ids) for split in (train_prompts, eval_prompts) if split is not None
                           for p in split.items), default=None)
-    check_run_fits(cfg, ctx.device, ctx.world_size, longest_prompt)  # context and memory, before models allocate
+    check_run_fits(cfg, ctx.device, ctx.world_size, longest_prompt, pm)  # context and memory, before models allocate
     rewards = build_rewards(cfg, pm, train_prompts)  # before any model loads: a bad reward fails fast
     algo = cfg.algorithm
     total_opt_steps = cfg.training.steps * algo.minibatches_per_step * algo.epochs_per_step

@@ -6,8 +6,10 @@ being killed by the kernel minutes later. The estimate, part by part (``docs/mem
 
     trainer   = P * b_master * (1 weights + 1 gradients + 2 AdamW moments) / W     (LoRA: weights only;
                                                                                      moments on disk: 0)
-              + P * b_master                                  reference model, when algorithm.kl.coef != 0
-              + 4 * P * b_master                               critic (weights, gradients, moments)
+              + P * b_master / W                              reference model, when algorithm.kl.coef != 0
+              + 4 * P * b_master / W                           critic (weights, gradients, moments)
+              (one rank's share of FSDP2's shards; a backend that holds its state otherwise registers
+              ``trainer_memory=``, its own per-rank parts: megatron's replicas, masters and ZeRO-1)
               + m * T * h * L * 34 * b_param / 2                activations of one micro-batch
               + min(m * T, c) * V * 4 * 3                       a chunk of output-layer logits (fp32)
     engine    = P * b_engine                                    its weights (none when it shares the trainer's)
@@ -116,24 +118,49 @@ class MemoryEstimate:
         return ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items() if size)
 
 
+def sharded_trainer_memory(cfg: RunConfig, backend_cfg: object, parameters: int, world_size: int) -> dict[str, int]:
+    """One rank's trainer state under FSDP2 (the estimate of a backend that registers no ``trainer_memory``):
+    every tensor sharded over the ``world_size`` ranks, in ``model.dtype``."""
+    master = DTYPE_BYTES[cfg.model.dtype]
+    trains_all = not cfg.model.lora.enabled
+
+    def share(nbytes: int) -> int:
+        return -(-nbytes // world_size)  # rounded up: ranks x share >= the whole
+
+    return {
+        "weights": share(parameters * master),
+        "gradients": share(parameters * master) if trains_all else 0,
+        "AdamW moments": share(2 * parameters * master) if trains_all and cfg.training.optimizer_offload == "none" else 0,
+        "reference model": share(parameters * master) if cfg.algorithm.kl.coef != 0 else 0,
+        "critic": share(4 * parameters * master) if cfg.algorithm.critic.enabled else 0,
+    }
+
+
 def estimate_memory(cfg: RunConfig, shape: ModelShape, *, world_size: int = 1, on_gpu: bool = False,
-                    longest_prompt: int | None = None) -> MemoryEstimate:
-    """What the run holds on one device (the host memory on CPU: every local rank and the engine share it)."""
+                    longest_prompt: int | None = None, pm=None) -> MemoryEstimate:
+    """What the run holds on one device (the host memory on CPU: every local rank and the engine share it).
+    The trainer's parts come from the training backend's registered ``trainer_memory`` (one rank's bytes;
+    ``pm``: the run's plugin manager, None: the FSDP2 formula)."""
     t = cfg.training
     master = DTYPE_BYTES[cfg.model.dtype]
     compute = DTYPE_BYTES[cfg.parallelism.param_dtype]
     params = shape.parameters
     tokens = sequence_tokens(cfg, longest_prompt)
-    shards = world_size if on_gpu else 1  # on CPU all ranks' shards are in the same memory
-    trains_all = not cfg.model.lora.enabled
-    parts = {
-        "weights": params * master // shards,
-        "gradients": params * master // shards if trains_all else 0,
-        "AdamW moments": 2 * params * master // shards if trains_all and t.optimizer_offload == "none" else 0,
-        "reference model": params * master // shards if cfg.algorithm.kl.coef != 0 else 0,
-        "critic": 4 * params * master // shards if cfg.algorithm.critic.enabled else 0,
-    }
-    ranks_here = 1 if on_gpu else world_size
+    ranks_here = 1 if on_gpu else world_size  # on CPU all ranks' state is in the same memory
+    per_rank, backend_cfg, owner = sharded_trainer_memory, None, None
+    if pm is not None:
+        from rlite.plugin_manager import resolve_choice
+
+        entry = pm.registry("training_backend").get(cfg.parallelism.backend.name)
+        _, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
+        per_rank = entry.metadata.get("trainer_memory", sharded_trainer_memory)
+        owner = f"training backend {entry.name!r} (plugin {entry.plugin!r})"
+    trainer = per_rank(cfg, backend_cfg, params, world_size)
+    if not isinstance(trainer, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in trainer.items()):
+        from rlite.plugin_manager import PluginError
+
+        raise PluginError(f"{owner}: trainer_memory must return a dict of part name -> bytes (int), got {trainer!r}")
+    parts = {name: size * ranks_here for name, size in trainer.items()}
     activations = t.micro_batch_size * tokens * shape.hidden * shape.layers * 34 * compute // 2
     logits = min(t.micro_batch_size * tokens, t.logprob_chunk_size) * shape.vocab * 4 * 3
     parts["activations of a micro-batch"] = (activations + logits) * ranks_here
@@ -173,9 +200,10 @@ def memory_keys(cfg: RunConfig, estimate: MemoryEstimate) -> str:
         "engine KV cache": "rollout.max_new_tokens, rollout.prompts_per_step x rollout.samples_per_prompt, "
                            "training.eval_max_prompts, data.max_prompt_tokens",
         "activations of a micro-batch": "training.micro_batch_size, parallelism.activation_checkpointing=true",
-        "AdamW moments": "training.optimizer_offload=disk",
+        "AdamW moments": "training.optimizer_offload=disk (megatron: or parallelism.backend.args.distributed_optimizer=true)",
         "gradients": "model.lora.enabled=true",
         "weights": "a smaller model, model.dtype=bfloat16",
+        "master weights": "parallelism.param_dtype=float32, or ZeRO-1 (megatron: parallelism.backend.args.distributed_optimizer=true)",
         "engine weights": "rollout.engine.args.share_weights=true",
         "reference model": "algorithm.kl.coef=0",
         "critic": "algorithm.critic.enabled=false",
@@ -185,10 +213,10 @@ def memory_keys(cfg: RunConfig, estimate: MemoryEstimate) -> str:
 
 
 def check_memory(cfg: RunConfig, shape: ModelShape, device: torch.device, world_size: int = 1,
-                 longest_prompt: int | None = None) -> None:
+                 longest_prompt: int | None = None, pm=None) -> None:
     """Refuse a run whose estimate exceeds the memory available now."""
     estimate = estimate_memory(cfg, shape, world_size=world_size, on_gpu=device.type == "cuda",
-                               longest_prompt=longest_prompt)
+                               longest_prompt=longest_prompt, pm=pm)
     available = available_memory(device)
     if available is None or estimate.total <= available[0]:
         return
@@ -200,7 +228,8 @@ def check_memory(cfg: RunConfig, shape: ModelShape, device: torch.device, world_
     )
 
 
-def check_run_fits(cfg: RunConfig, device: torch.device, world_size: int = 1, longest_prompt: int | None = None) -> None:
+def check_run_fits(cfg: RunConfig, device: torch.device, world_size: int = 1, longest_prompt: int | None = None,
+                   pm=None) -> None:
     """The context and memory checks of a run, before its models are allocated; ``longest_prompt``: the longest
     prompt loaded, in tokens (None: ``data.max_prompt_tokens``). Model configs that transformers cannot read are
     left to the model loader, which names the problem."""
@@ -213,4 +242,4 @@ def check_run_fits(cfg: RunConfig, device: torch.device, world_size: int = 1, lo
         return
     check_context(cfg, shape, longest_prompt)
     if cfg.training.check_memory:
-        check_memory(cfg, shape, device, world_size, longest_prompt)
+        check_memory(cfg, shape, device, world_size, longest_prompt, pm)
