@@ -254,7 +254,6 @@ class Probe:
     """Hooks and wrappers on one replica run: ratios of first micro-batches, sync digests, versions."""
 
     def __init__(self) -> None:
-        self.step = 0
         self.first_call = False
         self.ratio_gaps: list[float] = []
         self.syncs: list[tuple[int, int, bool]] = []  # (step, engine version, digests equal)
@@ -276,6 +275,16 @@ class Probe:
             return loss_fn(logprobs, old_logprobs, advantages, response_mask, cfg)
 
         run.loss.policy_loss = recording_loss
+        train_mode = run.backend.train_mode
+
+        def arming_train_mode():
+            # update_policy's first call, once a step, on the thread that trains: the next loss call is the
+            # step's first micro-batch (after_rollout would not do: with asynchronous rollouts it runs on the
+            # producer thread, a step ahead, while this thread is still inside the previous update)
+            probe.first_call = True
+            return train_mode()
+
+        run.backend.train_mode = arming_train_mode
         engine = run.engine
         update_weights, update_lora = engine.update_weights, getattr(engine, "update_lora_adapter", None)
 
@@ -294,10 +303,6 @@ class Probe:
             engine.update_lora_adapter = recording_lora
 
         class Hooks:
-            @hookimpl
-            def after_rollout(self, step, batch):
-                probe.step, probe.first_call = step, True
-
             @hookimpl
             def after_weight_sync(self, step, weight_version, engine):
                 from rlite.stages.sync import sync_weights_to_engine

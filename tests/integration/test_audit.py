@@ -92,3 +92,17 @@ def test_replica_family_of_a_gguf_llama_is_read_from_the_gguf_file():
     folder = smollm2.submodule_search_locations[0]
     found = model_family(ModelConfig(path=folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert (found.family, found.moe, found.tied, found.source) == ("llama", False, True, "GGUF metadata")
+
+
+def test_the_on_policy_ratio_check_finds_each_steps_first_micro_batch_with_rollouts_ahead(tmp_path, in_repo_root):
+    """With one_step_off rollouts the next batch is generated (and after_rollout called, on the producer thread)
+    while the trainer still trains the previous one; the check arms itself when the trainer's update starts,
+    so it sees exactly the three steps' first micro-batches, each at ratio 1, also with two optimizer steps a
+    step (whose second would have a ratio other than 1)."""
+    pm = build_plugin_manager(autoload=False)
+    checks, _ = run_audit("configs/quickstart.yaml", ["rollout.mode=one_step_off", "rollout.engine.args.share_weights=false",
+                                                               "algorithm.minibatches_per_step=2"],
+                          pm, tmp_path)  # fmt: skip
+    ratio = {check.name: check for check in checks}["on-policy ratio"]
+    assert ratio.result == PASS, ratio.measured
+    assert ratio.measured.endswith("[0.0, 0.0, 0.0]"), ratio.measured
