@@ -49,6 +49,9 @@ BAD_VALUES = [
     ("algorithm.kl.coef=-0.1", ["algorithm.kl.coef", ">= 0"]),
     ("algorithm.kl.adaptive_horizon=0", ["algorithm.kl.adaptive_horizon", "> 0"]),
     ("model.lora.dropout=1.0", ["model.lora.dropout", "[0, 1)"]),
+    ("model.dtype=float16", ["model.dtype=float16", "without loss scaling", "bfloat16"]),
+    ("parallelism.param_dtype=float16", ["parallelism.param_dtype=float16", "without loss scaling"]),
+    ("parallelism.reduce_dtype=float16", ["parallelism.reduce_dtype=float16", "without loss scaling"]),
     ("model.attn_implementation=flash", ["model.attn_implementation", "'flash'", "sdpa, eager, flash_attention_2"]),
     ("rewards=[{name: python", ["override 'rewards=[{name: python'", "does not parse", "did not find expected"]),
 ]

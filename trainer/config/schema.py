@@ -41,6 +41,17 @@ class UnknownChoiceError(KeyError):
 _SKIP_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("rlite_skip_config_checks", default=False)
 
 
+def _check_trained_dtype(key: str, value: str) -> None:
+    """float16 is refused for what the trainer holds and differentiates: rlite has no loss scaling."""
+    if _SKIP_CHECKS.get() or value != "float16":
+        return
+    raise ConfigError(
+        f"{key}=float16: rlite trains without loss scaling, and float16 gradients below 6e-8 become zero (below 6e-5 "
+        "they lose precision) with no error, so the run would follow part of its gradient; use bfloat16 (float32's "
+        "range in the same memory) or float32. An SGLang engine can still sample in float16: rollout.engine.args.dtype"
+    )
+
+
 def _check_choice(key: str, value: Any, choices: typing.Sequence[Any]) -> None:
     if _SKIP_CHECKS.get():
         return
@@ -125,7 +136,8 @@ class ModelConfig:
     tokenizer: Optional[str] = None
     """Tokenizer folder; defaults to ``path``."""
     dtype: str = "float32"
-    """Dtype of the master weights kept by the trainer (one of float32, bfloat16, float16)."""
+    """Dtype of the master weights kept by the trainer: float32 or bfloat16 (float16 is refused: rlite has no loss
+    scaling, and float16 gradients underflow silently)."""
     attn_implementation: str = "sdpa"
     """Attention implementation passed to transformers (sdpa, eager, flash_attention_2, flash_attention_3, flex_attention)."""
     gguf_file: Optional[str] = None
@@ -137,6 +149,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)
+        _check_trained_dtype("model.dtype", self.dtype)
         _check_choice("model.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
 
 
@@ -502,6 +515,8 @@ class ParallelismConfig:
     def __post_init__(self) -> None:
         _check_choice("parallelism.param_dtype", self.param_dtype, DTYPES)
         _check_choice("parallelism.reduce_dtype", self.reduce_dtype, DTYPES)
+        _check_trained_dtype("parallelism.param_dtype", self.param_dtype)
+        _check_trained_dtype("parallelism.reduce_dtype", self.reduce_dtype)
         _check(
             self.shard_single_process or (self.param_dtype == "float32" and not self.cpu_offload),
             "parallelism.shard_single_process=false leaves the model without FSDP2 at world size 1, so it cannot "
