@@ -1,7 +1,8 @@
 """One optimizer step of the megatron backend on a fixed global batch is the same on 1 rank as on 2
 ranks with data parallelism, with tensor parallelism 2 (both ranks on the whole batch, heads, MLP and
 vocabulary split) and, for a Mixture-of-Experts model, with expert parallelism 2 (each rank holding 2
-of the 4 experts, tokens dispatched with megatron's allgather dispatcher); spawned processes, gloo."""
+of the 4 experts, tokens dispatched with megatron's allgather dispatcher), also with ZeRO-1 over either
+layout; spawned processes, gloo."""
 
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ def _run(tmp_path, model_dir, world_size, choice, name, replay=False):
 @pytest.mark.parametrize(
     ("experts", "two_ranks"),
     [(None, "megatron"), (None, "{name: megatron, args: {tensor_parallel: 2}}"),
-     (4, "{name: megatron, args: {expert_parallel: 2}}")],
-    ids=["dense-dp2", "dense-tp2", "moe-ep2"],
+     (4, "{name: megatron, args: {expert_parallel: 2}}"),
+     # ZeRO-1 (test_megatron_memory.py has the dense case): experts split over their expert-data-parallel
+     # group of 2, or under expert parallelism 2 a group of 1 (not split) while dense parameters still are
+     (4, "{name: megatron, args: {distributed_optimizer: true}}"),
+     (4, "{name: megatron, args: {expert_parallel: 2, distributed_optimizer: true}}")],
+    ids=["dense-dp2", "dense-tp2", "moe-ep2", "moe-dp2-zero1", "moe-ep2-zero1"],
 )
 def test_two_ranks_equal_one(tmp_path, experts, two_ranks):
     model_dir = build_tiny_model_dir(tmp_path / "model", hidden=32, layers=2, num_experts=experts)
@@ -49,6 +54,12 @@ def test_two_ranks_equal_one(tmp_path, experts, two_ranks):
         torch.testing.assert_close(one["params"][name], two["params"][name], rtol=1e-5, atol=1e-6, msg=name)
         moved += not torch.equal(one["params"][name], initial[name].detach())
     assert moved > len(one["params"]) // 2, "the step must have changed the weights"
+    if "distributed_optimizer" in two_ranks:
+        # rank 0 keeps AdamW's two float32 moments for half of what one rank keeps them for: half of every
+        # dense parameter and, of its experts, half each (data parallel) or its own two of four (expert parallel)
+        numel = sum(t.numel() for t in one["params"].values())
+        assert one["optimizer_bytes"] == 8 * numel
+        assert abs(two["optimizer_bytes"] - 8 * numel / 2) <= 8 * len(one["params"]), (two["optimizer_bytes"], numel)
 
 
 def test_expert_parallel_routing_replay_equals_one_rank(tmp_path):
