@@ -30,7 +30,6 @@ def model_dir(request, tmp_path_factory):
     return build_tiny_model_dir(tmp_path_factory.mktemp(request.param), hidden=32, layers=2, **MODELS[request.param])
 
 
-
 def plugins():
     pm = build_plugin_manager(autoload=False)
     pm.register(megatron_plugin, name="rlite.plugins.megatron")  # as its entry point would

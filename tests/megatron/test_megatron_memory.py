@@ -44,7 +44,6 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-
 def plugins():
     pm = build_plugin_manager(autoload=False)
     pm.register(megatron_plugin, name="rlite.plugins.megatron")  # as its entry point would

@@ -121,9 +121,9 @@ def fixed_batch_update(
         stream_exact = async_gather = None
         if not backend_choice:
             stream_exact, async_gather = stream_self_check(backend.model.lm)
-        main_params = getattr(backend, "main_params", None)  # megatron: the bytes of masters and moments it keeps
-        optimizer_bytes = main_params.state_bytes(backend.optimizer) if main_params is not None else None
         if rank == 0:
+            main_params = getattr(backend, "main_params", None)  # megatron: the bytes of masters and moments it keeps
+            optimizer_bytes = main_params.state_bytes(backend.optimizer) if main_params is not None else None
             torch.save(
                 {"metrics": metrics, "params": params, "stream_exact": stream_exact, "async_gather": async_gather,
                  "optimizer_bytes": optimizer_bytes},
