@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,17 +22,85 @@ import torch
 
 from rlite.api import ConfigError, hookimpl
 
+ENGINE_DEVICES = ("auto", "cpu")
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ENGINE_DECODES = ("auto", "loop", "static", "graph", "generate")
+ENGINE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+log = logging.getLogger("rlite")
+
 
 @dataclass
 class TransformersEngineConfig:
     process: bool = False
-    """Run the engine in its own spawned process; weights arrive zero-copy through shared memory."""
+    """Run the engine in its own spawned process, fed the weights zero-copy through flattened buckets: shared
+    memory on a CPU, CUDA-IPC handles to GPU memory on a GPU (the ``rlite.sync`` protocol, checksummed)."""
     attn_implementation: str = "sdpa"
-    """Attention implementation of the engine's model."""
-    share_weights: bool = True
-    """A sync binds the engine's parameters to the synced tensors instead of copying them (same shape,
-    dtype, device): on one rank, without LoRA or rollout quantization, those are the trainer's own
-    tensors (no second copy of the model; a sync moves no bytes). Off: every sync copies."""
+    """Attention implementation of the engine's model (sdpa, eager, flash_attention_2, flash_attention_3,
+    flex_attention)."""
+    share_weights: Optional[bool] = None
+    """A sync binds the engine's parameters to the synced tensors instead of copying them (same shape, dtype,
+    device): on one rank, without LoRA or rollout quantization, those are the trainer's own tensors (no second
+    copy of the model; a sync moves no bytes). None (auto): on, except with ``rollout.mode=one_step_off`` or
+    ``async``, where the engine samples while the trainer updates and keeps its own copy. Off: every sync copies."""
+    device: str = "auto"
+    """Where the engine samples: ``auto`` on the trainer's device (each rank's own GPU on a GPU, the CPU on a
+    CPU), ``cpu`` on the host whatever the trainer's device."""
+    dtype: str = "auto"
+    """The dtype the engine samples in: ``auto`` the one the trainer computes in (``parallelism.param_dtype``:
+    with float32 master weights and bfloat16 compute, bfloat16), or float32, bfloat16, float16."""
+    decode: str = "auto"
+    """How the engine decodes (``rlite.engines.transformers.decode``): ``loop`` (a KV cache that finished rows
+    leave, the CPU's fastest), ``static`` (every row kept, no host synchronisation per token), ``graph``
+    (``static`` with each token's step replayed from a CUDA graph, a GPU's fastest) or ``generate``
+    (transformers' own). ``auto``: ``graph`` on a GPU (``static`` if the model's step cannot be captured,
+    said once), ``loop`` on a CPU and wherever a setting needs the loop (routing replay, a draft, true
+    on-policy mode, which samples with its own fixed-shape forward)."""
+
+    def __post_init__(self) -> None:
+        for key, value, allowed in (("device", self.device, ENGINE_DEVICES), ("dtype", self.dtype, ENGINE_DTYPES),
+                                    ("decode", self.decode, ENGINE_DECODES),
+                                    ("attn_implementation", self.attn_implementation, ENGINE_ATTENTION)):
+            if value not in allowed:
+                raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def engine_device(cfg: TransformersEngineConfig, context) -> torch.device:
+    """The device the engine samples on: this rank's GPU (``auto`` on a GPU rank), else the CPU."""
+    index = context.this.gpu_index
+    if cfg.device == "cpu" or index is None:
+        return torch.device("cpu")
+    return torch.device("cuda", index)
+
+
+def engine_dtype(cfg: TransformersEngineConfig, model_config, context) -> str:
+    """The dtype the engine samples in (``auto``: the trainer's compute dtype, else ``model.dtype``)."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return context.compute_dtype or model_config.dtype
+
+
+def engine_decode(cfg: TransformersEngineConfig, rollout_config, context, device: torch.device) -> tuple[str, bool]:
+    """The decode the engine runs, and whether ``auto`` chose it (the engine may then decode otherwise where a
+    call needs it: the loop for a call that records MoE routing, ``static`` when the step cannot be captured)."""
+    if cfg.decode != "auto":
+        return cfg.decode, False
+    loop_only = rollout_config.true_on_policy or context.draft is not None
+    if device.type == "cuda" and not loop_only:
+        return "graph", True
+    return "loop", False
+
+
+def shares_weights(cfg: TransformersEngineConfig, rollout_config) -> bool:
+    """``share_weights`` resolved: ``auto`` shares unless the engine samples while the trainer updates."""
+    overlaps = rollout_config.mode == "one_step_off" or (rollout_config.mode == "async" and rollout_config.max_staleness > 0)
+    if cfg.share_weights is not None:
+        return cfg.share_weights
+    if overlaps and not cfg.process:
+        log.info("rollout.mode=%s: the in-process engine samples while the trainer updates, so it keeps its own copy "
+                 "of the weights (rollout.engine.args.share_weights=auto)", rollout_config.mode)
+    return not overlaps
 
 
 def _eos_ids(tokenizer) -> list[int]:
@@ -44,8 +113,12 @@ def _eos_ids(tokenizer) -> list[int]:
 def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: TransformersEngineConfig, context):
     draft = context.draft
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = engine_device(cfg, context)
+    dtype = engine_dtype(cfg, model_config, context)
+    decode, auto_decode = engine_decode(cfg, rollout_config, context, device)
     common = dict(
-        pad_token_id=pad, eos_token_ids=_eos_ids(tokenizer), true_on_policy=rollout_config.true_on_policy, draft=draft
+        pad_token_id=pad, eos_token_ids=_eos_ids(tokenizer), true_on_policy=rollout_config.true_on_policy, draft=draft,
+        decode=decode, auto_decode=auto_decode,
     )
     if cfg.process:
         from rlite.api import ProcessEngine
@@ -53,10 +126,12 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
         return ProcessEngine(
             model_config.path,
             timeout_s=rollout_config.timeout_s,
+            dtype=DTYPES[dtype],
             attn_implementation=cfg.attn_implementation,
             gguf_file=model_config.gguf_file,
             bucket_mb=rollout_config.sync_bucket_mb,
             weights_from_sync=True,
+            device=device,
             **common,
         )
     from rlite.api import TransformersEngine, skeleton_causal_lm
@@ -65,12 +140,12 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
     from rlite.engines.transformers.engine import load_draft_model
 
     # the trainer syncs every weight before the first rollout: the engine reads none from disk
-    model = skeleton_causal_lm(model_config.path, model_config.dtype, cfg.attn_implementation,
-                               model_config.gguf_file, model_config.trust_remote_code)  # fmt: skip
+    model = skeleton_causal_lm(model_config.path, dtype, cfg.attn_implementation, model_config.gguf_file,
+                               model_config.trust_remote_code, device=device)  # fmt: skip
     return TransformersEngine(
         model,
-        share_weights=cfg.share_weights,
-        draft_model=load_draft_model(draft, cfg.attn_implementation, weights_from_sync=True),
+        share_weights=shares_weights(cfg, rollout_config),
+        draft_model=load_draft_model(draft, cfg.attn_implementation, weights_from_sync=True, device=device),
         **common,
     )
 

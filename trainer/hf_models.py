@@ -103,19 +103,27 @@ def parameters_on_meta():
 
 
 def skeleton_causal_lm(path: str, dtype: str = "float32", attn_implementation: str = "sdpa",
-                       gguf_file: str | None = None, trust_remote_code: bool = False) -> nn.Module:
+                       gguf_file: str | None = None, trust_remote_code: bool = False,
+                       device: torch.device | str | None = None) -> nn.Module:
     """The model ``path`` names, built from its config only: parameters on the meta device, buffers
     (the rotary embedding's, which no state dict or weight sync carries) computed on the host as
-    ``from_pretrained`` computes them. For an engine whose first weight sync gives every parameter its
-    storage: no second read of the checkpoint."""
+    ``from_pretrained`` computes them, then moved to ``device`` (default: left on the host). For an
+    engine whose first weight sync gives every parameter its storage: no second read of the checkpoint,
+    and the parameters get their storage where the buffers are."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     with parameters_on_meta():
-        return AutoModelForCausalLM.from_config(
+        model = AutoModelForCausalLM.from_config(
             config, dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
+    if device is not None:
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+    return model
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

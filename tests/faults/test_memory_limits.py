@@ -86,7 +86,9 @@ def test_absurd_batch_settings_are_refused_with_the_estimate_the_available_memor
     line = error_line(capsys)
     assert line.startswith("rlite train: error: memory: the run needs about ")
     kv_cache = 10**7 * 2 * 2 * 2 * 16 * (longest_prompt(model_dir, tmp_path) + 4) * 4
-    assert f"engine KV cache {kv_cache / 2**30:.2f} GiB" in line and "are available (MemAvailable in /proc/meminfo)" in line
+    decode_step = 10**7 * 259 * 24  # sequences x vocabulary x (float32 logits, softmax, log-softmax, float64 CDF)
+    assert f"engine KV cache {kv_cache / 2**30:.2f}, engine decode step {decode_step / 2**30:.2f} GiB" in line
+    assert "are available (MemAvailable in /proc/meminfo)" in line
     assert "rollout.max_new_tokens, rollout.prompts_per_step x rollout.samples_per_prompt" in line
     assert "training.check_memory=false" in line
 
@@ -124,6 +126,16 @@ def test_the_estimate_follows_its_documented_formula(tmp_path, model_dir) -> Non
     assert parts["AdamW moments"] == 8 * p
     assert parts["engine KV cache"] == 2 * 2 * 2 * 16 * t * 4 * 32  # layers x 2 x kv heads x head dim x T x b x S
     assert parts["engine weights"] == 0  # the in-process engine shares the trainer's tensors
+    assert parts["engine decode step"] == 32 * 259 * 24  # S x V x 24 bytes
+    # an engine sampling in bfloat16 beside float32 master weights keeps its own bfloat16 copy and cache
+    mixed = limits.estimate_memory(tiny_config(model_dir, tmp_path / "run", "rollout.prompts_per_step=8",
+                                               "rollout.samples_per_prompt=4", "data.max_prompt_tokens=100",
+                                               "rollout.max_new_tokens=28", "training.eval_max_prompts=16",
+                                               "parallelism.param_dtype=bfloat16"), shape).parts
+    assert mixed["engine weights"] == 2 * p and mixed["engine KV cache"] == parts["engine KV cache"] // 2
+    # an engine left on the host beside a GPU trainer holds nothing on the GPU
+    host = tiny_config(model_dir, tmp_path / "run", "rollout.engine.args.device=cpu")
+    assert not any(name.startswith("engine") for name in limits.estimate_memory(host, shape, on_gpu=True).parts)
     assert parts["activations of a micro-batch"] == 8 * t * 64 * 2 * 34 * 4 // 2 + min(8 * t, 1024) * 259 * 4 * 3
     lora = tiny_config(model_dir, tmp_path / "run", "model.lora.enabled=true", "training.optimizer_offload=disk")
     lora_parts = limits.estimate_memory(lora, shape).parts

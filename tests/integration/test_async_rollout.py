@@ -105,12 +105,37 @@ def test_staleness_never_exceeds_the_bound(tmp_path, model_dir, mode, bound):
 def test_async_needs_an_engine_with_its_own_weights(tmp_path, model_dir):
     pm = build_plugin_manager(autoload=False)
     with pytest.raises(ConfigError, match="rollout.mode=one_step_off with rollout.engine=transformers in process "
-                                          "with rollout.engine.args.share_weights=true: .*share_weights=false"):
-        tiny_config(model_dir, tmp_path, "rollout.mode=one_step_off", pm=pm)  # refused as the config loads
+                                          "with rollout.engine.args.share_weights=true: .*share_weights out"):
+        tiny_config(model_dir, tmp_path, "rollout.mode=one_step_off", "rollout.engine.args.share_weights=true",
+                    pm=pm)  # refused as the config loads
     with pytest.raises(ConfigError, match="rollout.mode"):
         tiny_config(model_dir, tmp_path, "rollout.mode=later", pm=pm)
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         tiny_config(model_dir, tmp_path, "rollout.max_staleness=-1", pm=pm)
+
+
+def test_overlapping_modes_give_the_default_engine_its_own_copy(tmp_path, model_dir, caplog):
+    """With share_weights left at its default, one_step_off and async choose the engine's own copy of the
+    weights (said once) instead of refusing; sync mode keeps sharing the trainer's storage."""
+    import logging
+
+    from rlite.distributed import shutdown_distributed
+    from rlite.plugin_manager import get_plugin_manager
+    from rlite.run.build import build_run
+
+    for mode, shares in (("sync", True), ("one_step_off", False)):
+        cfg = tiny_config(model_dir, tmp_path / mode, f"rollout.mode={mode}", "training.steps=1")
+        with caplog.at_level(logging.INFO, logger="rlite"):
+            run = build_run(cfg, get_plugin_manager())
+        try:
+            assert run.engine.share_weights is shares
+            assert (run.engine.shared_bytes > 0) is shares
+        finally:
+            run.engine.shutdown()
+            run.backend.close()
+            shutdown_distributed(run.ctx)
+    said = [r.getMessage() for r in caplog.records if "keeps its own copy" in r.getMessage()]
+    assert len(said) == 1 and "rollout.mode=one_step_off" in said[0]
 
 
 def test_async_refuses_tensor_parallel_replicas(tmp_path, model_dir):

@@ -101,7 +101,7 @@ OVERLAPS = Setting("rollout.overlaps", bool, "rollout.mode=one_step_off, or asyn
 SHARES_WEIGHTS = Setting("rollout.engine_shares_weights", bool,
                          "the in-process transformers engine with rollout.engine.args.share_weights=true",
                          lambda v: "rollout.engine=transformers in process with rollout.engine.args.share_weights=true",
-                         names=("rollout.engine.args.share_weights",))
+                         example=("rollout.engine.args.share_weights=true",), names=("rollout.engine.args.share_weights",))
 DENSE_MODEL = Setting("model.moe", lambda moe: not moe, "a dense model (no Mixture-of-Experts layers)",
                       lambda v: f"the dense model model.path={v['model.path']!r}", names=("model.path",))
 RECORDS_ROUTING = Setting("model.records_routing", bool,
@@ -200,7 +200,8 @@ RULES: tuple[Rule, ...] = (
          "or rollout.mode=sync"),
     Rule(OVERLAPS, SHARES_WEIGHTS,
          "the engine samples while the trainer updates, so it needs its own copy of the weights",
-         "set rollout.engine.args.share_weights=false (or rollout.engine.args.process=true), or rollout.mode=sync"),
+         "leave rollout.engine.args.share_weights out (its default keeps the engine's own copy in these modes), "
+         "set it false, or rollout.mode=sync"),
     # -- facts known when the run starts ------------------------------------------------------------
     Rule(equals("algorithm.routing_replay", "rollout"), DENSE_MODEL,
          "the model has no Mixture-of-Experts layers (nothing to replay)", "set algorithm.routing_replay=none"),
@@ -246,7 +247,8 @@ def derive(values: dict[str, Any], single_turn: Callable[[str], bool] | None = N
     mode = values["rollout.mode"]
     values["rollout.overlaps"] = mode == "one_step_off" or (mode == "async" and values["rollout.max_staleness"] > 0)
     in_process = values["rollout.engine"] == "transformers" and not values.get("rollout.engine.args.process", False)
-    values["rollout.engine_shares_weights"] = in_process and values.get("rollout.engine.args.share_weights", True)
+    # share_weights' default (None) chooses the engine's own copy when the rollouts overlap the update
+    values["rollout.engine_shares_weights"] = in_process and values.get("rollout.engine.args.share_weights") is True
     values["rollout.samples_in_thread"] = in_process and values["rollout.overlaps"]
     values["model.lora.dropout_active"] = values["model.lora.enabled"] and values["model.lora.dropout"] > 0
     if "model.moe" in values:

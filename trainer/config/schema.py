@@ -239,6 +239,10 @@ class RolloutConfig:
     to resume from (exit status 4). Restarts need a single trainer process; with several, a death stops the run."""
     lora_sync: str = "merged"
     """With LoRA: ``merged`` sends W + scale * B @ A to the engine; ``adapter`` sends only the adapter (engines that serve adapters, e.g. sglang)."""
+    ignore_eos: bool = False
+    """Training samples do not stop at the tokenizer's end-of-sequence token: every completion runs to
+    ``max_new_tokens`` (benchmarks of a fixed length, as TRL's ``min_new_tokens`` and SGLang's ``ignore_eos``);
+    evaluation still stops there."""
     true_on_policy: bool = False
     """Sample with the trainer's own fixed-shape forward so rollout log-probs equal the trainer's bitwise (slow; transformers engine)."""
     workflow: Choice = field(default_factory=lambda: Choice("single_turn"))

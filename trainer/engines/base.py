@@ -41,6 +41,9 @@ class SamplingParams:
     greedy: bool = False
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    """Do not stop at the engine's end-of-sequence tokens (``stop_token_ids`` still stop): every
+    completion runs to ``max_new_tokens`` unless one of those comes (benchmarks of a fixed length)."""
     return_routed_experts: bool = False
     """Report the experts every MoE layer chose for every token (``Completion.routed_experts``);
     only for engines with ``capabilities.routed_experts``."""
@@ -168,7 +171,9 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | None, version: int) -> None:
         """Load new weights (Hugging Face names) and start sampling with ``version``. Called after
-        :meth:`release_memory`: re-acquire what the weights need before loading them."""
+        :meth:`release_memory`: re-acquire what the weights need before loading them. The tensors may
+        be the trainer's own parameters (no copy is made where the backend can avoid one): never write
+        to them, and copy what you keep unless ``capabilities.shares_weights`` says you bind them."""
 
     def release_memory(self) -> None:
         """Free device memory (weights, KV cache) for the trainer, right after a rollout and after the

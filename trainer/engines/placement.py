@@ -52,6 +52,9 @@ class EngineContext:
     draft: Any = None
     """The speculative draft's :class:`rlite.api.DraftSpec` (``rollout.draft``), or None; an engine
     registered with ``draft_methods`` runs it."""
+    compute_dtype: str | None = None
+    """The dtype the trainer's forward computes in (``parallelism.param_dtype``: bfloat16 under mixed
+    precision with float32 master weights); None where not known (tests, scripts)."""
 
     @property
     def this(self) -> RankDevice:
@@ -66,10 +69,12 @@ class EngineContext:
         return tuple(r for r in self.ranks if r.builds_engine)
 
     @classmethod
-    def single_process(cls, *, quantizer: tuple | None = None, draft: Any = None, **rank_fields) -> EngineContext:
+    def single_process(cls, *, quantizer: tuple | None = None, draft: Any = None, compute_dtype: str | None = None,
+                       **rank_fields) -> EngineContext:
         """A run of one process on CPU (tests, scripts); ``rank_fields`` override :class:`RankDevice`'s."""
         fields = dict(rank=0, host="localhost", local_rank=0, gpu_index=None, gpu_uuid=None)
-        return cls(rank=0, ranks=(RankDevice(**{**fields, **rank_fields}),), quantizer=quantizer, draft=draft)
+        return cls(rank=0, ranks=(RankDevice(**{**fields, **rank_fields}),), quantizer=quantizer, draft=draft,
+                   compute_dtype=compute_dtype)
 
 
 def describe_rank(rank: int, local_rank: int, device: torch.device, *, bytes_to_come: int, builds_engine: bool) -> RankDevice:
@@ -87,9 +92,10 @@ def describe_rank(rank: int, local_rank: int, device: torch.device, *, bytes_to_
     )  # fmt: skip
 
 
-def gather_engine_context(this: RankDevice, quantizer: tuple | None, draft: Any = None) -> EngineContext:
+def gather_engine_context(this: RankDevice, quantizer: tuple | None, draft: Any = None,
+                          compute_dtype: str | None = None) -> EngineContext:
     """Every rank's :class:`RankDevice`, on every rank (a collective: all ranks call it)."""
     from rlite.distributed import all_gather_objects
 
     ranks = tuple(all_gather_objects(this))
-    return EngineContext(rank=this.rank, ranks=ranks, quantizer=quantizer, draft=draft)
+    return EngineContext(rank=this.rank, ranks=ranks, quantizer=quantizer, draft=draft, compute_dtype=compute_dtype)

@@ -34,9 +34,19 @@ def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
     a 49k vocabulary on one CPU core). The CDF is summed in float64, so even the smallest
     probabilities keep their mass; a token of probability 0 (filtered by top-k/top-p) is never drawn.
     """
+    u = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
+    chosen, valid = draw_from_cdf(probs, u)
+    if not bool(valid.all()):
+        raise EngineError("sampling: the probabilities of a row are NaN, infinite or all zero")
+    return chosen
+
+
+def draw_from_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draws of :func:`sample_categorical` for given uniforms ``u`` ``[B]`` (float64 in [0, 1)), and
+    whether each row's probabilities were valid (finite, not all zero); no host synchronisation, so a
+    fixed-shape decode can check the validity once at its end."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    if not bool((torch.isfinite(total) & (total > 0)).all()):
-        raise EngineError("sampling: the probabilities of a row are NaN, infinite or all zero")
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * total
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    valid = (torch.isfinite(total) & (total > 0)).squeeze(1)
+    chosen = torch.searchsorted(cdf, u[:, None] * total, right=True).squeeze(1)
+    return chosen.clamp_(max=probs.shape[-1] - 1), valid

@@ -167,6 +167,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
                       builds_engine=layout.leader),
         quantizer,
         draft=None if draft is None else draft.spec,
+        compute_dtype=cfg.parallelism.param_dtype,
     )  # fmt: skip
     engine: RolloutEngine = IdleEngine()  # ranks that receive their replica leader's batches
     if layout.leader:

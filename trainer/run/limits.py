@@ -14,6 +14,11 @@ being killed by the kernel minutes later. The estimate, part by part (``docs/mem
               + min(m * T, c) * V * 4 * 3                       a chunk of output-layer logits (fp32)
     engine    = P * b_engine                                    its weights (none when it shares the trainer's)
               + L * 2 * H_kv * d_head * T * b_engine * S        the KV cache of S concurrent sequences
+              + S * V * 24                                      one decode step's logits, softmax, log-softmax
+                                                                and float64 CDF
+              (on the trainer's device: its GPU when the trainer has one, unless
+              ``rollout.engine.args.device=cpu``; b_engine: the engine's dtype, by default the trainer's
+              compute dtype ``parallelism.param_dtype``)
 
 with P parameters, L layers, h hidden size, V vocabulary, H_kv key/value heads of d_head each, W ranks,
 m = ``training.micro_batch_size``, T = the longest prompt loaded (at most ``data.max_prompt_tokens``) +
@@ -142,7 +147,6 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, world_size: int = 1, o
     The trainer's parts come from the training backend's registered ``trainer_memory`` (one rank's bytes;
     ``pm``: the run's plugin manager, None: the FSDP2 formula)."""
     t = cfg.training
-    master = DTYPE_BYTES[cfg.model.dtype]
     compute = DTYPE_BYTES[cfg.parallelism.param_dtype]
     params = shape.parameters
     tokens = sequence_tokens(cfg, longest_prompt)
@@ -165,14 +169,33 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, world_size: int = 1, o
     logits = min(t.micro_batch_size * tokens, t.logprob_chunk_size) * shape.vocab * 4 * 3
     parts["activations of a micro-batch"] = (activations + logits) * ranks_here
     if cfg.rollout.engine.name == "transformers":
-        engine_args = cfg.rollout.engine.args
-        shares = engine_args.get("share_weights", True) and not engine_args.get("process", False) and world_size == 1
-        own_weights = not shares or cfg.model.lora.enabled or cfg.rollout.quantization.name != "none"
-        parts["engine weights"] = params * master if own_weights else 0
-        sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-        sequences = max(sequences, t.eval_max_prompts)
-        parts["engine KV cache"] = shape.layers * 2 * shape.kv_heads * shape.head_dim * tokens * master * sequences
+        parts.update(transformers_engine_memory(cfg, shape, tokens, world_size, on_gpu))
     return MemoryEstimate(parts, "GPU" if on_gpu else "host")
+
+
+def transformers_engine_memory(cfg: RunConfig, shape: ModelShape, tokens: int, world_size: int,
+                               on_gpu: bool) -> dict[str, int]:
+    """What the transformers engine holds where the trainer is (nothing when it samples on the host
+    beside a GPU trainer): its weights unless it shares the trainer's, the KV cache of every sequence of a
+    call, and one decode step's work on the output layer (float32 logits, their softmax and log-softmax,
+    and the float64 CDF the sampler inverts: 24 bytes per row and vocabulary entry)."""
+    args = cfg.rollout.engine.args
+    if on_gpu and args.get("device", "auto") == "cpu":
+        return {}
+    overlaps = cfg.rollout.mode == "one_step_off" or (cfg.rollout.mode == "async" and cfg.rollout.max_staleness > 0)
+    share = args.get("share_weights")
+    dtype = args.get("dtype", "auto")
+    dtype = cfg.parallelism.param_dtype if dtype == "auto" else dtype
+    shares = ((share is True or (share is None and not overlaps)) and not args.get("process", False)
+              and world_size == 1 and dtype == cfg.model.dtype)
+    own_weights = not shares or cfg.model.lora.enabled or cfg.rollout.quantization.name != "none"
+    engine_bytes = DTYPE_BYTES[dtype]
+    sequences = max(cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, cfg.training.eval_max_prompts)
+    return {
+        "engine weights": shape.parameters * engine_bytes if own_weights else 0,
+        "engine KV cache": shape.layers * 2 * shape.kv_heads * shape.head_dim * tokens * engine_bytes * sequences,
+        "engine decode step": sequences * shape.vocab * 24,
+    }
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:
@@ -199,6 +222,7 @@ def memory_keys(cfg: RunConfig, estimate: MemoryEstimate) -> str:
     keys = {
         "engine KV cache": "rollout.max_new_tokens, rollout.prompts_per_step x rollout.samples_per_prompt, "
                            "training.eval_max_prompts, data.max_prompt_tokens",
+        "engine decode step": "rollout.prompts_per_step x rollout.samples_per_prompt, training.eval_max_prompts",
         "activations of a micro-batch": "training.micro_batch_size, parallelism.activation_checkpointing=true",
         "AdamW moments": "training.optimizer_offload=disk (megatron: or parallelism.backend.args.distributed_optimizer=true)",
         "gradients": "model.lora.enabled=true",

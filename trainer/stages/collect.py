@@ -217,6 +217,7 @@ class Rollouts:
         extra_round = (round_index,) if round_index else ()  # round 0 keeps the seed of a run without dynamic sampling
         options = self.options
         params = sampling_params(self.rollout, seed=hash_seed(options.seed, step, self.layout.rank, *extra_round))
+        params.ignore_eos = self.rollout.ignore_eos  # training samples only: evaluation stops at EOS
         params.return_routed_experts = options.record_routing
         params.top_logprobs = options.top_logprobs
         engine = self.engine

@@ -82,9 +82,20 @@ def pack_bucket(
         out = torch.zeros(size, dtype=torch.uint8, device=device)
     elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < size:
         raise ValueError(f"pack_bucket: out must be a 1-D uint8 tensor of at least {size} bytes")
-    for (_, tensor), meta in zip(named_tensors, metas):
-        tensor_view(out, meta).copy_(tensor)
+    copy_into([tensor_view(out, meta) for meta in metas], [tensor for _, tensor in named_tensors])
     return out, metas
+
+
+def copy_into(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """``view.copy_(tensor)`` for each pair, as one multi-tensor copy on a GPU (a few kernel launches for
+    a bucket's hundreds of tensors instead of one each); the same bytes as the copies one by one."""
+    if not views:
+        return
+    if len(views) > 1 and views[0].is_cuda and all(t.device == views[0].device for t in tensors):
+        torch._foreach_copy_(views, tensors)
+        return
+    for view, tensor in zip(views, tensors):
+        view.copy_(tensor)
 
 
 def unpack_bucket(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> list[tuple[str, torch.Tensor]]:

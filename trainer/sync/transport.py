@@ -19,6 +19,7 @@ from rlite.sync.buckets import (
     NamedTensors,
     TensorMeta,
     bucket_checksum,
+    copy_into,
     iter_buckets,
     pack_bucket,
     plan_bucket,
@@ -183,6 +184,7 @@ class SharedBucketSender:
     def _steady_sync(self, named_tensors: NamedTensors, stats: SyncStats) -> None:
         expected = [(i, meta) for i, slot in enumerate(self.slots) for meta in slot.metas]
         position = 0
+        pending: list[torch.Tensor] = []  # the current bucket's tensors, copied in one go at its end
         t = time.perf_counter()
         for name, tensor in named_tensors:
             if position >= len(expected):
@@ -196,13 +198,19 @@ class SharedBucketSender:
                     f"had {meta.name!r} {meta.shape} {meta.dtype}; the synced names, shapes and dtypes must not change"
                 )
             slot = self.slots[index]
-            if slot.awaiting_ack:  # never overwrite a buffer the receiver has not acknowledged
-                stats.copy_s += time.perf_counter() - t
+            batched = slot.buffer.is_cuda  # a GPU bucket is filled by one multi-tensor copy at its end
+            if slot.awaiting_ack and (not batched or meta is slot.metas[-1]):
+                stats.copy_s += time.perf_counter() - t  # never overwrite a buffer the receiver has not acknowledged
                 self._await_ack(index, stats)
                 t = time.perf_counter()
-            tensor_view(slot.buffer, meta).copy_(tensor)
+            if batched:
+                pending.append(tensor)
+            else:
+                tensor_view(slot.buffer, meta).copy_(tensor)
             position += 1
             if meta is slot.metas[-1]:
+                copy_into([tensor_view(slot.buffer, m) for m in slot.metas] if batched else [], pending)
+                pending = []
                 stats.copy_s += time.perf_counter() - t
                 self._send_bucket(index, stats, handle=None)
                 t = time.perf_counter()

@@ -236,7 +236,8 @@ class SGLangEngine:
             base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
             seeds = [base + i for i in range(len(expanded))]
         sampling = sampling_params_for(
-            params, stop_token_ids=set(self.eos_token_ids) | set(params.stop_token_ids), seeds=seeds
+            params, stop_token_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)),
+            seeds=seeds
         )
         if seeds is None:
             sampling = sampling * len(expanded)

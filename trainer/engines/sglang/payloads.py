@@ -166,6 +166,8 @@ def sampling_params_for(
         "top_k": params.top_k if params.top_k and params.top_k > 0 else -1,
         "stop_token_ids": sorted({int(t) for t in stop_token_ids}) or None,
     }
+    if params.ignore_eos:  # SGLang's own flag: its tokenizer's EOS stops nothing; stop_token_ids still do
+        base["ignore_eos"] = True
     if seeds is None:
         return [dict(base)]
     return [dict(base, sampling_seed=seed) for seed in seeds]

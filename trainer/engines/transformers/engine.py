@@ -16,7 +16,6 @@ forwards of the policy (``../docs/speculative.md``).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,98 +31,23 @@ from rlite.engines.base import (
     SpeculationStats,
 )
 from rlite.engines.sampling import filter_logits, sample_categorical
+from rlite.engines.transformers.decode import DECODE_MODES, decode_cache, decode_graph, decode_static
 from rlite.hf_models import cache_kwarg
 from rlite.moe_routing import RouterHooks
 from rlite.rollout import left_pad, position_ids_from_mask
 
 
-def _can_share(target: torch.Tensor, tensor: torch.Tensor) -> bool:
+def _can_share(target: torch.Tensor, tensor: torch.Tensor, *, meta: bool = False,
+               device: torch.device | None = None) -> bool:
+    """Whether the engine's ``target`` can be bound to ``tensor`` (same shape, dtype and device; a
+    ``meta`` target, which has no device yet, is compared with the engine's ``device``)."""
+    where = device if meta else target.device
     return (
         target.shape == tensor.shape
         and target.dtype == tensor.dtype
-        and target.device == tensor.device
+        and torch.device(where) == tensor.device
         and not tensor.requires_grad
     )
-
-
-@functools.cache
-def _growing_layer_class():
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        """A ``DynamicLayer`` that writes each step's keys and values into a buffer with room for
-        ``reserve`` more tokens, instead of concatenating the whole cache every step (``torch.cat`` of
-        every layer's cache was 7% of CPU decoding). ``keys``/``values`` are views of the filled part."""
-
-        def __init__(self, reserve: int) -> None:
-            super().__init__()
-            self.reserve = int(reserve)
-            self._length = 0
-            self._key_buffer = self._value_buffer = None
-
-        def _expose(self) -> None:
-            self.keys = self._key_buffer[:, :, : self._length]
-            self.values = self._value_buffer[:, :, : self._length]
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            end = self._length + key_states.shape[-2]
-            buffer = self._key_buffer
-            if buffer is None or end > buffer.shape[-2] or buffer.shape[0] != key_states.shape[0]:
-                capacity = max(end + self.reserve, 0 if buffer is None else 2 * buffer.shape[-2])
-                shape = (key_states.shape[0], key_states.shape[1], capacity)
-                # keys and values may differ in width (DeepSeek's MLA: nope + rope dims vs v_head_dim)
-                keys = key_states.new_empty((*shape, key_states.shape[-1]))
-                values = value_states.new_empty((*shape, value_states.shape[-1]))
-                if self._length:
-                    keys[:, :, : self._length] = self.keys
-                    values[:, :, : self._length] = self.values
-                self._key_buffer, self._value_buffer = keys, values
-            self._key_buffer[:, :, self._length : end] = key_states
-            self._value_buffer[:, :, self._length : end] = value_states
-            self._length = end
-            self._expose()
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self._length
-
-        def _rows(self, select) -> None:
-            if self._key_buffer is not None:
-                self._key_buffer, self._value_buffer = select(self._key_buffer), select(self._value_buffer)
-                self._expose()
-
-        def batch_select_indices(self, indices) -> None:
-            self._rows(lambda t: t[indices])
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-        def reorder_cache(self, beam_idx) -> None:
-            self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-        def crop(self, max_length: int) -> None:
-            raise NotImplementedError("rlite's decode cache is never cropped")
-
-        def reset(self) -> None:
-            self._length = 0
-            self._key_buffer = self._value_buffer = None
-            super().reset()
-
-    return GrowingLayer
-
-
-def decode_cache(config, reserve: int):
-    """A transformers ``DynamicCache`` whose full-attention layers fill preallocated buffers
-    (:func:`_growing_layer_class`); sliding-window and other layer kinds keep their own classes."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    cache = DynamicCache(config=config)
-    growing = _growing_layer_class()
-    cache.layers = [growing(reserve) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
 
 
 class TransformersEngine:
@@ -141,6 +65,7 @@ class TransformersEngine:
         share_weights: bool = False,
         draft: DraftSpec | None = None,
         draft_model: torch.nn.Module | None = None,
+        auto_decode: bool = False,
     ) -> None:
         """``share_weights=True``: a sync binds the engine's parameters to the tensors it is given
         instead of copying them, when shape, dtype and device match. Given the trainer's own
@@ -150,12 +75,22 @@ class TransformersEngine:
 
         ``draft``: decode speculatively with this draft (``model`` drafts run ``draft_model``, a causal
         LM with the policy's vocabulary; a trained one's weights come with every sync under
-        ``draft.`` names)."""
-        if decode not in ("loop", "generate"):
-            raise ValueError(f"decode must be 'loop' or 'generate', got {decode!r}")
+        ``draft.`` names).
+
+        ``decode``: ``loop`` (a KV cache that finished rows leave: the CPU's fastest), ``generate``
+        (transformers' own), ``static`` (every row kept, no host synchronisation per token) or ``graph``
+        (``static`` with each token's step replayed from a CUDA graph: a GPU's fastest), see
+        :mod:`rlite.engines.transformers.decode`. ``auto_decode``: ``decode`` was chosen for the
+        engine, not by the user: a call that records MoE routing decodes with the loop, and a model whose
+        step cannot be captured as a graph decodes ``static`` (said once), instead of failing."""
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
         self.model = model.eval()
         self.share_prefill = share_prefill
         self.decode = decode
+        self.auto_decode = auto_decode
+        self.graph_failure: str | None = None
+        """Why the graph path could not capture this model's step (it then decodes ``static``)."""
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.true_on_policy = true_on_policy
@@ -178,6 +113,25 @@ class TransformersEngine:
         """Where parameters built on the meta device get their storage (the model's buffers' device)."""
         for p in self.synced_parameters().values():
             p.requires_grad_(False)
+        self._check_decode()
+
+    def _check_decode(self) -> None:
+        """Refuse a fixed-shape decode the engine's other settings leave no room for."""
+        if self.decode not in ("static", "graph"):
+            return
+        why = None
+        if self.true_on_policy:
+            why = "true on-policy mode samples with the trainer's own fixed-shape forward (no KV cache)"
+        elif self.speculator is not None:
+            why = "a speculative draft decodes through its own verification steps"
+        elif self.decode == "graph" and self.device.type != "cuda":
+            why = f"CUDA graphs need a CUDA device; the engine's model is on {self.device}"
+        elif self.decode == "graph":
+            from rlite.engines.transformers.decode import graph_decode_refusal
+
+            why = graph_decode_refusal(self.model)
+        if why is not None:
+            raise EngineError(f"decode={self.decode!r}: {why}; use decode='loop' (or 'auto')")
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs):
@@ -202,7 +156,7 @@ class TransformersEngine:
         expanded = [p for p in prompts for _ in range(params.n)]  # groups stay contiguous
         device = next(self.model.parameters()).device  # the engine runs where its model lives
         ids, mask = (t.to(device) for t in left_pad(expanded, self.pad_token_id))
-        stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         record = params.return_routed_experts and self.routers is not None
         if record and self.decode == "generate" and not self.true_on_policy:
@@ -219,12 +173,23 @@ class TransformersEngine:
             self._grid = torch.full(
                 (len(expanded), ids.shape[1] + params.max_new_tokens, shape.num_layers, shape.top_k), -1, dtype=torch.int32
             )
-        with torch.random.fork_rng(devices=[]), self.routers.recording() if record else contextlib.nullcontext():
-            torch.manual_seed(seed)
+        decode = self.decode
+        if record and decode in ("static", "graph") and not self.true_on_policy:
+            if not self.auto_decode:
+                raise EngineError(f"return_routed_experts: recorded with decode='loop' only, not {decode!r}")
+            decode = "loop"
+        if decode == "graph" and self.graph_failure is not None:
+            decode = "static"
+        with seeded(seed, device), self.routers.recording() if record else contextlib.nullcontext():
             if self.true_on_policy:
                 tokens, logprobs = self._sample_fixed_shape(ids, mask, params, stop_ids)
-            elif self.decode == "loop":
+            elif decode == "loop":
                 tokens, logprobs = self._sample_loop(prompts, ids, mask, params, stop_ids)
+            elif decode == "static":
+                tokens, logprobs = decode_static(self, prompts, ids, mask, params, stop_ids)
+            elif decode == "graph":
+                tokens, logprobs = decode_graph(self, prompts, ids, mask, params, stop_ids, capture=True,
+                                                on_failure=self._graph_failed)
             else:
                 cache = self._prefill_once_per_prompt(prompts, params.n) if self.share_prefill else None
                 tokens, logprobs = self._sample_generate(ids, mask, params, stop_ids, cache)
@@ -238,9 +203,20 @@ class TransformersEngine:
             self._grid = None
         return completions
 
+    def _graph_failed(self, reason: str) -> None:
+        """A capture of the decode step failed: refuse (``decode='graph'`` asked for) or decode without
+        the graph from now on, saying so once."""
+        message = (f"the transformers engine could not capture its decode step as a CUDA graph ({reason}); "
+                   "it decodes without one (decode='static'), correctly but slower")
+        if not self.auto_decode:
+            raise EngineError(f"decode='graph': {message.split('; ')[0]}; set rollout.engine.args.decode=static")
+        import warnings
+
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self.graph_failure = reason
+
     def _generate_speculatively(self, prompts, params: SamplingParams, stop_ids, seed: int) -> list[Completion]:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed, self.device):
             out = self.speculator.sample(prompts, params, stop_ids, fixed_shape=self.true_on_policy)
         self._speculation = out.stats
         completions = self._to_completions(out.tokens.cpu(), out.logprobs.cpu(), params, stop_ids)
@@ -438,7 +414,9 @@ class TransformersEngine:
                     f"weight sync: {name} has shape {tuple(tensor.shape)}, engine expects {tuple(target.shape)}"
                 )
             if target.is_meta:  # built without weights (skeleton_causal_lm): the first sync gives the storage
-                target = params[name] = give_storage([self.model, self.draft_model], target, self.device)
+                bind = self.share_weights and _can_share(target, tensor, meta=True, device=self.device)
+                target = params[name] = give_storage([self.model, self.draft_model], target, self.device,
+                                                     storage=tensor.detach() if bind else None)
             if self.share_weights and _can_share(target, tensor):
                 if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
                     target.data = tensor.detach()  # bound once; later syncs find the same storage
@@ -476,11 +454,24 @@ class TransformersEngine:
         self.model = self.draft_model = self.speculator = None
 
 
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device):
+    """Seed torch's generators inside, and restore the caller's states after: the CPU's, and the
+    engine's GPU's when it runs on one (``manual_seed`` seeds every device, and the trainer beside the
+    engine on that GPU must not see its generator reseeded by a rollout)."""
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def give_storage(models: list[torch.nn.Module | None], param: torch.nn.Parameter,
-                 device: torch.device) -> torch.nn.Parameter:
+                 device: torch.device, storage: torch.Tensor | None = None) -> torch.nn.Parameter:
     """Replace a meta-device parameter, in every module of ``models`` that holds it (tied weights are
-    one parameter in two modules), by one with (uninitialised) storage on ``device``; return it."""
-    fresh = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+    one parameter in two modules), by one with (uninitialised) storage on ``device``, or bound to
+    ``storage`` (a tensor of its shape and dtype, shared, not copied); return it."""
+    data = torch.empty_like(param, device=device) if storage is None else storage
+    fresh = torch.nn.Parameter(data, requires_grad=param.requires_grad)
     for model in models:
         for module in [] if model is None else model.modules():
             for key, value in module._parameters.items():
@@ -496,20 +487,21 @@ def is_tied_output_layer(name: str) -> bool:
 
 
 def load_draft_model(draft: DraftSpec | None, attn_implementation: str = "sdpa",
-                     weights_from_sync: bool = False) -> torch.nn.Module | None:
-    """The causal LM of a ``model`` draft, from its folder; ``None`` for drafts without weights.
-    ``weights_from_sync``: a trained draft is built without reading its weights (parameters on the
-    meta device), since the engine's first sync sends them."""
+                     weights_from_sync: bool = False, device: torch.device | None = None) -> torch.nn.Module | None:
+    """The causal LM of a ``model`` draft, from its folder, on ``device`` (default: the host); ``None``
+    for drafts without weights. ``weights_from_sync``: a trained draft is built without reading its
+    weights (parameters on the meta device), since the engine's first sync sends them."""
     if draft is None or draft.method != "model":
         return None
     if weights_from_sync and draft.trained:
         from rlite.hf_models import skeleton_causal_lm
 
-        return skeleton_causal_lm(draft.model_path, draft.dtype, attn_implementation)
+        return skeleton_causal_lm(draft.model_path, draft.dtype, attn_implementation, device=device)
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[draft.dtype]
-    return AutoModelForCausalLM.from_pretrained(draft.model_path, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(draft.model_path, dtype=dtype, attn_implementation=attn_implementation)
+    return model if device is None else model.to(device)
 
 
 SPECULATIVE_METHODS = ("model", "ngram")

@@ -170,6 +170,9 @@ class ProcessEngine:
         factory_kwargs: dict[str, Any] | None = None,
         draft: DraftSpec | None = None,
         weights_from_sync: bool = False,
+        device: torch.device | str = "cpu",
+        decode: str = "loop",
+        auto_decode: bool = False,
     ) -> None:
         """Start the engine process and wait (``start_timeout_s``, default ``timeout_s``) until it is ready.
 
@@ -187,7 +190,12 @@ class ProcessEngine:
         policy's (after them, under ``draft.`` names), version and checksums included.
         ``weights_from_sync``: the child builds the model from its config without reading the weights
         (``skeleton_causal_lm``); the first sync, which must come before any generate, gives them.
+        ``device``: where the engine samples. On a GPU the buckets are allocated in that GPU's memory and
+        the child gets CUDA-IPC handles to them (its parameters become views of the buckets: the trainer's
+        copy into a bucket is the whole sync); the weights travel in ``dtype``. ``decode``/``auto_decode``:
+        the transformers engine's (:class:`~rlite.engines.transformers.engine.TransformersEngine`).
         """
+        device = torch.device(device)
         if engine_factory is None:
             engine_factory = build_transformers_engine
             factory_kwargs = dict(
@@ -200,11 +208,18 @@ class ProcessEngine:
                 gguf_file=gguf_file,
                 draft=draft,
                 weights_from_sync=weights_from_sync,
+                device=str(device),
+                decode=decode,
+                auto_decode=auto_decode,
             )
         self.timeout_s = float(timeout_s)
         self.weight_version = 0
-        # weights arrive in shared buckets, copied by no one
-        self.capabilities = EngineCapabilities(routed_experts=True, draft_methods=("model", "ngram"))
+        # weights arrive in shared buckets, copied by no one, in the engine's dtype; on a GPU the child's caching
+        # allocator takes back what the trainer's gave up, so the trainer returns its cached blocks first
+        self.capabilities = EngineCapabilities(
+            routed_experts=True, draft_methods=("model", "ngram"), reacquires_device_memory=device.type == "cuda",
+            weight_dtype=dtype if engine_factory is build_transformers_engine else None,  # another factory's: unknown
+        )
         self.last_sync: SyncStats | None = None
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -217,6 +232,7 @@ class ProcessEngine:
                 num_threads,
                 verify_checksums,
                 verify_threads,
+                str(device),
             ),
             name="rlite-engine",
             daemon=True,
@@ -225,9 +241,9 @@ class ProcessEngine:
         child_conn.close()
         self._finalizer = weakref.finalize(self, _stop_process, self._process, parent_conn)
         self._channel = _PipeChannel(parent_conn, self._process)
-        # the engine runs on CPU: GPU tensors from the trainer are copied into CPU shared memory
+        # buckets where the engine samples: CPU shared memory, or the GPU's memory behind CUDA-IPC handles
         self._sender = SharedBucketSender(
-            self._channel, bucket_bytes=int(bucket_mb) << 20, device="cpu", timeout_s=self.timeout_s
+            self._channel, bucket_bytes=int(bucket_mb) << 20, device=device, timeout_s=self.timeout_s
         )
         try:
             status, detail = self._channel.recv(
@@ -310,9 +326,12 @@ def build_transformers_engine(
     gguf_file: str | None,
     draft: DraftSpec | None = None,
     weights_from_sync: bool = False,
+    device: str = "cpu",
+    decode: str = "loop",
+    auto_decode: bool = False,
 ):
-    """The engine the child runs by default: a TransformersEngine on the model folder (with
-    ``weights_from_sync``, built from its config only: the first sync gives the weights)."""
+    """The engine the child runs by default: a TransformersEngine on the model folder, on ``device``
+    (with ``weights_from_sync``, built from its config only: the first sync gives the weights)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -327,12 +346,13 @@ def build_transformers_engine(
         from rlite.hf_models import skeleton_causal_lm
 
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        model = skeleton_causal_lm(model_dir, dtype_name, attn_implementation, gguf_file)
+        model = skeleton_causal_lm(model_dir, dtype_name, attn_implementation, gguf_file, device=device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device)
     return TransformersEngine(
         model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, true_on_policy=true_on_policy,
-        draft=draft, draft_model=load_draft_model(draft, attn_implementation, weights_from_sync),
+        draft=draft, draft_model=load_draft_model(draft, attn_implementation, weights_from_sync, torch.device(device)),
+        decode=decode, auto_decode=auto_decode,
     )
 
 
@@ -359,7 +379,8 @@ class _ViewLoader:
                 )
             if param.is_meta:  # built without weights (skeleton_causal_lm): the first sync gives the storage
                 models = [self.engine.model, getattr(self.engine, "draft_model", None)]
-                param = self.params[name] = give_storage(models, param, view.device)
+                bind = view if param.dtype == view.dtype else None  # the bucket's view itself: no copy at all
+                param = self.params[name] = give_storage(models, param, view.device, storage=bind)
             if param.dtype == view.dtype and param.device == view.device:
                 if param.data_ptr() != view.data_ptr():
                     param.data = view  # zero-copy from now on: the trainer writes, we read
@@ -402,7 +423,7 @@ class _EngineServer:
             "named_weights": self._named_weights,
             "speculation_stats": lambda: self.engine.speculation_stats(),
             "shared_weights": self._shared_weights,
-            "release_memory": self.engine.release_memory,
+            "release_memory": self._release_memory,
             "resume_memory": self.engine.resume_memory,
             "ping": os.getpid,
         }
@@ -412,6 +433,13 @@ class _EngineServer:
             return ("ok", calls[op](*args))
         except Exception:
             return ("error", traceback.format_exc())
+
+    def _release_memory(self) -> None:
+        """The engine's own release, then this process's cached GPU blocks back to the driver: the trainer
+        beside it allocates from the driver, not from this process's cache."""
+        self.engine.release_memory()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def _check_complete(self, version: int) -> None:
         self.loader.check_complete(version)
@@ -441,10 +469,13 @@ def _serve(
     num_threads: int,
     verify_checksums: bool,
     verify_threads: int | None,
+    device: str = "cpu",
 ) -> None:
     """Entry point of the engine process: build the engine, then answer messages until told to stop."""
     torch.set_num_threads(num_threads)
     try:
+        if torch.device(device).type == "cuda":  # the GPU of the trainer rank that started it
+            torch.cuda.set_device(torch.device(device))
         server = _EngineServer(engine_factory(**factory_kwargs), verify_checksums, verify_threads)
     except Exception:
         conn.send(("error", traceback.format_exc()))
