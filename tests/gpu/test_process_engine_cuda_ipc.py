@@ -6,8 +6,8 @@ After every sync, with the weights changed in between, the engine's weights must
 bit for bit, and what it samples (true on-policy mode) must carry exactly the trainer's log-probs.
 The time per GB of each sync is measured for the report, not asserted.
 
-``ProcessEngine`` itself allocates its buckets in CPU shared memory (its default engine runs on the
-CPU); the test points the sender at the weights' device, the CUDA-IPC path of ``rlite.sync``.
+``ProcessEngine(device=cuda)`` (what ``rollout.engine.args.process=true`` builds on a GPU rank) allocates its
+buckets in the GPU's memory and hands the child CUDA-IPC handles: the CUDA-IPC path of ``rlite.sync``.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def test_cuda_ipc_syncs_are_bitwise_and_the_engine_samples_exactly_them(model_di
         model_dir, pad_token_id=pad, eos_token_ids=[eos], timeout_s=300.0, start_timeout_s=300.0,
         engine_factory=gpu_workers.build_cuda_engine,
         factory_kwargs=dict(model_dir=model_dir, pad_token_id=pad, eos_token_ids=[eos], true_on_policy=True),
+        device=ctx.device,
     )
-    engine._sender.device = None  # buckets where the weights are: GPU memory, handed over as CUDA-IPC handles
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist() for n in (5, 9, 7, 12)]
     spec = ForwardSpec(micro_batch_size=4 * len(prompts), temperature=1.0, chunk_size=1024, exact_layout=True)

@@ -2,9 +2,8 @@
 layout give bitwise equal log-probs on the GPU, in fp32 and in bf16, and in the real loop every
 mismatch metric reads exactly 0. Skipped without CUDA.
 
-The built-in ``transformers`` engine plugin loads its model on the CPU, so on a GPU machine its
-rollouts run there and cannot equal the GPU trainer bit for bit; the loop test registers an engine
-whose model sits on the GPU (sharing the trainer's weight storage).
+The loop test runs the built-in ``transformers`` engine as configured by default: on the trainer's GPU,
+sharing the trainer's weight storage.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from rlite import hookimpl
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -89,22 +86,6 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(dtype, measure):
         shutdown_distributed(ctx)
 
 
-class CudaTransformersEngine:
-    """A test plugin: the transformers engine with its model on the trainer's GPU."""
-
-    @hookimpl
-    def register_rollout_engines(self, register):
-        def make(model_config, tokenizer, rollout_config, cfg, context):
-            from rlite.api import TransformersEngine, load_causal_lm
-
-            model = load_causal_lm(model_config).to(torch.device("cuda", torch.cuda.current_device()))
-            return TransformersEngine(model, pad_token_id=tokenizer.pad_token_id,
-                                      eos_token_ids=[tokenizer.eos_token_id],
-                                      true_on_policy=rollout_config.true_on_policy, share_weights=True)
-
-        register("transformers_cuda", make)
-
-
 def test_true_on_policy_run_on_cuda_reports_zero_mismatch(tmp_path):
     from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
@@ -113,11 +94,11 @@ def test_true_on_policy_run_on_cuda_reports_zero_mismatch(tmp_path):
 
     model_dir = build_tiny_model_dir(tmp_path / "tiny")
     pm = build_plugin_manager(autoload=False)
-    pm.register(CudaTransformersEngine(), name="cuda-engine")
     set_plugin_manager(pm)
     try:
         # the trainer's micro-batch is the engine's batch (2 prompts x 4 samples): the same shapes
-        cfg = tiny_config(model_dir, tmp_path / "run", "rollout.engine=transformers_cuda", "rollout.true_on_policy=true",
+        # the default engine: on the trainer's GPU, sharing its storage (rollout.engine.args device/share_weights)
+        cfg = tiny_config(model_dir, tmp_path / "run", "rollout.true_on_policy=true",
                           f"rollout.temperature={TEMPERATURE}", "training.steps=3", "rollout.samples_per_prompt=4",
                           "rollout.max_new_tokens=6", "training.micro_batch_size=8", pm=pm)
         run_training(cfg, pm)
