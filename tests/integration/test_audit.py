@@ -106,3 +106,13 @@ def test_the_on_policy_ratio_check_finds_each_steps_first_micro_batch_with_rollo
     ratio = {check.name: check for check in checks}["on-policy ratio"]
     assert ratio.result == PASS, ratio.measured
     assert ratio.measured.endswith("[0.0, 0.0, 0.0]"), ratio.measured
+
+
+def test_audit_of_the_one_gpu_recipe_passes_on_cpu(tmp_path, in_repo_root, capsys):
+    """configs/qwen2.5_gsm8k_1gpu.yaml (the built-in engine on one GPU) validates and its invariants hold on
+    a tiny replica on the CPU: the hub model is not here (a tiny Qwen2 stands in), nor its data files."""
+    assert main(["audit", "configs/qwen2.5_gsm8k_1gpu.yaml", "--workdir", str(tmp_path / "audit")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "data files not here -> 32 synthetic sums with keys 'question'/'answer'" in out
+    assert "FAIL" not in out and "engine sglang" not in out
+

@@ -10,7 +10,13 @@ import torch
 
 from rlite.config import ConfigError, RolloutConfig
 from rlite.engines.placement import EngineContext
-from rlite.plugins.engines import TransformersEngineConfig, engine_decode, engine_device, engine_dtype, shares_weights
+from rlite.plugins.engines import (
+    TransformersEngineConfig,
+    engine_decode,
+    engine_device,
+    engine_dtype,
+    shares_weights,
+)
 from rlite.testing import tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 
