@@ -24,8 +24,10 @@ sequences, against the device's dense bf16 peak, or ``--peak-tflops``); rlite's 
 trainer passes, optimizer included); peak GPU memory (``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved`` of the process) or, on CPU, peak RSS. On CUDA both frameworks' phases synchronise
 the GPU at their start and end, so that each phase holds its own kernels. Each child gets ``--budget-s``
-divided by the number of children, counted from its start: when it is spent the child stops after the
-step under way (a child still running at its share + max(share, 60 s) is killed, and the report says so).
+shared among the children still to run (what a child leaves unspent goes to the next ones), counted from
+the child's start: when its share is spent the child stops after the step under way; a child still running
+at its share + max(share, 60 s), or at 1.25 x ``--budget-s`` + 60 s from the first child's start, is killed,
+and the report says so. The report and the results are rewritten after every child.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
 from pathlib import Path
 
 from vs_trl_common import BenchError, rlite_prompt_ids
@@ -113,32 +116,41 @@ def run_gpu_job(name: str, args, work_root: Path, run_child) -> str:
     train_file = work / "train.jsonl"
     train_file.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
     peak, peak_source = peak_tflops(args.peak_tflops, device)
-    children = [(p, f) for p in precisions for f in args.frameworks]
-    share = budget / len(children)
-    results: dict[str, dict[str, dict]] = {p: {} for p in precisions}
-    failures: dict[str, str] = {}
-    for precision, framework in children:
-        tag = f"{name}-{precision}-{framework}"
-        shutil.rmtree(work / f"{framework}-{precision}", ignore_errors=True)  # rlite's jsonl logger appends
-        spec = dict(
-            job, model_dir=str(model_dir), train_file=str(train_file), run_dir=str(work), seed=args.seed,
-            precision=precision, device=device, reward="digit_fraction", system_prompt=None, ignore_eos=True,
-            budget_s=share, threads=None if device == "cuda" else 1, save_model=False,
-            peak_tflops=args.peak_tflops, rlite_set=args.rlite_set,
-        )  # fmt: skip
-        try:
-            results[precision][framework] = run_child(f"{framework}-gpu" if framework == "rlite" else framework,
-                                                      spec, work, tag, share + max(share, 60.0))  # fmt: skip
-        except BenchError as exc:  # the other children still run: a report with a hole beats none
-            failures[tag] = str(exc)
-            print(f"[vs_trl] {exc}", flush=True)
     shape = model_shape(AutoConfig.from_pretrained(model_dir))
     settings = dict(job, device=device, precisions=precisions, budget_s=budget, peak_tflops=peak,
                     peak_source=peak_source, parameters=sum_parameters(model_dir))  # fmt: skip
-    text = gpu_report(name, settings, results, shape, failures)
-    (work / f"results_{name}.json").write_text(json.dumps(
-        {"settings": settings, "results": results, "failures": failures}, indent=1))
-    (work / f"report_{name}.md").write_text(text + "\n")
+    children = [(p, f) for p in precisions for f in args.frameworks]
+    results: dict[str, dict[str, dict]] = {p: {} for p in precisions}
+    failures: dict[str, str] = {}
+    started = time.perf_counter()
+    hard_end = started + 1.25 * budget + 60.0  # no child runs past this, whatever the shares
+    text = ""
+    for index, (precision, framework) in enumerate(children):
+        tag = f"{name}-{precision}-{framework}"
+        now = time.perf_counter()
+        share = max(budget - (now - started), 0.0) / (len(children) - index)  # what earlier children left, shared
+        timeout = min(share + max(share, 60.0), hard_end - now)
+        if share <= 0 or timeout < 10.0:
+            failures[tag] = f"not run: the budget of {budget:.0f} s was spent by the processes before it"
+        else:
+            shutil.rmtree(work / f"{framework}-{precision}", ignore_errors=True)  # rlite's jsonl logger appends
+            spec = dict(
+                job, model_dir=str(model_dir), train_file=str(train_file), run_dir=str(work), seed=args.seed,
+                precision=precision, device=device, reward="digit_fraction", system_prompt=None, ignore_eos=True,
+                budget_s=share, threads=None if device == "cuda" else 1, save_model=False,
+                peak_tflops=args.peak_tflops, rlite_set=args.rlite_set,
+            )  # fmt: skip
+            kind = "rlite-gpu" if framework == "rlite" else framework
+            try:
+                results[precision][framework] = run_child(kind, spec, work, tag, timeout)
+            except BenchError as exc:  # the other children still run: a report with a hole beats none
+                failures[tag] = str(exc)
+                print(f"[vs_trl] {exc}", flush=True)
+        # written after every child: a run cut short by an outer timeout keeps what was measured
+        text = gpu_report(name, settings, results, shape, failures)
+        (work / f"results_{name}.json").write_text(json.dumps(
+            {"settings": settings, "results": results, "failures": failures}, indent=1))
+        (work / f"report_{name}.md").write_text(text + "\n")
     return text
 
 

@@ -19,6 +19,13 @@ layers, a forward pass costs::
   sequence's real length). torchtitan and verl count ``s^2`` pairs (``12 * L * d_attn * s`` per token for
   forward + backward); this module counts the causal half, the work a causal kernel does.
 
+As in PaLM's and torchtitan's MFU, the count is the model's, not the implementation's: every real token of
+every sequence goes through the whole model, output head included, whatever a trainer skips (the logits of
+prompt positions, which no loss needs and neither rlite nor TRL computes; rlite's shared prompt prefix,
+``training.share_prompt_prefix``, which runs a GRPO group's prompt once). MFU is then throughput x FLOPs
+per token / peak, comparable between two implementations of the same job; work a trainer skips shows as
+a higher MFU.
+
 Backward costs twice the forward (gradients of the inputs and of the weights), so forward + backward is
 ``3 * F_fwd(s) = 6 N s + 6 L d_attn s (s + 1)``: torchtitan's ``6 N`` per token with the causal attention
 term. With LoRA (``model.lora.enabled``) the frozen base weights get no weight gradients: forward + backward

@@ -84,12 +84,21 @@ def test_both_frameworks_both_precisions_every_row_and_ratio(tmp_path):
 
 
 def test_the_budget_stops_each_process_after_the_step_under_way(tmp_path):
-    # one second each: spent before the first step ends, so each process runs exactly one step
-    report, results = bench(tmp_path, "--precisions", "bf16", "--budget-s", "2", "--steps", "20")
-    for framework in ("rlite", "trl"):
-        run = results["results"]["bf16"][framework]
-        assert len(run["step_times"]) == 1
-        assert run["stopped"] == "stopped after step 1: the budget of 1 s is spent"
-        assert f"bf16, {framework}: " in report and "the budget of 1 s is spent" in report
-    assert table(report, "bf16")["steps run (medians over steps 2..N)"][:2] == ["1", "1"]
+    # two seconds for two processes: TRL, first, gets one, spends it before its first step ends and stops
+    # after it; nothing is left for rlite, which is not started
+    report, results = bench(tmp_path / "a", "--frameworks", "trl,rlite", "--precisions", "bf16", "--budget-s", "2",
+                            "--steps", "20")  # fmt: skip
+    trl_run = results["results"]["bf16"]["trl"]
+    assert len(trl_run["step_times"]) == 1
+    assert trl_run["stopped"] == "stopped after step 1: the budget of 1 s is spent"
+    assert results["failures"] == {"gpu-tiny-bf16-rlite": "not run: the budget of 2 s was spent by the processes before it"}
+    assert "bf16, trl: EOS: min_new_tokens=8; stopped after step 1" in report
+    assert "gpu-tiny-bf16-rlite: FAILED: not run" in report
+    rows = table(report, "bf16")
+    assert rows["steps run (medians over steps 2..N)"] == ["-", "1", "-"]
     assert "MFU not reported" in report  # no peak on CPU
+    # rlite alone with the same second
+    _, results = bench(tmp_path / "b", "--frameworks", "rlite", "--precisions", "bf16", "--budget-s", "1", "--steps", "20")
+    rlite_run = results["results"]["bf16"]["rlite"]
+    assert len(rlite_run["step_times"]) == len(rlite_run["phases"]) == len(rlite_run["sequence_sums"]) == 1
+    assert rlite_run["stopped"] == "stopped after step 1: the budget of 1 s is spent"
