@@ -26,7 +26,7 @@ trainer passes, optimizer included); peak GPU memory (``torch.cuda.max_memory_al
 the GPU at their start and end, so that each phase holds its own kernels. Each child gets ``--budget-s``
 shared among the children still to run (what a child leaves unspent goes to the next ones), counted from
 the child's start: when its share is spent the child stops after the step under way; a child still running
-at its share + max(share, 60 s), or at 1.25 x ``--budget-s`` + 60 s from the first child's start, is killed,
+at its share + max(share, 60 s), or at ``--budget-s`` + 60 s from the first child's start, is killed,
 and the report says so. The report and the results are rewritten after every child.
 """
 
@@ -123,7 +123,7 @@ def run_gpu_job(name: str, args, work_root: Path, run_child) -> str:
     results: dict[str, dict[str, dict]] = {p: {} for p in precisions}
     failures: dict[str, str] = {}
     started = time.perf_counter()
-    hard_end = started + 1.25 * budget + 60.0  # no child runs past this, whatever the shares
+    hard_end = started + budget + 60.0  # no child runs past this, whatever the shares
     text = ""
     for index, (precision, framework) in enumerate(children):
         tag = f"{name}-{precision}-{framework}"
