@@ -174,13 +174,19 @@ def trace_intervals(prof) -> tuple[list[tuple[str, float, float]], list[tuple[st
     """``(device activities, rlite phase annotations)`` of a finished profile, as ``(name, start_us, end_us)``."""
     from torch.autograd import DeviceType
 
+    events = list(prof.events())
+    # a record_function range (rlite's phases, torch's own "Optimizer.step#...") is also projected onto the GPU
+    # timeline as an annotation: not a kernel, whether or not this torch flags it as one
+    annotations = {e.name for e in events if e.device_type == DeviceType.CPU and getattr(e, "is_user_annotation", False)}
+    annotations |= {e.name for e in events if e.name.startswith("rlite/")}
     device, phases = [], []
-    for event in prof.events():
+    for event in events:
         start, end = event.time_range.start, event.time_range.end
-        if event.name.startswith("rlite/"):
-            if event.device_type == DeviceType.CPU:  # (its projection on the GPU timeline is not a kernel)
+        if event.device_type == DeviceType.CPU:
+            if event.name.startswith("rlite/"):
                 phases.append((event.name, start, end))
-        elif event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
+        elif event.device_type == DeviceType.CUDA and event.name not in annotations \
+                and not getattr(event, "is_user_annotation", False):
             device.append((event.name, start, end))
     return device, phases
 

@@ -83,7 +83,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def setup_threads(threads: int | None = 1) -> None:
     """One thread per process (the CPU jobs: the frameworks compared on equal footing on a shared machine);
-    ``None`` leaves torch's default (the GPU job, where the host only feeds the device)."""
+    ``None`` leaves torch's setting as the environment made it (the GPU job, where the host only feeds the
+    device; ``vs_trl.py`` starts every child with ``OMP_NUM_THREADS=1``)."""
     import torch
 
     if threads is None:

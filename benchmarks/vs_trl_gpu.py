@@ -22,7 +22,8 @@ forward + backward tokens/s (prompt + completion tokens / the policy update's fo
 optimizer step left out); MFU of that forward + backward (:mod:`rlite.perf`'s count on each step's real
 sequences, against the device's dense bf16 peak, or ``--peak-tflops``); rlite's own ``perf/mfu`` (all its
 trainer passes, optimizer included); peak GPU memory (``torch.cuda.max_memory_allocated`` and
-``max_memory_reserved`` of the process) or, on CPU, peak RSS. On CUDA both frameworks' phases synchronise
+``max_memory_reserved`` of the process: an engine in a process of its own, ``process=true``, is not in it) or,
+on CPU, peak RSS. On CUDA both frameworks' phases synchronise
 the GPU at their start and end, so that each phase holds its own kernels. Each child gets ``--budget-s``
 shared among the children still to run (what a child leaves unspent goes to the next ones), counted from
 the child's start: when its share is spent the child stops after the step under way; a child still running
