@@ -1,6 +1,7 @@
-"""rlite vs TRL's GRPOTrainer on the same GRPO job, on CPU, one thread each, one after the other.
+"""rlite vs TRL's GRPOTrainer on the same GRPO job, each framework in its own process, one after the other.
 
-Two jobs (``tiny``, ``smollm2``; ``all`` runs both):
+Two CPU jobs (``tiny``, ``smollm2``; ``all`` runs both), one thread each, and the GPU job (``gpu``, with
+its CPU-sized form ``gpu-tiny``: ``vs_trl_gpu.py`` says what it runs and reports):
 
 * **tiny**: the quickstart's ~1M-parameter Qwen2 (hidden 128, 4 layers, 4 heads, 2 KV heads,
   intermediate 512, tied embeddings, rlite's 259-token byte tokenizer, fp32), warm-started on 2-digit
@@ -47,6 +48,8 @@ Run (from the repository root, with ``pip install -e ".[bench]"``)::
     python benchmarks/vs_trl.py tiny                      # ~3 minutes on 2 cores
     python benchmarks/vs_trl.py smollm2 --steps 3         # ~10 minutes
     python benchmarks/vs_trl.py all --out-dir /tmp/vs_trl
+    python benchmarks/vs_trl.py gpu --out-dir /tmp/vs_trl # one GPU, ~4 minutes (--budget-s 240), bf16 and fp32-master
+    python benchmarks/vs_trl.py gpu-tiny --device cpu     # the GPU job's tiny form, ~3 minutes on 2 cores
 
 Prints the side-by-side tables (markdown) and the per-phase time breakdown of both frameworks; logs of
 every subprocess and a ``results_<job>.json`` land in ``--out-dir``. ``--memory-phases`` also samples
@@ -76,6 +79,7 @@ from pathlib import Path
 # benchmarks/ is on sys.path when a script here runs
 from machine_info import cpu_model
 from vs_trl_common import BenchError
+from vs_trl_gpu import PRECISIONS, run_gpu_job
 from vs_trl_report import breakdown, memory_table, stats, table
 
 HERE = Path(__file__).resolve().parent
@@ -127,6 +131,7 @@ JOBS = {
 # each kind of subprocess and the script it runs: ``<script> KIND SPEC_JSON RESULT_JSON``
 CHILD_SCRIPTS = {
     "rlite": "vs_trl_child_rlite.py",
+    "rlite-gpu": "vs_trl_child_rlite.py",
     "trl": "vs_trl_child_trl.py",
     "eval": "vs_trl_child_hf.py",
     "convert": "vs_trl_child_hf.py",
@@ -282,9 +287,9 @@ def header(args) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("job", choices=["tiny", "smollm2", "all"])
+    parser.add_argument("job", choices=["tiny", "smollm2", "all", "gpu", "gpu-tiny"])
     parser.add_argument(
-        "--steps", type=int, default=None, help="training steps (default: tiny 20, smollm2 3)"
+        "--steps", type=int, default=None, help="training steps (default: tiny 20, smollm2 3, gpu 5, gpu-tiny 3)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--frameworks", default="rlite,trl", help="comma list, run in this order")
@@ -322,7 +327,16 @@ def main(argv=None) -> int:
         metavar="KEY=VALUE",
         help="an extra rlite config override (repeatable), applied after the job's own settings",
     )
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess (CPU jobs)")
+    gpu = parser.add_argument_group("the gpu and gpu-tiny jobs")
+    gpu.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                     help="where both frameworks train (auto: cuda when visible)")
+    gpu.add_argument("--budget-s", type=float, default=None,
+                     help="seconds for all the job's processes together (gpu 240, gpu-tiny 600), shared equally; "
+                          "a process stops after the step under way once its share is spent")
+    gpu.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of bf16, fp32-master")
+    gpu.add_argument("--peak-tflops", type=float, default=None,
+                     help="peak TFLOP/s of the device for MFU (default: rlite.perf's table by the GPU's name; none on CPU)")
     parser.add_argument("--out-dir", default=None, help="logs, runs and results (default: a new temp folder)")
     parser.add_argument(
         "--cache-dir", default="~/.cache/rlite-bench", help="where the converted SmolLM2 lives"
@@ -341,6 +355,9 @@ def main(argv=None) -> int:
         return 2
     if args.steps is not None and args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is the warm-up)")
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if set(args.precisions) - set(PRECISIONS) or not args.precisions:
+        parser.error(f"--precisions: choose from {', '.join(PRECISIONS)}")
     if args.out_dir is None:
         import tempfile
 
@@ -352,6 +369,10 @@ def main(argv=None) -> int:
     jobs = ["tiny", "smollm2"] if args.job == "all" else [args.job]
     try:
         for name in jobs:
+            if name.startswith("gpu"):
+                text = run_gpu_job(name, args, work_root, run_child)
+                print(f"\n{text}\n", flush=True)
+                continue
             text = run_job(name, args, work_root)
             print(f"\n### {name}\n\n{text}\n", flush=True)
     except BenchError as exc:

@@ -30,7 +30,13 @@ The breakdown assumes the job's settings: one optimizer step per rollout, no eva
 training and no checkpoints (``--rlite-set`` can change that; such time then shows up in the row of
 the hooks around it, or in "rest of the loop").
 
-Run by ``vs_trl.py`` as ``python benchmarks/vs_trl_child_rlite.py rlite SPEC_JSON RESULT_JSON``.
+The ``gpu`` and ``gpu-tiny`` jobs (kind ``rlite-gpu``, :func:`train_rlite_gpu`) run rlite with its
+defaults but for the job's own settings (:func:`gpu_overrides`: the model, data, reward, batch shape,
+learning rate, precision); on CUDA every ``time/*`` phase starts and ends with a
+``torch.cuda.synchronize()`` (:func:`synchronized_phases`, as the TRL child's phases do), so that a phase
+holds its own kernels; the peak GPU memory is torch's ``max_memory_allocated``/``reserved`` of this process.
+
+Run by ``vs_trl.py`` as ``python benchmarks/vs_trl_child_rlite.py rlite SPEC_JSON RESULT_JSON`` (or ``rlite-gpu``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,17 @@ import sys
 import time
 from pathlib import Path
 
-from vs_trl_common import StepClock, child_main, max_rss_mib, read_jsonl, setup_threads
+from vs_trl_common import (
+    Deadline,
+    StepClock,
+    child_main,
+    device_memory_gib,
+    digit_fraction,
+    max_rss_mib,
+    read_jsonl,
+    setup_threads,
+    synchronize,
+)
 
 # the stretches between rlite's hooks (also the labels of --memory-phases)
 GENERATION = "generation"
@@ -243,5 +259,183 @@ def train_rlite(spec: dict) -> dict:
     )
 
 
+# --------------------------------------------------------------------------------------------------
+# the GPU job (vs_trl.py gpu / gpu-tiny)
+# --------------------------------------------------------------------------------------------------
+
+PRECISIONS = {
+    # bf16 parameters, gradients and AdamW state
+    "bf16": ["model.dtype=bfloat16", "parallelism.param_dtype=bfloat16", "parallelism.reduce_dtype=bfloat16"],
+    # float32 master weights (and AdamW state), bf16 compute, float32 gradient reduction
+    "fp32-master": ["model.dtype=float32", "parallelism.param_dtype=bfloat16", "parallelism.reduce_dtype=float32"],
+}
+
+
+def ignore_eos_supported() -> bool:
+    from dataclasses import fields
+
+    from rlite.config.schema import RolloutConfig
+
+    return "ignore_eos" in {f.name for f in fields(RolloutConfig)}
+
+
+def gpu_overrides(spec: dict, run_dir: Path) -> list[str]:
+    """The GPU job as rlite settings: only what defines the job (model, data, reward, batch shape, sampling,
+    optimizer, precision) and what keeps the run's files small; every performance setting is rlite's default."""
+    overrides = [
+        f"model.path={spec['model_dir']}",
+        *PRECISIONS[spec["precision"]],
+        f"data.train_files={spec['train_file']}",
+        "data.shuffle=false",
+        "data.chat_template=true",
+        "rewards=[digit_fraction]",
+        f"rollout.prompts_per_step={spec['prompts']}",
+        f"rollout.samples_per_prompt={spec['samples']}",
+        f"rollout.max_new_tokens={spec['max_new_tokens']}",
+        "rollout.temperature=1.0",
+        "rollout.top_p=1.0",
+        "rollout.top_k=0",
+        "algorithm.kl.coef=0.0",
+        f"training.steps={spec['steps']}",
+        f"training.seed={spec['seed']}",
+        f"training.lr={spec['lr']}",
+        "training.lr_schedule=constant",
+        "training.warmup_steps=0",
+        "training.weight_decay=0.0",
+        "training.grad_clip=1.0",
+        f"training.micro_batch_size={spec['micro_batch']}",
+        "training.eval_every=0",
+        "checkpoint.every=0",
+        "checkpoint.save_final=false",
+        "checkpoint.export_hf=false",
+        "checkpoint.resume=never",
+        f"logging.run_dir={run_dir}",
+        "logging.loggers=[jsonl]",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+        "logging.samples_every=0",
+        "plugins.autoload=false",
+    ]
+    if spec.get("peak_tflops"):
+        overrides.append(f"logging.peak_tflops={spec['peak_tflops']}")
+    if spec.get("ignore_eos") and ignore_eos_supported():
+        overrides.append("rollout.ignore_eos=true")
+    return overrides + (spec.get("rlite_set") or [])
+
+
+def synchronized_phases() -> None:
+    """On CUDA, make every ``rlite.metrics.StepTimer`` phase wait for the GPU at its start and end."""
+    from contextlib import contextmanager
+
+    import torch
+
+    from rlite.metrics import StepTimer
+
+    if not torch.cuda.is_available():
+        return
+    timed = StepTimer.phase
+
+    @contextmanager
+    def phase(self, name: str):
+        synchronize()  # what was queued before is not this phase's
+        with timed(self, name):
+            yield
+            synchronize()  # this phase's kernels are
+
+    StepTimer.phase = phase
+
+
+class BudgetSpent(Exception):
+    """Raised from ``on_metrics`` when the child's ``--budget-s`` share is spent: the run stops after that step."""
+
+
+def make_gpu_probe(deadline: Deadline, clock: StepClock):
+    """A plugin: the ``digit_fraction`` reward, each step's sequence lengths (for the FLOP count), and the
+    budget guard (after the hook clock has closed the step: ``trylast``)."""
+    import rlite
+    from rlite.perf import sequence_sums
+
+    class GpuProbe:
+        def __init__(self) -> None:
+            self.sums: list[list[float]] = []
+
+        @rlite.hookimpl
+        def register_reward_functions(self, register):
+            register("digit_fraction", lambda completion, sample, cfg: digit_fraction(completion))
+
+        @rlite.hookimpl
+        def after_rollout(self, step, batch):
+            self.sums.append(list(sequence_sums(batch.prompt_mask.sum(-1) + batch.response_present.sum(-1))))
+
+        @rlite.hookimpl(trylast=True)
+        def on_metrics(self, step, metrics):
+            if step >= 1 and deadline.passed():
+                clock.stop()
+                raise BudgetSpent(f"stopped after step {step}: the budget of {deadline.seconds:.0f} s is spent")
+
+    return GpuProbe()
+
+
+def train_rlite_gpu(spec: dict) -> dict:
+    """The GPU job with rlite (``gpu_overrides``): per-step wall times and phases, the sequences each step
+    trained on, rlite's own ``perf/*`` metrics and the peak GPU memory."""
+    start = time.perf_counter()
+    deadline = Deadline(spec.get("budget_s"))
+    setup_threads(spec.get("threads"))
+    import torch
+
+    import rlite
+    from rlite.config import load_config
+    from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
+
+    synchronized_phases()
+    run_dir = Path(spec["run_dir"]) / f"rlite-{spec['precision']}"
+    clock = StepClock()
+    hook_clock = make_hook_clock(clock, False)
+    probe = make_gpu_probe(deadline, clock)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(hook_clock, name="bench-hook-clock")
+    pm.register(probe, name="bench-gpu-probe")
+    cfg = load_config(None, gpu_overrides(spec, run_dir), pm=pm)
+    stopped = None
+    try:
+        run_training(cfg, pm)
+    except BudgetSpent as exc:
+        stopped = str(exc)
+    clock.stop()
+    done = time.perf_counter()
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] >= 1]
+    steps = len(clock.steps)
+    n = spec["prompts"] * spec["samples"]
+    return dict(
+        framework="rlite",
+        version=rlite.__version__,
+        torch=torch.__version__,
+        device=device_name(),
+        step_times=clock.step_wall,
+        step_cpu=clock.step_cpu,
+        tokens=[float(r["response/length"]) * n for r in rows][:steps],
+        rewards=[float(r["reward/mean"]) for r in rows][:steps],
+        sequence_sums=probe.sums[:steps],
+        phases=[phases_of_step(stretches, row) for stretches, row in zip(clock.steps, rows)],
+        phase_note=PHASE_NOTE,
+        own_perf=[{k: v for k, v in r.items() if k.startswith("perf/")} for r in rows][:steps],
+        peak_rss_mib=max_rss_mib(),
+        device_memory=device_memory_gib(),
+        setup_s=hook_clock.train_start - start,
+        total_s=done - start,
+        stopped=stopped,
+        ignore_eos=("rollout.ignore_eos=true" if ignore_eos_supported() else
+                    "not in this rlite (no rollout.ignore_eos key): completions may end at EOS"),
+    )
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 if __name__ == "__main__":
-    child_main({"rlite": train_rlite}, sys.argv[1:])
+    child_main({"rlite": train_rlite, "rlite-gpu": train_rlite_gpu}, sys.argv[1:])

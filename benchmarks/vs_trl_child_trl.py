@@ -5,6 +5,14 @@ wrapping ``GRPOTrainer``'s methods (``_generate_single_turn``, ``_calculate_rewa
 ``_generate_and_score_completions``, ``_compute_loss``, ``training_step``) and by its optimizer
 callbacks. These are TRL's internals: a TRL release that renames them breaks this module only.
 
+The ``gpu`` and ``gpu-tiny`` jobs set more of the spec: ``device`` (``cuda``: every timed call starts and ends
+with a ``torch.cuda.synchronize()``, so that a phase holds its own kernels), ``precision`` (``bf16``: the model
+loaded in bf16, AdamW on bf16 parameters; ``fp32-master``: loaded in float32, computed under bf16 autocast;
+the CPU jobs' ``fp32``), ``micro_batch`` (``per_device_train_batch_size``, the rest accumulated),
+``ignore_eos`` (``min_new_tokens`` = ``max_new_tokens``: every completion has exactly that many tokens),
+``budget_s`` (stop after the step under way once spent) and ``save_model``. Each step's sequence lengths
+(prompt + completion masks of every ``_compute_loss`` call) are recorded for the FLOP count.
+
 Run by ``vs_trl.py`` as ``python benchmarks/vs_trl_child_trl.py trl SPEC_JSON RESULT_JSON``.
 """
 
@@ -16,8 +24,10 @@ from pathlib import Path
 
 from vs_trl_common import (  # benchmarks/ is on sys.path when a script here runs
     BenchError,
+    Deadline,
     StepClock,
     child_main,
+    device_memory_gib,
     max_rss_mib,
     messages_of,
     minus,
@@ -25,25 +35,41 @@ from vs_trl_common import (  # benchmarks/ is on sys.path when a script here run
     reward_fn,
     rlite_prompt_ids,
     setup_threads,
+    synchronize,
 )
 
 PHASE_NOTE = "TRL's phases: timed by wrapping its `GRPOTrainer` methods and optimizer callbacks."
 
 
-def time_calls(clock: StepClock, owner, attr: str, label: str) -> None:
-    """Time every call of ``owner.attr`` (a function or method looked up at call time) as ``label``."""
+def time_calls(clock: StepClock, owner, attr: str, label: str, sync: bool = False) -> None:
+    """Time every call of ``owner.attr`` (a function or method looked up at call time) as ``label``; with
+    ``sync`` the GPU's queue is drained before and at the end of the call (:func:`synchronize`)."""
     original = getattr(owner, attr)
 
     def timed(*args, **kwargs):
+        if sync:
+            synchronize()
         with clock.phase(label):
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            if sync:
+                synchronize()
+            return out
 
     setattr(owner, attr, timed)
 
 
+PRECISIONS = {
+    # (the model's dtype when loaded, bf16 autocast)
+    "fp32": ("float32", False),
+    "bf16": ("bfloat16", True),
+    "fp32-master": ("float32", True),
+}
+
+
 def train_trl(spec: dict) -> dict:
     start = time.perf_counter()
-    setup_threads()
+    deadline = Deadline(spec.get("budget_s"))
+    setup_threads(spec.get("threads", 1))
     import torch
     import trl
     from datasets import Dataset
@@ -62,20 +88,26 @@ def train_trl(spec: dict) -> dict:
         [{"prompt": messages_of(r["prompt"], spec["system_prompt"]), "answer": r["answer"]} for r in rows]
     )
     n = spec["prompts"] * spec["samples"]
-    out_dir = Path(spec["run_dir"]) / "trl"
+    micro = spec.get("micro_batch") or n
+    if n % micro:
+        raise BenchError(f"micro_batch {micro} does not divide the {n} completions of a step")
+    dtype, autocast = PRECISIONS[spec.get("precision", "fp32")]
+    on_cuda = spec.get("device", "cpu") == "cuda"
+    out_dir = Path(spec["run_dir"]) / ("trl" if "precision" not in spec else f"trl-{spec['precision']}")
     args = GRPOConfig(
         output_dir=str(out_dir),
-        use_cpu=True,
-        bf16=False,
+        use_cpu=not on_cuda,
+        bf16=autocast,
         fp16=False,
         gradient_checkpointing=False,
-        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
-        per_device_train_batch_size=n,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        model_init_kwargs={"dtype": dtype, "attn_implementation": "sdpa"},
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=n // micro,
+        steps_per_generation=n // micro,  # one generation of the whole batch per optimizer step
         num_generations=spec["samples"],
         num_iterations=1,
         max_completion_length=spec["max_new_tokens"],
+        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]} if spec.get("ignore_eos") else None,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -105,12 +137,13 @@ def train_trl(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
 
     clock = StepClock()
-    time_calls(clock, GRPOTrainer, "_generate_single_turn", "generation")
-    time_calls(clock, GRPOTrainer, "_calculate_rewards", "reward")
-    time_calls(clock, GRPOTrainer, "_generate_and_score_completions", "rollout_total")
-    time_calls(clock, GRPOTrainer, "_compute_loss", "train_forward")
-    time_calls(clock, GRPOTrainer, "training_step", "training_step")
+    time_calls(clock, GRPOTrainer, "_generate_single_turn", "generation", on_cuda)
+    time_calls(clock, GRPOTrainer, "_calculate_rewards", "reward", on_cuda)
+    time_calls(clock, GRPOTrainer, "_generate_and_score_completions", "rollout_total", on_cuda)
+    time_calls(clock, GRPOTrainer, "_compute_loss", "train_forward", on_cuda)
+    time_calls(clock, GRPOTrainer, "training_step", "training_step", on_cuda)
     time_calls(clock, torch.Tensor, "backward", "backward")  # only a label for --memory-phases
+    sums = record_sequence_sums(GRPOTrainer)
 
     marks: dict = {}
     step_logs: list[dict] = []  # TRL's logged metrics of each step
@@ -131,6 +164,9 @@ def train_trl(spec: dict) -> dict:
 
         def on_step_end(self, a, state, control, **kw):
             clock.end_step()
+            sums.append([0.0, 0.0])
+            if deadline.passed():  # the --budget-s share of this child is spent: this was the last step
+                control.should_training_stop = True
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs:
@@ -156,7 +192,9 @@ def train_trl(spec: dict) -> dict:
     clock.stop()
     done = time.perf_counter()
     peak = max_rss_mib()
-    trainer.save_model(str(out_dir / "final"))
+    memory = device_memory_gib()
+    if spec.get("save_model", True):
+        trainer.save_model(str(out_dir / "final"))
     step_logs.sort(key=lambda r: r["step"])
 
     def derive(get):
@@ -187,7 +225,32 @@ def train_trl(spec: dict) -> dict:
         total_s=done - start,
         final_model=str(out_dir / "final"),
         optimizer=str(trainer.args.optim),
+        device=torch.cuda.get_device_name() if on_cuda else "cpu",
+        sequence_sums=sums[: len(clock.steps)],
+        device_memory=memory,
+        stopped=f"stopped after step {len(clock.steps)}: the budget of {deadline.seconds:.0f} s is spent"
+        if deadline.hit else None,
+        ignore_eos=f"min_new_tokens={spec['max_new_tokens']}" if spec.get("ignore_eos") else "no",
     )
+
+
+def record_sequence_sums(trainer_cls) -> list[list[float]]:
+    """Per step ``[sum s, sum s (s + 1) / 2]`` over the sequences TRL's loss ran on (prompt + completion
+    masks of each ``_compute_loss`` call; a new entry opens at each step's end)."""
+    from rlite.perf import sequence_sums
+
+    sums = [[0.0, 0.0]]
+    compute_loss = trainer_cls._compute_loss
+
+    def counted(self, model, inputs):
+        lengths = inputs["prompt_mask"].sum(-1) + inputs["completion_mask"].sum(-1)
+        tokens, pairs = sequence_sums(lengths.cpu())
+        sums[-1][0] += tokens
+        sums[-1][1] += pairs
+        return compute_loss(self, model, inputs)
+
+    trainer_cls._compute_loss = counted
+    return sums
 
 
 if __name__ == "__main__":

@@ -42,7 +42,15 @@ def reward_fn(name: str) -> Callable[[str, str], float]:
     if name == "numeric":
         cfg = NumericConfig(position="last")
         return lambda text, answer: numeric(text, {"answer": answer}, cfg)
+    if name == "digit_fraction":
+        return lambda text, answer: digit_fraction(text)
     raise ValueError(f"unknown reward {name!r}")
+
+
+def digit_fraction(text: str) -> float:
+    """The GPU job's reward: the share of a completion's characters that are digits. Cheap and the same in
+    both frameworks, and dense enough on a random model that groups rarely score alike."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
 def messages_of(prompt: str, system_prompt: str | None) -> list[dict[str, str]]:
@@ -73,11 +81,49 @@ def read_jsonl(path: Path) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
-def setup_threads() -> None:
+def setup_threads(threads: int | None = 1) -> None:
+    """One thread per process (the CPU jobs: the frameworks compared on equal footing on a shared machine);
+    ``None`` leaves torch's setting as the environment made it (the GPU job, where the host only feeds the
+    device; ``vs_trl.py`` starts every child with ``OMP_NUM_THREADS=1``)."""
     import torch
 
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
+    if threads is None:
+        return
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(threads)
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (no-op without CUDA): a phase timed between two synchronisations holds
+    its own kernels, not the ones queued before it, on a GPU where calls return before their kernels run."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def device_memory_gib() -> dict[str, float]:
+    """The process's peak GPU memory (``torch.cuda.max_memory_allocated`` and ``_reserved``, GiB); empty on CPU."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}  # fmt: skip
+
+
+class Deadline:
+    """The ``--budget-s`` guard of one child: after ``seconds`` from its start, the child finishes the step
+    under way and stops (what it measured so far is its result)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.start = time.perf_counter()
+        self.hit = False
+
+    def passed(self) -> bool:
+        self.hit = self.seconds is not None and time.perf_counter() - self.start > self.seconds
+        return self.hit
 
 
 def max_rss_mib() -> float:

@@ -8,6 +8,7 @@ phases that add up to at most the step), ``peak_rss_mib``, ``setup_s``, ``versio
 
 from __future__ import annotations
 
+import math
 import statistics
 
 
@@ -111,3 +112,134 @@ def memory_table(results: dict) -> str:
         "| framework | phase | RSS, GiB | live malloc, GiB |\n|---|---|---:|---:|\n"
     )
     return head + "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# the GPU job (vs_trl_gpu.py)
+# --------------------------------------------------------------------------------------------------
+
+TARGETS = (
+    # (row key, comparison, bound, where the bound comes from)
+    ("gen_tok_per_s", ">=", 4.0, "issue 40: generation tokens/s at least 4x TRL's"),
+    ("median_step_s", "<=", 0.5, "issue 40: s/step at most 0.5x TRL's"),
+    ("peak_memory_gib", "<=", 0.6, "issues 40 and 41: peak GPU memory (allocated) at most 0.6x TRL's"),
+    ("trainer_tok_per_s", ">=", 1.0, "issue 41: trainer forward + backward tokens/s at least TRL's"),
+)
+
+
+def _phase_sum(phases: dict[str, list[float]], *prefixes: str) -> float:
+    return sum(wall for key, (wall, _cpu) in phases.items() if key.startswith(prefixes))
+
+
+def gpu_stats(result: dict, shape, peak_tflops: float | None) -> dict:
+    """One framework's numbers on the GPU job: medians and throughputs over steps 2..N (step 1 is the warm-up;
+    all steps when there is only one)."""
+    from rlite.perf import SequenceSums, forward_backward_flops
+
+    steps = len(result["step_times"])
+    keep = list(range(1, steps)) or list(range(steps))
+    phases = [result["phases"][i] for i in keep]
+    generation = sum(_phase_sum(p, "generation") for p in phases)
+    update = sum(_phase_sum(p, "train: forward", "train: backward") for p in phases)
+    sums = [SequenceSums(*result["sequence_sums"][i]) for i in keep]
+    flops = sum(forward_backward_flops(shape, s) for s in sums)
+    memory = result.get("device_memory") or {}
+    out = {
+        "steps": float(steps),
+        "median_step_s": statistics.median(result["step_times"][i] for i in keep),
+        "gen_tok_per_s": sum(result["tokens"][i] for i in keep) / generation if generation else math.nan,
+        "trainer_tok_per_s": sum(s.tokens for s in sums) / update if update else math.nan,
+        "update_tflops": flops / update / 1e12 if update else math.nan,
+        "mfu": flops / update / (peak_tflops * 1e12) if update and peak_tflops else math.nan,
+        "generated_tokens_per_step": statistics.fmean(result["tokens"][i] for i in keep),
+        "trained_tokens_per_step": statistics.fmean(s.tokens for s in sums),
+        "peak_memory_gib": memory.get("peak_allocated_gib", result["peak_rss_mib"] / 1024),
+        "peak_reserved_gib": memory.get("peak_reserved_gib", math.nan),
+    }
+    own = [result["own_perf"][i].get("perf/mfu") for i in keep] if "own_perf" in result else []
+    out["own_mfu"] = statistics.fmean(own) if own and None not in own else math.nan
+    return out
+
+
+def gpu_rows(on_gpu: bool) -> list[tuple[str, str, str]]:
+    """``(label, stats key, format)`` of the GPU job's table (a ratio for each but :data:`NO_RATIO`)."""
+    memory = "peak GPU memory allocated (torch.cuda.max_memory_allocated), GiB" if on_gpu else "peak RSS, GiB"
+    rows = [
+        ("steps run (medians over steps 2..N)", "steps", "{:.0f}"),
+        ("s/step, median", "median_step_s", "{:.3f}"),
+        ("generation tokens/s (sampled tokens / generation phase)", "gen_tok_per_s", "{:,.0f}"),
+        ("trainer forward+backward tokens/s (prompt + completion tokens / update forward + backward)",
+         "trainer_tok_per_s", "{:,.0f}"),
+        ("update forward+backward model TFLOP/s", "update_tflops", "{:.3g}"),
+        ("MFU of the update's forward+backward", "mfu", "{:.1%}"),
+        ("rlite's own perf/mfu (all trainer passes, optimizer included)", "own_mfu", "{:.1%}"),
+        ("generated tokens per step", "generated_tokens_per_step", "{:,.0f}"),
+        ("trained tokens per step (prompt + completion)", "trained_tokens_per_step", "{:,.0f}"),
+        (memory, "peak_memory_gib", "{:.2f}"),
+    ]
+    if on_gpu:
+        rows.append(("peak GPU memory reserved (torch.cuda.max_memory_reserved), GiB", "peak_reserved_gib", "{:.2f}"))
+    return rows
+
+
+NO_RATIO = ("steps", "own_mfu")
+"""Rows whose ratio means nothing: the steps each ran (set by the budget), a number only rlite reports."""
+
+
+def _cell(fmt: str, value: float) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+
+
+def gpu_table(precision: str, ours: dict | None, theirs: dict | None, on_gpu: bool, versions: tuple[str, str]) -> str:
+    lines = [f"| {precision} | rlite {versions[0]} | TRL {versions[1]} | rlite / TRL |", "|---|---:|---:|---:|"]
+    for label, key, fmt in gpu_rows(on_gpu):
+        a = ours.get(key, math.nan) if ours else math.nan
+        b = theirs.get(key, math.nan) if theirs else math.nan
+        ratio = a / b if b and not math.isnan(a) and not math.isnan(b) and key not in NO_RATIO else math.nan
+        lines.append(f"| {label} | {_cell(fmt, a)} | {_cell(fmt, b)} | {_cell('{:.2f}x', ratio)} |")
+    return "\n".join(lines)
+
+
+def target_lines(precision: str, ours: dict, theirs: dict) -> list[str]:
+    lines = []
+    for key, op, bound, what in TARGETS:
+        ratio = ours[key] / theirs[key] if theirs.get(key) else math.nan
+        met = ratio >= bound if op == ">=" else ratio <= bound
+        lines.append(f"- {precision}: {what}: {ratio:.2f}x, {'met' if met else 'NOT met'}")
+    return lines
+
+
+def gpu_report(job: str, settings: dict, results: dict[str, dict[str, dict]], shape, failures: dict[str, str]) -> str:
+    """The markdown report of the GPU job: settings, one table per precision, the issues' targets (on a GPU)."""
+    on_gpu = settings["device"] == "cuda"
+    any_result = next((r for per in results.values() for r in per.values()), {})
+    device = any_result.get("device", settings["device"])
+    versions = tuple(next((per[f]["version"] for per in results.values() if f in per), "?") for f in ("rlite", "trl"))
+    out = [
+        f"### {job}: rlite vs TRL on {device}",
+        "",
+        f"{settings['parameters']:,} parameters; {settings['prompts']} prompts of {settings['prompt_tokens']} tokens x "
+        f"{settings['samples']} completions of {settings['max_new_tokens']} new tokens, micro-batch "
+        f"{settings['micro_batch']}, lr {settings['lr']}, up to {settings['steps']} steps per process, budget "
+        f"{settings['budget_s']:.0f} s; torch {any_result.get('torch', '?')}. MFU against "
+        + (f"{settings['peak_tflops']:g} TFLOP/s ({settings['peak_source']})." if settings["peak_tflops"]
+           else settings["peak_source"] + "."),
+        "",
+    ]
+    judged = []
+    for precision, per in results.items():
+        stats_ = {f: gpu_stats(r, shape, settings["peak_tflops"]) for f, r in per.items()}
+        out += [gpu_table(precision, stats_.get("rlite"), stats_.get("trl"), on_gpu, versions), ""]
+        for framework, r in per.items():
+            notes = [f"EOS: {r['ignore_eos']}"] + ([r["stopped"]] if r.get("stopped") else [])
+            out.append(f"- {precision}, {framework}: " + "; ".join(notes))
+        if on_gpu and len(stats_) == 2:
+            judged += target_lines(precision, stats_["rlite"], stats_["trl"])
+        out.append("")
+    for tag, message in failures.items():
+        out.append(f"- {tag}: FAILED: {message.splitlines()[0]}")
+    if judged:
+        out += ["", "Targets:", *judged]
+    elif not on_gpu:
+        out.append("The issues' targets (ratios on a GPU) are not judged on a CPU.")
+    return "\n".join(out)

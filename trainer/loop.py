@@ -18,6 +18,7 @@ from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.engines.supervisor import EngineGaveUp
 from rlite.hf_models import quiet_transformers_progress
 from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler
+from rlite.perf import PerfMeter
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager, plugin_manager_in_use
 from rlite.run.build import Run, build_run
 from rlite.run.evaluation import evaluate
@@ -47,6 +48,7 @@ def train(run: Run) -> dict[str, Any]:
     hook.on_run_start(config=cfg, run_dir=run.run_dir)
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
+    perf = PerfMeter.for_run(run)  # model FLOPs of the trainer's passes, MFU against the device's peak
     nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_in_a_row, run.run_dir)
     if run.preemption.requested():  # signalled while the run was being built
         raise run.preemption.stop_before_training(run.run_dir, run.start_step)
@@ -112,7 +114,7 @@ def train(run: Run) -> dict[str, Any]:
         hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
 
         # 6. metrics, evaluation, then checkpoint
-        metrics, generated_tokens = step_metrics(
+        metrics, tokens = step_metrics(
             batch, train_logprobs, reward_stats, measure_mismatch=not prepared.mismatch_measured,
             dp_group=run.layout.group, speculation=run.rollouts.speculation,
         )
@@ -122,7 +124,8 @@ def train(run: Run) -> dict[str, Any]:
             with timer.phase("eval"):
                 metrics.update(evaluate(run, step))
         metrics.update(timer.step_metrics())
-        metrics["perf/tokens_per_s"] = generated_tokens / max(time.perf_counter() - step_start, 1e-9)
+        metrics["perf/tokens_per_s"] = tokens.generated / max(time.perf_counter() - step_start, 1e-9)
+        metrics.update(perf.step_metrics(tokens.sequences, metrics, pi_old_recomputed=prepared.mismatch_measured))
         log_metrics(run, step, metrics)
         log_samples(run, step, batch)
         progress.update(step, metrics)

@@ -64,11 +64,13 @@ class ProgressBar:
             TextColumn("[bold]rlite"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("reward {task.fields[reward]}  acc {task.fields[acc]}{task.fields[spec]}  {task.fields[tps]} tok/s"),
+            TextColumn("reward {task.fields[reward]}  acc {task.fields[acc]}{task.fields[spec]}  {task.fields[tps]} tok/s"
+                       "{task.fields[mfu]}"),
             TimeRemainingColumn(),
             transient=False,
         )
-        self.task = self.progress.add_task("train", total=total, completed=start, reward="-", acc="-", spec="", tps="-")
+        self.task = self.progress.add_task("train", total=total, completed=start, reward="-", acc="-", spec="", tps="-",
+                                           mfu="")
         self.progress.start()
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
@@ -91,6 +93,8 @@ class ProgressBar:
             fields["spec"] = f"  draft accept {metrics['spec/acceptance_rate']:.2f}"
         if "perf/tokens_per_s" in metrics:
             fields["tps"] = f"{metrics['perf/tokens_per_s']:.0f}"
+        if "perf/mfu" in metrics:
+            fields["mfu"] = f"  MFU {metrics['perf/mfu']:.1%}"
         self.progress.update(self.task, completed=step, **fields)
 
     def close(self) -> None:
@@ -168,8 +172,9 @@ def plain_progress_line(step: int, total: int, start: int, elapsed: float, metri
                         accuracy: float | None) -> str:
     """``step 10/500 | reward 0.312 | eval acc 0.450 | 1234 tok/s | 0.35 s/step | elapsed 0:00:04 | eta 0:02:53``:
     the reward of this step, the latest greedy held-out accuracy, and the ETA from this run's mean step time;
-    with a speculative draft its acceptance rate (``draft accept 0.78``), and when most groups had equal
-    rewards their share (``no signal in 100% of groups``)."""
+    with a speculative draft its acceptance rate (``draft accept 0.78``), when most groups had equal
+    rewards their share (``no signal in 100% of groups``), and with a known device peak the trainer's
+    model FLOPs utilisation (``MFU 31.2%``, :mod:`rlite.perf`)."""
     done = max(step - start, 1)
     per_step = elapsed / done
     parts = [f"step {step}/{total}"]
@@ -183,6 +188,8 @@ def plain_progress_line(step: int, total: int, start: int, elapsed: float, metri
         parts.append(f"draft accept {metrics['spec/acceptance_rate']:.2f}")
     if "perf/tokens_per_s" in metrics:
         parts.append(f"{metrics['perf/tokens_per_s']:.0f} tok/s")
+    if "perf/mfu" in metrics:
+        parts.append(f"MFU {metrics['perf/mfu']:.1%}")
     parts += [f"{per_step:.2f} s/step", f"elapsed {format_duration(elapsed)}",
               f"eta {format_duration(per_step * (total - step))}"]  # fmt: skip
     return " | ".join(parts)
@@ -342,7 +349,9 @@ def print_summary(summary: dict[str, Any], breakdown: dict[str, float]) -> None:
     console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
     table = Table(title="rlite run summary", show_header=False)
     for key, value in summary.items():
-        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        if isinstance(value, float):
+            value = f"{value:.1%}" if key.startswith("mfu (") else f"{value:.4f}"  # a fraction of the device's peak
+        table.add_row(key, str(value))
     console.print(table)
     times = Table(title="time breakdown")
     times.add_column("phase")

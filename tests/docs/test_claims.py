@@ -151,5 +151,5 @@ def test_the_readme_test_command_is_the_command_ci_runs() -> None:
     # and the command installs every extra some test needs (megatron's tests must not skip for a user)
     run = (ROOT / "tests" / "run.sh").read_text()
     extras = re.search(r'pip install -q -e "\.\[([\w,]+)\]"', run).group(1).split(",")
-    assert {"test", "megatron", "wandb", "tensorboard", "math"} <= set(extras)
+    assert {"test", "megatron", "wandb", "tensorboard", "math", "bench"} <= set(extras)
     assert re.search(r"(?m)^python -m pytest -q", run)

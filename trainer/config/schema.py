@@ -595,11 +595,17 @@ class LoggingConfig:
     and every evaluation's generations (0 = never; ``rlite.samples``)."""
     samples_per_step: int = 4
     """Rollouts written each time: rank 0's first ones (whole groups first); an evaluation writes this many per mode."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s of one device that ``perf/mfu`` is measured against. None: the dense spec number of the CUDA
+    device (``rlite.perf.PEAK_TFLOPS``, by its name, in the trainer's matmul precision); on CPU or an unlisted GPU
+    there is none and ``perf/mfu`` is not reported (``perf/model_tflops`` always is)."""
 
     def __post_init__(self) -> None:
         _check(self.log_every >= 1, "logging.log_every must be >= 1")
         _check(self.samples_every >= 0, "logging.samples_every must be >= 0 (0 = never)")
         _check(self.samples_per_step >= 1, "logging.samples_per_step must be >= 1")
+        _check(self.peak_tflops is None or self.peak_tflops > 0,
+               f"logging.peak_tflops must be > 0 (TFLOP/s of one device) or null (from the device's name), got {self.peak_tflops}")
         if not self.run_dir and not _SKIP_CHECKS.get():  # built in code, without a config file to name it
             self.run_dir = "runs/rlite"
         if self.run_dir and not _SKIP_CHECKS.get():

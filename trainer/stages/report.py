@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from rlite.distributed import all_gather_objects
 from rlite.engines.base import SpeculationStats
 from rlite.mismatch import mismatch_metrics
+from rlite.perf import SequenceSums, perf_summary, sequence_sums
 from rlite.rewards import is_count_stat
 from rlite.rollout import RolloutBatch, pad_to_width
 
@@ -42,25 +43,36 @@ COUNTS = ("reward/failures", "reward/timeouts", "dynamic_sampling/dropped_groups
 rank's samples, and every rank has the same number of samples, so their mean over ranks is global."""
 
 
+class StepTokens(NamedTuple):
+    """The global batch's token counts, for the ``perf/*`` metrics (:mod:`rlite.perf`)."""
+
+    generated: float
+    """Sampled response tokens (``response_mask``)."""
+    sequences: SequenceSums
+    """Sums over every sequence's real length (prompt + response, observations included): what a trainer pass computes."""
+
+
 def step_metrics(
     batch: RolloutBatch, first_pass_logprobs: torch.Tensor, reward_stats: dict[str, float], *, measure_mismatch: bool,
     dp_group: Any = None, speculation: SpeculationStats | None = None,
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[str, float], StepTokens]:
     """Reward and length metrics of the global batch, and with ``measure_mismatch`` (the trainer did
     not recompute pi_old) the mismatch between the first training forward and the engine, and with
-    ``speculation`` the speculative-decoding metrics; returns them and the global number of generated
-    tokens."""
+    ``speculation`` the speculative-decoding metrics; returns them and the global token counts."""
     mask = batch.response_mask
+    lengths = sequence_sums(batch.prompt_mask.sum(-1) + batch.response_present.sum(-1))
     local = torch.tensor([
         batch.scores.sum().item(),
         (batch.correct if batch.correct is not None else batch.scores > 0).float().sum().item(),
         mask.sum().item(),
         float(sum(r == "length" for r in batch.finish_reasons)),
         float(len(batch)),
+        lengths.tokens,
+        lengths.causal_pairs,
     ], dtype=torch.float64)
     mismatch_parts = (first_pass_logprobs, batch.rollout_logprobs, mask) if measure_mismatch else None
     parts = all_gather_objects((local, mismatch_parts, reward_stats, speculation), dp_group)
-    reward_sum, correct, tokens, truncated, count = torch.stack([p[0] for p in parts]).sum(0).tolist()
+    reward_sum, correct, tokens, truncated, count, sequence_tokens, pairs = torch.stack([p[0] for p in parts]).sum(0).tolist()
     metrics = {
         "reward/mean": reward_sum / count,
         "reward/accuracy": correct / count,
@@ -76,7 +88,7 @@ def step_metrics(
         metrics[key] = sum(values) if key in COUNTS or is_count_stat(key) else sum(values) / len(values)
     if speculation is not None:
         metrics.update(speculation_metrics([p[3] for p in parts]))
-    return metrics, tokens
+    return metrics, StepTokens(tokens, SequenceSums(sequence_tokens, pairs))
 
 
 def speculation_metrics(per_rank: list[SpeculationStats]) -> dict[str, float]:
@@ -126,6 +138,7 @@ def summarize_metrics(metrics_file: Path, last: dict[str, float]) -> dict[str, f
         speedups = [r["spec/estimated_speedup"] for r in speculative if "spec/estimated_speedup" in r]
         if speedups:
             out["draft_estimated_speedup_mean"] = sum(speedups) / len(speedups)
+    out.update(perf_summary(trained))  # MFU, model TFLOP/s, the update's tokens/s (steps after the first)
     # rows of metrics.jsonl, or only the last step's metrics (no "step") when the jsonl logger is off
     silent = [r for r in trained if r.get(ZERO_VARIANCE_KEY, 0.0) >= NO_SIGNAL_FRACTION]
     if silent:  # the steps that could not learn (the run warned about them as they happened)
