@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# THE one prepared script for a lent GPU (issues 40 and 41): the GPU checks, the profile, the benchmark,
+# THE one prepared script for a lent GPU (issues 40 and 41): the GPU checks, the benchmark, the profile,
 # each under its own timeout, everything written flat into $OUT (7 files), then a summary.
 #
 #   bash tests/gpu/fetch_wheels.sh          # here, with PyPI reachable: the wheels the GPU machine lacks
 #   bash tests/gpu/device_session.sh        # there (the device tool: carry .whl; about 9 minutes)
 #
 # The parts, in order (PARTS picks some: PARTS="profile bench"; their timeouts in seconds):
-#   checks   bash tests/gpu/run.sh: the GPU checks, report gpu_report.md              (CHECKS_S, 130)
+#   checks   bash tests/gpu/run.sh: the GPU checks, report gpu_report.md              (CHECKS_S, 200)
+#   bench    benchmarks/vs_trl.py gpu: rlite vs TRL 1.16 in bf16 and with fp32 masters,
+#            bench_report.md and bench_results.json; its --budget-s is BENCH_S - 80    (BENCH_S, 240)
 #   profile  benchmarks/profile_gpu.py: one GRPO step (128 new tokens a completion) profiled
 #            for fsdp2, megatron dense and megatron MoE on one GPU, profile_gpu.md and
-#            profile_gpu.json; its --budget-s is PROFILE_S - 30                          (PROFILE_S, 150)
-#   bench    benchmarks/vs_trl.py gpu: rlite vs TRL 1.16 in bf16 and with fp32 masters,
-#            bench_report.md and bench_results.json; its --budget-s is BENCH_S - 80    (BENCH_S, 260)
+#            profile_gpu.json; its --budget-s is PROFILE_S - 30                          (PROFILE_S, 120)
+# 560 s in all, under the device's 600 s a call: call it with timeout_s=600. The checks come first (they
+# say what broke, if anything did), the benchmark second (the issues' numbers).
 # Files in $OUT (default ./device-out): session.log (every part's output), gpu_report.md,
 # profile_gpu.md, profile_gpu.json, bench_report.md, bench_results.json, summary.md. Without a CUDA GPU
 # every part is skipped, summary.md says so, and the script exits 0. Exit status: the number of parts
@@ -21,10 +23,10 @@ set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 python=${PYTHON:-python3}
 out=${OUT:-$repo/device-out}
-parts=${PARTS:-checks profile bench}
-checks_s=${CHECKS_S:-130}
-profile_s=${PROFILE_S:-150}
-bench_s=${BENCH_S:-260}
+parts=${PARTS:-checks bench profile}
+checks_s=${CHECKS_S:-200}
+profile_s=${PROFILE_S:-120}
+bench_s=${BENCH_S:-240}
 mkdir -p "$out"
 log=$out/session.log
 summary=$out/summary.md
