@@ -353,7 +353,9 @@ class GraphStep:
     def capture(self) -> None:
         """Record one step as a CUDA graph (nothing runs); :meth:`replay` runs it."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: with rollout.mode=one_step_off the engine captures on the rollout thread while the
+        # trainer's thread works on the same GPU; only this thread's calls must be capture-safe
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self()
         self.graph = graph
 
