@@ -21,7 +21,7 @@ from rlite.backends.fsdp2.sharding import load_sharded
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from rlite.distributed import DataLayout
 from rlite.hf_models import apply_lora
-from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
+from rlite.rollout import ModelInputs, RolloutBatch, model_inputs, pad_to_width
 from rlite.training.backend import (
     BackendBase,
     BackendCapabilities,
@@ -29,7 +29,8 @@ from rlite.training.backend import (
     LoraAdapter,
     optimizer_state_bytes_to_come,
 )
-from rlite.training.logprobs import PolicyModel, causal_lm_of
+from rlite.training.device import to_device
+from rlite.training.logprobs import ForwardPlan, PolicyModel, causal_lm_of
 from rlite.training.schedule import build_lr_scheduler
 
 
@@ -70,12 +71,23 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
 
 
 def policy_logprobs(
-    model: nn.Module, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False
+    model: nn.Module, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, T]`` log-probs (and entropy) of a batch's responses under a :class:`PolicyModel`."""
-    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    """``[B, T]`` log-probs (and entropy) of a batch's responses under a :class:`PolicyModel`, on ``device``
+    (where the model computes; default: where its first parameter lives).
+
+    The model's inputs and its :class:`ForwardPlan` are built from the batch's host tensors (every value
+    the forward depends on is read there, before anything runs on the device) and moved to ``device``
+    asynchronously (:func:`rlite.training.device.to_device`); the results stay there, for the loss. So on
+    a GPU a micro-batch's forward, loss and backward queue up without the host waiting for the device.
+    """
+    inputs, plan = forward_inputs(batch, spec)
     if spec.routing is not None and spec.routing.replay and inputs.routed_experts is None:
         raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
+    if device is None:
+        device = next(model.parameters()).device
+    inputs, plan = to_device((inputs, plan), device)
     logprobs, entropy = model(
         inputs.input_ids,
         inputs.attention_mask,
@@ -93,10 +105,20 @@ def policy_logprobs(
         routed_experts=inputs.routed_experts,
         routing=spec.routing,
         packed=spec.pack_sequences,
+        plan=plan,
     )
-    # back to the batch's device (the CPU): the rollout batch and the loss live there, the model may be on a GPU
-    width, device = batch.response_ids.shape[1], batch.response_mask.device
-    return pad_to_width(logprobs, width).to(device), None if entropy is None else pad_to_width(entropy, width).to(device)
+    width = batch.response_ids.shape[1]
+    return pad_to_width(logprobs, width), None if entropy is None else pad_to_width(entropy, width)
+
+
+def forward_inputs(batch: RolloutBatch, spec: ForwardSpec) -> tuple[ModelInputs, ForwardPlan]:
+    """A micro-batch's model inputs and forward plan, computed from its host tensors: the one place of the
+    forward that reads tensor values (lengths, which prompts repeat, which tokens are scored)."""
+    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    plan = ForwardPlan.of(inputs.input_ids, inputs.attention_mask, inputs.response_start, inputs.response_mask,
+                          share_prompts=spec.share_prompts, packed=spec.pack_sequences,
+                          exact_layout=spec.exact_layout)
+    return inputs, plan
 
 
 @dataclass
@@ -104,9 +126,11 @@ class FrozenPolicy:
     """The reference model: the initial policy on FSDP2, without LoRA or gradients."""
 
     model: PolicyModel
+    device: torch.device | None = None
+    """Where the model computes (and the log-probs are returned); ``None``: its parameters' device."""
 
     def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
-        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy)
+        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy, device=self.device)
 
 
 @dataclass
@@ -161,7 +185,7 @@ class FSDP2Backend(BackendBase):
 
     # -- training ---------------------------------------------------------------------------------
     def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
-        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy)
+        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy, device=self.device)
 
     def train_mode(self) -> None:
         self.model.train()
@@ -226,7 +250,7 @@ class FSDP2Backend(BackendBase):
 
     # -- other models -----------------------------------------------------------------------------
     def build_reference(self) -> FrozenPolicy:
-        return FrozenPolicy(build_policy(self.model_cfg, self.par_cfg, self.device, trainable=False))
+        return FrozenPolicy(build_policy(self.model_cfg, self.par_cfg, self.device, trainable=False), self.device)
 
     def build_critic(self, cfg: CriticConfig):
         from rlite.backends.fsdp2.critic import Critic
