@@ -502,10 +502,15 @@ class ParallelismConfig:
     elementwise ops in backward instead: the same forward values, less memory (``rlite.backends.fsdp2.lean_activations``)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3 style); False keeps them until backward."""
-    shard_single_process: bool = True
-    """Apply ``fully_shard`` at world size 1 too (the code path N ranks run). False leaves a single process's model
-    plain: no per-micro-batch copies of each block's weights and gradients (FSDP2 makes them even at world size 1);
-    needs ``param_dtype=float32`` and no ``cpu_offload``, which FSDP2 implements."""
+    shard_single_process: Union[bool, str] = "auto"
+    """Apply ``fully_shard`` at world size 1 too. ``auto`` (default): on a CPU, yes (the code path N ranks run, as
+    before); on one CUDA GPU, only when FSDP2 implements what the run asks for, ``cpu_offload`` or compute in another
+    dtype than the master weights (``param_dtype`` != ``model.dtype``: FSDP2's mixed precision, which computes exactly
+    as a bf16 model does and holds one block's bf16 copy at a time); otherwise (pure bf16, fp32) the model stays plain:
+    none of FSDP2's per-micro-batch copies of each block's weights and gradients, which it makes even at world size 1,
+    and gradients added into ``.grad`` in place (``rlite.backends.fsdp2.sharding.shards_single_process`` argues each
+    case). ``true`` / ``false`` force it; a plain model needs ``param_dtype`` equal to ``model.dtype`` and no
+    ``cpu_offload``. Several ranks always shard."""
     fused_grad_accumulation: bool = True
     """For a model without FSDP2 (``shard_single_process=false`` at world size 1): matrix products and embeddings add
     their weight gradients straight into ``.grad`` (``addmm_``, ``index_add_``) instead of autograd allocating,
@@ -517,11 +522,14 @@ class ParallelismConfig:
         _check_choice("parallelism.reduce_dtype", self.reduce_dtype, DTYPES)
         _check_trained_dtype("parallelism.param_dtype", self.param_dtype)
         _check_trained_dtype("parallelism.reduce_dtype", self.reduce_dtype)
+        _check(self.shard_single_process in ("auto", True, False),
+               f"parallelism.shard_single_process: invalid value {self.shard_single_process!r}. Valid choices: auto "
+               "(FSDP2 on a CPU, plain on one GPU where the precision allows), true, false")
         _check(
-            self.shard_single_process or (self.param_dtype == "float32" and not self.cpu_offload),
+            self.shard_single_process is not False or not self.cpu_offload,
             "parallelism.shard_single_process=false leaves the model without FSDP2 at world size 1, so it cannot "
-            "apply parallelism.param_dtype or parallelism.cpu_offload: set param_dtype=float32 and cpu_offload=false, "
-            "or shard_single_process=true",
+            "apply parallelism.cpu_offload (FSDP2's CPUOffloadPolicy): set cpu_offload=false, or "
+            "shard_single_process=auto",
         )
 
 
@@ -666,6 +674,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.rewards), "rewards: list at least one reward function")
+        _check(
+            self.parallelism.shard_single_process is not False or self.parallelism.param_dtype == self.model.dtype,
+            f"parallelism.shard_single_process=false leaves the model without FSDP2 at world size 1, in "
+            f"model.dtype={self.model.dtype}, so it cannot compute in parallelism.param_dtype="
+            f"{self.parallelism.param_dtype}: set param_dtype={self.model.dtype}, or shard_single_process=auto "
+            "(FSDP2's mixed precision)",
+        )
         _check(self.reward_timeout_s > 0, f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         _check(self.reward_workers >= 1, f"reward_workers must be >= 1, got {self.reward_workers}")
         for key in ("reward_max_failure_fraction", "reward_max_timeout_fraction"):

@@ -90,7 +90,12 @@ class ScoringModel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[B, T]`` log-probs of ``batch.response_ids`` (0 past each response), and the ``[B, T]``
         entropy of the (temperature-scaled) distribution when ``with_entropy`` (else ``None``).
-        Gradients flow unless the caller runs under ``torch.no_grad()``."""
+        Gradients flow unless the caller runs under ``torch.no_grad()``.
+
+        ``batch`` lives in host memory; the results are on the device the model computes on (a GPU's),
+        where the caller computes the loss: the training loop moves the loss inputs there and copies what
+        it keeps to the host once per step. On a GPU nothing here should make the host wait for the
+        device (read the batch's values on the host, move inputs with :func:`rlite.training.device.to_device`)."""
 
 
 @runtime_checkable
