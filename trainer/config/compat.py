@@ -148,7 +148,8 @@ RULES: tuple[Rule, ...] = (
          f"on a CPU), {ON_FSDP2}"),
     Rule(MEGATRON, equals("training.liger_fused_logprobs", True),
          "the megatron backend computes log-probs over its tensor-parallel vocabulary slices itself (liger's kernel "
-         "would be silently ignored)", f"set training.liger_fused_logprobs=false, {ON_FSDP2}"),
+         "would be silently ignored)",
+         f"set training.liger_fused_logprobs=auto (off for this backend) or false, {ON_FSDP2}"),
     Rule(MEGATRON, equals("model.lora.enabled", True), "the megatron backend trains full weights",
          "set model.lora.enabled=false, or use parallelism.backend=fsdp2 for LoRA"),
     Rule(MEGATRON, equals("algorithm.critic.enabled", True), "the megatron backend has no critic yet",

@@ -418,8 +418,15 @@ class TrainingConfig:
     """Linear warm-up steps from 0 to the peak learning rate."""
     min_lr_ratio: float = 0.0
     """Final learning rate of the cosine and linear schedules, as a fraction of ``lr``."""
-    liger_fused_logprobs: bool = False
-    """Compute response log-probs with liger-kernel's fused linear cross-entropy (CUDA only; ``pip install rlite[liger]``)."""
+    liger_fused_logprobs: Union[bool, str] = "auto"
+    """Compute response log-probs with liger-kernel's fused linear cross-entropy (``pip install rlite[liger]``; its
+    Triton kernels need CUDA). ``auto`` (default): on a CUDA device, with liger-kernel >= 0.8.2 installed, a backend
+    that takes it (fsdp2) and no entropy term in the loss (``algorithm.entropy_coef=0``); otherwise rlite's chunked
+    output layer. Why: the output layer is the model's largest matrix (a 152k-word vocabulary is a quarter of a 0.5B
+    model's FLOPs) and rlite's chunked path writes and reads its float32 ``[tokens, vocabulary]`` logits several times
+    per chunk, forward and backward; liger's kernels fuse that, and installing the extra is the opt-in. The entropy
+    metric is then computed without gradient by the chunked path (one more output-layer forward); an entropy term in
+    the loss needs the chunked path's gradient. ``true`` requires it (an error where it cannot run), ``false`` never."""
     share_prompt_prefix: bool = True
     """Run each prompt once per micro-batch and share its KV cache with its n samples (off with activation checkpointing or true on-policy)."""
     logprob_recompute_mb: float = 256.0
@@ -474,6 +481,9 @@ class TrainingConfig:
         _check(self.logprob_chunk_size >= 1, "training.logprob_chunk_size must be >= 1")
         _check(self.max_nonfinite_in_a_row >= 1, "training.max_nonfinite_in_a_row must be >= 1")
         _check_choice("training.optimizer_offload", self.optimizer_offload, OPTIMIZER_OFFLOADS)
+        _check(self.liger_fused_logprobs in ("auto", True, False),
+               f"training.liger_fused_logprobs: invalid value {self.liger_fused_logprobs!r}. Valid choices: auto "
+               "(on CUDA when liger-kernel is installed), true, false")
 
 
 # --------------------------------------------------------------------------------------------------

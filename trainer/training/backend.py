@@ -146,6 +146,9 @@ class BackendCapabilities:
     routing_replay: bool = False
     """Follows ``ForwardSpec.routing`` for a Mixture-of-Experts policy: replays ``batch.routed_experts``
     and fills its agreement counts (``algorithm.routing_replay``, routing metrics)."""
+    fused_logprobs: bool = False
+    """Follows ``ForwardSpec.use_liger``: takes its log-probs from liger-kernel's fused linear cross-entropy
+    (``training.liger_fused_logprobs``; ``auto`` leaves it off for a backend without this)."""
 
 
 @runtime_checkable

@@ -151,7 +151,8 @@ class FSDP2Backend(BackendBase):
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(lora=self.lora, critic=True, weight_views=not self.lora, routing_replay=True)
+        return BackendCapabilities(lora=self.lora, critic=True, weight_views=not self.lora, routing_replay=True,
+                                   fused_logprobs=True)
 
     @classmethod
     def build(
