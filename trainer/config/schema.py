@@ -427,6 +427,14 @@ class TrainingConfig:
     per chunk, forward and backward; liger's kernels fuse that, and installing the extra is the opt-in. The entropy
     metric is then computed without gradient by the chunked path (one more output-layer forward); an entropy term in
     the loss needs the chunked path's gradient. ``true`` requires it (an error where it cannot run), ``false`` never."""
+    compile: bool = False
+    """``torch.compile`` each decoder block of the policy (fsdp2 backend; ``rlite.backends.fsdp2.compile``): the
+    elementwise work around the matrix products fused per block, the same log-probs and gradients to float rounding.
+    Off by default: compiling takes time at the start and at each new micro-batch shape (seconds to minutes), it pays
+    only on a GPU where the elementwise ops cost a noticeable share of the step, and it cannot run the shared-prompt
+    forward (set ``training.share_prompt_prefix=false`` with it: each distinct prompt then runs once per sample).
+    Inside compiled blocks, ``parallelism.lean_activations`` and ``fused_grad_accumulation`` do not apply (the
+    compiler picks what to save). Not measured on a GPU yet."""
     share_prompt_prefix: bool = True
     """Run each prompt once per micro-batch and share its KV cache with its n samples (off with activation checkpointing or true on-policy)."""
     logprob_recompute_mb: float = 256.0

@@ -16,7 +16,7 @@ On the CPU every tensor is already where it is used: :func:`to_device` returns i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -30,12 +30,21 @@ def to_device(value: T, device: torch.device) -> T:
     if isinstance(value, torch.Tensor):
         return _tensor_to(value, device)  # type: ignore[return-value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        moved = {f.name: to_device(getattr(value, f.name), device) for f in dataclasses.fields(value) if f.init}
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+        moved = {name: to_device(item, device) for name, item in fields.items()}
+        if all(moved[name] is item for name, item in fields.items()):
+            return value  # nothing moved (the CPU): the very same object
         return dataclasses.replace(value, **moved)  # type: ignore[return-value]
     if isinstance(value, (list, tuple)):
-        return type(value)(to_device(item, device) for item in value)  # type: ignore[return-value]
+        items = [to_device(item, device) for item in value]
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        if hasattr(value, "_fields"):  # a named tuple
+            return type(value)(*items)  # type: ignore[return-value]
+        return type(value)(items)  # type: ignore[return-value]
     if isinstance(value, dict):
-        return {key: to_device(item, device) for key, item in value.items()}  # type: ignore[return-value]
+        moved_items = {key: to_device(item, device) for key, item in value.items()}
+        return value if all(moved_items[k] is v for k, v in value.items()) else moved_items  # type: ignore[return-value]
     return value
 
 
@@ -47,13 +56,3 @@ def _tensor_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def pinned_host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A device tensor's values on the host, for results read once after a loop (log-probs, metrics):
-    one copy that waits for the device, instead of one per micro-batch. A host tensor is returned as it is."""
-    return tensor if tensor.device.type == "cpu" else tensor.cpu()
-
-
-def module_device(module: Any) -> torch.device:
-    """The device of a module's first parameter (the host for a module without any)."""
-    param = next(iter(module.parameters()), None)
-    return torch.device("cpu") if param is None else param.device

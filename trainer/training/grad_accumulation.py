@@ -44,16 +44,22 @@ from torch import nn
 _MARK = "_rlite_grad_in_place"
 
 
-def accumulate_in_place(model: nn.Module) -> dict[str, int]:
+def accumulate_in_place(model: nn.Module, skip: tuple[nn.Module, ...] | list[nn.Module] = ()) -> dict[str, int]:
     """Mark every trainable parameter of ``model`` for in-place gradient accumulation and swap the
     forward of its plain ``nn.Linear`` and ``nn.Embedding`` modules for :class:`LinearFunction` and
-    :class:`EmbeddingFunction`. Returns how many parameters and modules it changed."""
+    :class:`EmbeddingFunction`, except inside ``skip`` (blocks that ``torch.compile`` takes, which
+    cannot trace a backward writing ``.grad``: :mod:`rlite.backends.fsdp2.compile`). Returns how many
+    parameters and modules it changed."""
     counts = {"parameters": 0, "linear": 0, "embedding": 0}
+    skipped_modules = {id(m) for block in skip for m in block.modules()}
+    skipped_params = {id(p) for block in skip for p in block.parameters()}
     for param in model.parameters():
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in skipped_params:
             setattr(param, _MARK, True)
             counts["parameters"] += 1
     for module in model.modules():
+        if id(module) in skipped_modules:
+            continue
         if type(module) is nn.Linear and module.weight.requires_grad:
             module.forward = types.MethodType(_linear_forward, module)
             counts["linear"] += 1
@@ -133,9 +139,9 @@ class EmbeddingFunction(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
         flat_ids, rows = ids.reshape(-1), dy.reshape(-1, dy.shape[-1])
-        if ctx.padding_idx is not None:
-            keep = flat_ids != ctx.padding_idx
-            flat_ids, rows = flat_ids[keep], rows[keep]
+        if ctx.padding_idx is not None:  # the padding token's rows add zero (selecting the others would
+            # need their count: on a GPU, a wait for the device in every backward)
+            rows = rows.masked_fill((flat_ids == ctx.padding_idx)[:, None], 0)
         if not in_place(weight):
             return None, torch.zeros_like(weight).index_add_(0, flat_ids, rows), None
         if weight.grad is None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from rlite.backends.fsdp2.compile import compile_decoder_blocks, decoder_blocks
 from rlite.backends.fsdp2.sharding import load_sharded
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from rlite.distributed import DataLayout
@@ -43,14 +44,20 @@ def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any]) ->
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: torch.device, *, trainable: bool):
+def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: torch.device, *, trainable: bool,
+                 compile_blocks: bool = False):  # fmt: skip
+    """The policy (``trainable``) or the frozen reference model, loaded sharded (:func:`load_sharded`).
+    ``compile_blocks`` (``training.compile``, the policy only): each decoder block through ``torch.compile``
+    (:mod:`rlite.backends.fsdp2.compile`), where lean activations and in-place accumulation stay out."""
+
     def wrap(lm: nn.Module) -> PolicyModel:
         if trainable and model_cfg.lora.enabled:
             lm = apply_lora(lm, model_cfg.lora)
+        compiled = decoder_blocks(lm) if compile_blocks else []
         if par_cfg.lean_activations and trainable:
             from rlite.backends.fsdp2.lean_activations import apply_lean_activations
 
-            apply_lean_activations(lm)
+            apply_lean_activations(lm, skip=compiled)
         lm.config.use_cache = False
         policy = PolicyModel(lm)
         if par_cfg.activation_checkpointing and trainable:
@@ -60,13 +67,14 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
             enable_activation_checkpointing(causal_lm_of(lm), kwargs)
         if not trainable:
             policy.requires_grad_(False)
+        compile_decoder_blocks(compiled)  # before FSDP2 wraps them: its hooks then run between the graphs
         return policy
 
     policy = load_sharded(model_cfg, par_cfg, device, wrap)
     if trainable and par_cfg.fused_grad_accumulation and not isinstance(policy, FSDPModule):
         from rlite.training.grad_accumulation import accumulate_in_place
 
-        accumulate_in_place(policy)
+        accumulate_in_place(policy, skip=decoder_blocks(policy.lm) if compile_blocks else ())
     return policy
 
 
@@ -164,7 +172,7 @@ class FSDP2Backend(BackendBase):
         total_optimizer_steps: int,
         offload_dir: str | Path | None = None,
     ) -> FSDP2Backend:
-        policy = build_policy(model_cfg, par_cfg, device, trainable=True)
+        policy = build_policy(model_cfg, par_cfg, device, trainable=True, compile_blocks=train_cfg.compile)
         params = [p for p in policy.parameters() if p.requires_grad]
         adamw = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
         if train_cfg.optimizer_offload == "disk":

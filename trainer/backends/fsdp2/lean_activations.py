@@ -114,10 +114,14 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
     return all(_plain_linear(p) for p in parts) and _is_silu(getattr(module, "act_fn", None))
 
 
-def apply_lean_activations(model: nn.Module) -> dict[str, int]:
-    """Swap in the lean forwards on every recognised module of ``model``; return how many of each."""
+def apply_lean_activations(model: nn.Module, skip: tuple[nn.Module, ...] | list[nn.Module] = ()) -> dict[str, int]:
+    """Swap in the lean forwards on every recognised module of ``model`` but those inside ``skip`` (blocks
+    that ``torch.compile`` takes: :mod:`rlite.backends.fsdp2.compile`); return how many of each."""
     counts = {"swiglu_mlp": 0, "rmsnorm": 0}
+    skipped = {id(m) for block in skip for m in block.modules()}
     for module in model.modules():
+        if id(module) in skipped:
+            continue
         if is_swiglu_mlp(module):
             module.forward = types.MethodType(_swiglu_forward, module)
             counts["swiglu_mlp"] += 1

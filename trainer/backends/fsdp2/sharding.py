@@ -12,16 +12,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from rlite.backends.fsdp2.compile import decoder_blocks
 from rlite.config import ModelConfig, ParallelismConfig
 from rlite.hf_models import DTYPES, load_causal_lm
-from rlite.training.logprobs import PolicyModel, causal_lm_of
+from rlite.training.logprobs import PolicyModel
 
 
 def decoder_layers(policy: PolicyModel) -> list[nn.Module]:
-    layers = getattr(causal_lm_of(policy.lm).get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError("model: cannot find the decoder blocks (expected model.get_decoder().layers)")
-    return list(layers)
+    return decoder_blocks(policy.lm)
 
 
 def shards_single_process(setting: bool | str, device_type: str, *, param_dtype: str, model_dtype: str,
