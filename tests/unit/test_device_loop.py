@@ -71,6 +71,7 @@ def _watched(backend, recorder, monkeypatch):
 
     monkeypatch.setattr(fsdp2_backend, "forward_inputs", prepare)
     monkeypatch.setattr(update_stage, "micro_batch_loss", watch(update_stage.micro_batch_loss))
+    monkeypatch.setattr(update_stage, "loss_inputs", watch(update_stage.loss_inputs))
     monkeypatch.setattr(backend, "logprobs", watch(backend.logprobs))
     monkeypatch.setattr(backend, "backward", watch(backend.backward))
 
