@@ -42,7 +42,7 @@ from rlite.stages.scoring import RolloutScoring
 from rlite.stages.sync import check_sync_mode
 from rlite.stages.targets import TargetsSpec
 from rlite.stages.update import LossSpec
-from rlite.training.backend import ForwardSpec, TrainingBackend
+from rlite.training.backend import BackendCapabilities, ForwardSpec, TrainingBackend
 from rlite.workflows import TurnRunner, turn_format
 
 log = logging.getLogger("rlite")
@@ -115,19 +115,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         entropy_coef=algo.entropy_coef,
         loss_time_corrections=corrections if loss_time else [],
     )
-    forward = ForwardSpec(
-        micro_batch_size=cfg.training.micro_batch_size,
-        temperature=cfg.rollout.temperature,
-        chunk_size=cfg.training.logprob_chunk_size,
-        exact_layout=cfg.rollout.true_on_policy,
-        max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch,
-        pack_sequences=cfg.training.pack_sequences,
-        use_liger=check_liger(cfg, device_type=ctx.device.type, backend_fuses=backend.capabilities.fused_logprobs),
-        entropy_grad=algo.entropy_coef != 0.0,
-        recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20,
-        # HF activation checkpointing turns the KV cache off, so sharing needs it off
-        share_prompts=cfg.training.share_prompt_prefix and not cfg.parallelism.activation_checkpointing,
-    )
+    forward = forward_spec(cfg, ctx.device.type, backend.capabilities)
     targets = TargetsSpec(
         advantage=resolve_choice(pm.registry("advantage_estimator"), algo.advantage),
         old_logprob_mode=algo.old_logprob_mode,
@@ -230,6 +218,24 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         rewards.close()
         raise
     return run
+
+
+def forward_spec(cfg: RunConfig, device_type: str, capabilities: BackendCapabilities) -> ForwardSpec:
+    """How the run's backend scores and trains (the same spec for both), resolved for this device type and
+    backend: ``training.liger_fused_logprobs=auto`` among others (:func:`check_liger`)."""
+    return ForwardSpec(
+        micro_batch_size=cfg.training.micro_batch_size,
+        temperature=cfg.rollout.temperature,
+        chunk_size=cfg.training.logprob_chunk_size,
+        exact_layout=cfg.rollout.true_on_policy,
+        max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch,
+        pack_sequences=cfg.training.pack_sequences,
+        use_liger=check_liger(cfg, device_type=device_type, backend_fuses=capabilities.fused_logprobs),
+        entropy_grad=cfg.algorithm.entropy_coef != 0.0,
+        recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20,
+        # HF activation checkpointing turns the KV cache off, so sharing needs it off
+        share_prompts=cfg.training.share_prompt_prefix and not cfg.parallelism.activation_checkpointing,
+    )
 
 
 HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
