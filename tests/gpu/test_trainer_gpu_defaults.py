@@ -51,16 +51,14 @@ def _backend(precision: str, device, **training):
 
 
 def _default_spec(tmp_path, micro_batch_size: int):
-    """The ForwardSpec a default run builds on this machine (liger when installed, shared prompts)."""
-    from rlite.run.build import check_liger
+    """The ForwardSpec a default run builds on this GPU (liger when installed, shared prompts)."""
+    from rlite.run.build import forward_spec
     from rlite.testing import tiny_config
-    from rlite.training.backend import ForwardSpec
+    from rlite.training.backend import BackendCapabilities
 
-    cfg = tiny_config(WARMSTART, tmp_path / "run", pm=False)
-    return ForwardSpec(micro_batch_size=micro_batch_size, temperature=1.0, chunk_size=cfg.training.logprob_chunk_size,
-                       exact_layout=False, share_prompts=cfg.training.share_prompt_prefix,
-                       use_liger=check_liger(cfg, device_type="cuda"), entropy_grad=False,
-                       recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20)
+    cfg = tiny_config(WARMSTART, tmp_path / "run", f"training.micro_batch_size={micro_batch_size}",
+                      "rollout.temperature=1.0", pm=False)
+    return forward_spec(cfg, "cuda", BackendCapabilities(fused_logprobs=True))  # fsdp2's
 
 
 def test_defaults_pick_their_path_and_keep_bf16_logprobs_within_the_recorded_tolerance(ctx, tmp_path, measure):
