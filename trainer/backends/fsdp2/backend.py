@@ -1,10 +1,12 @@
 """The FSDP2 training backend: the policy (and reference) model, AdamW and the LR schedule.
 
-``fully_shard`` is applied to every decoder block and then to the root at every world size, so a
-single process runs the very code path that N ranks run (and the mixed-precision policy is always
-installed). Gradients of several micro-batches accumulate in the sharded ``.grad`` of each parameter.
-``parallelism.shard_single_process=false`` keeps a single process's model plain; its weight
-gradients are then added into ``.grad`` in place (:mod:`rlite.training.grad_accumulation`).
+``fully_shard`` is applied to every decoder block and then to the root with several ranks, and in a
+single process on a CPU (the very code path that N ranks run); gradients of several micro-batches
+accumulate in the sharded ``.grad`` of each parameter. A single process on one GPU keeps the model
+plain unless FSDP2 implements what the run asks for (``parallelism.shard_single_process=auto``,
+:func:`rlite.backends.fsdp2.sharding.shards_single_process`); a plain model's weight gradients are added
+into ``.grad`` in place (:mod:`rlite.training.grad_accumulation`). Log-probs are returned on the device
+the model computes on, where the loss is computed (:func:`policy_logprobs`).
 """
 
 from __future__ import annotations
