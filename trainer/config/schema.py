@@ -530,7 +530,7 @@ class ParallelismConfig:
     case). ``true`` / ``false`` force it; a plain model needs ``param_dtype`` equal to ``model.dtype`` and no
     ``cpu_offload``. Several ranks always shard."""
     fused_grad_accumulation: bool = True
-    """For a model without FSDP2 (``shard_single_process=false`` at world size 1): matrix products and embeddings add
+    """For a model without FSDP2 (a single process whose ``shard_single_process`` resolves to plain): matrix products and embeddings add
     their weight gradients straight into ``.grad`` (``addmm_``, ``index_add_``) instead of autograd allocating,
     buffering and summing a fresh gradient per use of each weight (``rlite.training.grad_accumulation``). The same gradients to
     float rounding, less memory and time per micro-batch. No effect under FSDP2."""

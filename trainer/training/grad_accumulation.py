@@ -27,9 +27,9 @@ weight still returns its gradient, which autograd adds into the same ``.grad`` a
 
 Only a model that is not wrapped by FSDP2 can do this: FSDP2 swaps the parameters for unsharded
 copies in every forward and reduces their gradients through its own hooks. ``parallelism.
-fused_grad_accumulation`` (on by default) switches it where it applies (a single process with
-``parallelism.shard_single_process=false``). Gradient hooks registered on a marked parameter
-(``register_post_accumulate_grad_hook``, ``Tensor.register_hook``) do not see the gradients
+fused_grad_accumulation`` (on by default) switches it where it applies (a single process whose
+model stays plain: ``parallelism.shard_single_process=false``, or ``auto`` on one GPU). Gradient hooks
+registered on a marked parameter (``register_post_accumulate_grad_hook``, ``Tensor.register_hook``) do not see the gradients
 written in place.
 """
 
