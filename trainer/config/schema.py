@@ -401,7 +401,10 @@ class TrainingConfig:
     micro-batch's padded size (sequences x (longest prompt + longest response)) stays within it, with at
     most ``micro_batch_size`` sequences; every data-parallel rank runs the same number of micro-batches.
     Applies to pi_old, pi_ref, the critic and the update alike. Bounds a micro-batch's activation memory
-    when lengths vary, and cuts padding (``batching/padding_fraction``)."""
+    when lengths vary, and cuts padding (``batching/padding_fraction``). Off on a GPU too: sorting rows by length
+    splits a GRPO group's samples over micro-batches, so each of its prompts runs in several of them and prompt
+    sharing (``share_prompt_prefix``) saves less, while shared prompts and their response length buckets already
+    compute little padding; a budget pays when lengths vary widely and memory, not padding, is the limit."""
     lr: float = 1e-5
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
