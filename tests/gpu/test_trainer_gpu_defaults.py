@@ -146,6 +146,28 @@ def test_the_plain_single_gpu_model_learns(tmp_path, model_dir, precision, measu
     assert all(math.isfinite(r["actor/grad_norm"]) for r in rows if "actor/grad_norm" in r)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_plain_models_gradients_are_reproducible_bitwise(ctx, precision):
+    """Twice the same forward and backward on the plain model give bitwise the same gradients: the in-place
+    accumulation's embedding rows are summed by a sorting kernel on the GPU (atomics would not be)."""
+    from rlite.testing import fixed_batch
+    from rlite.training.backend import ForwardSpec
+
+    backend = _backend(precision, ctx.device)
+    batch = fixed_batch(num_prompts=4, samples=4, prompt_len=10, max_len=8, vocab=250)
+    spec = ForwardSpec(micro_batch_size=16, temperature=1.0, chunk_size=64, exact_layout=False, share_prompts=True)
+    backend.train_mode()
+    grads = []
+    for _ in range(2):
+        logprobs, _ = backend.logprobs(batch, spec, with_entropy=True)
+        backend.backward(logprobs.sum())
+        grads.append({n: p.grad.clone() for n, p in backend.model.named_parameters()})
+        backend.zero_grad()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0]), [
+        n for n in grads[0] if not torch.equal(grads[0][n], grads[1][n])][:4]
+    backend.close()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp32-masters-bf16"])
 def test_the_update_loop_does_not_wait_for_the_gpu(ctx, monkeypatch, precision, measure):
     """The micro-batch loop under rlite's host-sync recorder (which on a GPU also sees blocking host/device

@@ -143,11 +143,21 @@ class EmbeddingFunction(torch.autograd.Function):
             # need their count: on a GPU, a wait for the device in every backward)
             rows = rows.masked_fill((flat_ids == ctx.padding_idx)[:, None], 0)
         if not in_place(weight):
-            return None, torch.zeros_like(weight).index_add_(0, flat_ids, rows), None
+            return None, add_rows(torch.zeros_like(weight), flat_ids, rows), None
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, flat_ids, rows)
+        add_rows(weight.grad, flat_ids, rows)
         return None, None, None
+
+
+def add_rows(into: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``into[ids[i]] += rows[i]`` for every i, in place. On a GPU through ``index_put_(accumulate=True)``,
+    whose kernel sorts the ids and sums each id's rows in a fixed order: ``index_add_`` adds them with atomics
+    there, in whatever order the threads run, so two runs would differ in the last bits (autograd's own
+    embedding backward sorts too). On a CPU ``index_add_`` adds in the ids' order, as before."""
+    if into.device.type == "cpu":
+        return into.index_add_(0, ids, rows)
+    return into.index_put_((ids,), rows, accumulate=True)
 
 
 def _plain_embedding(module: nn.Embedding) -> bool:
