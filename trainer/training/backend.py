@@ -53,6 +53,8 @@ class ForwardSpec:
     exact_layout: bool
     """Score the engine's fixed ``[B, P + T]`` layout (true on-policy mode)."""
     use_liger: bool = False
+    """Take the log-probs from liger-kernel's fused linear cross-entropy (``training.liger_fused_logprobs`` as
+    resolved for this device and backend; only a backend with ``capabilities.fused_logprobs`` follows it)."""
     entropy_grad: bool = True
     """Whether the entropy term is in the loss (else it is a metric, computed without gradient)."""
     recompute_above_bytes: float = 0.0
