@@ -27,6 +27,10 @@ the samples through the gather. Same maths as the full forward, about n times fe
 ``exact_layout=True`` instead calls the output layer on every position and ``log_softmax`` on the
 full logits, exactly as the transformers engine's fixed-shape sampler does, so that the trainer's
 numbers equal the engine's bit for bit (true on-policy mode).
+
+Whatever depends on the values of a micro-batch's masks (the scored tokens, the distinct prompts, the
+length buckets, the packing) is a :class:`ForwardPlan`, computed on the host before the forward; the
+forward itself selects and scatters by index only, so on a GPU it never waits for the device.
 """
 
 from __future__ import annotations
