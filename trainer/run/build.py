@@ -390,9 +390,12 @@ def check_liger(cfg: RunConfig, *, device_type: str | None = None, backend_fuses
     (default: ``cuda`` when a GPU is visible); ``backend_fuses``: the backend follows ``ForwardSpec.use_liger``."""
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_liger(cfg.training.liger_fused_logprobs, device_type=device_type, backend_fuses=backend_fuses,
-                         entropy_in_loss=cfg.algorithm.entropy_coef != 0.0,
-                         installed=(installed_version("liger-kernel") or "unknown") if _liger_importable() else None)
+    setting = cfg.training.liger_fused_logprobs
+    installed = None
+    if device_type == "cuda" and setting is not False and _liger_importable():  # (no liger import on a CPU)
+        installed = installed_version("liger-kernel") or "unknown"
+    return resolve_liger(setting, device_type=device_type, backend_fuses=backend_fuses,
+                         entropy_in_loss=cfg.algorithm.entropy_coef != 0.0, installed=installed)
 
 
 def resolve_liger(setting: bool | str, *, device_type: str, backend_fuses: bool, entropy_in_loss: bool,
