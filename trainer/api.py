@@ -88,6 +88,7 @@ from rlite.training.backend import (
     TrainingBackend,
     optimizer_state_bytes_to_come,
 )
+from rlite.training.device import to_device
 from rlite.training.schedule import build_lr_scheduler
 from rlite.workflows import Action, Environment, SingleTurn
 
@@ -164,6 +165,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "unique_prompt_rows",
     "DiskOffloadAdamW",
     "optimizer_offload_dir",
+    "to_device",
     # Rollout engines
     "RolloutEngine",
     "EngineWrapper",

@@ -309,3 +309,100 @@ def per_micro_batch_mean_loss(logprobs, old_logprobs, advantages, response_mask,
     mask = response_mask.to(logprobs.dtype)
     per_token = -advantages.detach() * (logprobs - old_logprobs.detach()).exp() * mask
     return per_token / mask.sum().clamp(min=1), {}
+
+
+class HostSyncRecorder:
+    """Records every op inside the ``with`` block that makes the host wait for a GPU: reading a tensor's
+    value on the host (``.item()``, ``.tolist()``, ``bool(t)``, ``.numpy()``), ops whose output size
+    depends on values (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``, ...), a tensor
+    built from Python data (``torch.tensor([...])``: a copy to the device), and a blocking copy between
+    host and device. On a CPU nothing waits, yet the same ops run: so the check can run there::
+
+        with HostSyncRecorder() as syncs:
+            loss = model(x).sum()
+        assert syncs.found == []
+
+    ``found``: ``(op, "file:line")`` of the nearest frame outside torch (the code that asked).
+    ``allowed()``: a context in which ops are not recorded (the host-side preparation of a micro-batch).
+    """
+
+    VALUE_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "allclose",
+                           "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_scatter", "bincount",
+                           "histc"})
+    TENSOR_METHODS = frozenset({"tolist", "numpy"})
+    """Methods that read values without dispatching an op on a CPU tensor (``item()``, ``bool()`` and the like
+    dispatch ``_local_scalar_dense``, recorded once there)."""
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorder = self
+        self.found: list[tuple[str, str]] = []
+        self._paused = 0
+
+        class Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in recorder.TENSOR_METHODS:
+                    recorder._record(name)
+                return func(*args, **(kwargs or {}))
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = func._overloadpacket.__name__
+                if recorder._waits(name, args, kwargs):
+                    recorder._record(name)
+                return func(*args, **kwargs)
+
+        self._modes = (Functions(), Dispatch())
+
+    def _waits(self, name: str, args, kwargs) -> bool:
+        if name in self.VALUE_OPS:
+            return True
+        if name == "lift_fresh":  # torch.tensor(python data); an empty one copies nothing
+            return args[0].numel() > 0
+        if name == "repeat_interleave":
+            return kwargs.get("output_size") is None
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+        positional_non_blocking = len(args) > 2 and bool(args[2]) if name == "copy_" else False
+        if name in ("_to_copy", "copy_") and not (kwargs.get("non_blocking", False) or positional_non_blocking):
+            source = args[1] if name == "copy_" else args[0]
+            target = args[0].device if name == "copy_" else kwargs.get("device") or source.device
+            return isinstance(source, torch.Tensor) and {source.device.type, torch.device(target).type} == {"cpu", "cuda"}
+        return False
+
+    def _record(self, name: str) -> None:
+        if self._paused:
+            return
+        import traceback
+
+        here = __file__
+        frames = [f for f in traceback.extract_stack() if f.filename != here and f"{os.sep}torch{os.sep}" not in f.filename]
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        self.found.append((name, where))
+
+    def allowed(self):
+        """A context in which nothing is recorded."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def pause():
+            self._paused += 1
+            try:
+                yield
+            finally:
+                self._paused -= 1
+
+        return pause()
+
+    def __enter__(self) -> HostSyncRecorder:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)

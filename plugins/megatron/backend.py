@@ -55,6 +55,7 @@ from rlite.api import (
     model_inputs,
     pad_to_width,
     skeleton_causal_lm,
+    to_device,
 )
 from rlite.plugins.megatron.checkpoint_state import open_checkpoint_state
 from rlite.plugins.megatron.convert import (
@@ -400,8 +401,9 @@ def shared_prompt_hidden(
     if width == 1:
         return last
     # response token t is predicted from response token t - 1: a row of length n runs n - 1 tokens
-    steps = torch.arange(1, width + 1, device=device)
-    needs = ((response_mask.to(device).bool() * steps).amax(-1) - 1).clamp(min=0).tolist()
+    # (read from the host copy of the mask: on a GPU, reading the device's would wait for it)
+    steps = torch.arange(1, width + 1, device=response_mask.device)
+    needs = ((response_mask.bool() * steps).amax(-1) - 1).clamp(min=0).tolist()
     rotary = model.rotary_pos_emb(start + width)[:, 0, 0]  # [positions, rotary dim]
     hidden = last.new_zeros(batch, width - 1, last.shape[-1])
     for rows, run in length_buckets(needs):
@@ -469,38 +471,38 @@ def gpt_logprobs(
     from rlite.api import unique_prompt_rows
 
     inputs = model_inputs(batch, exact_layout=spec.exact_layout)
-    # the batch lives on the CPU (rollouts, loss); the model may be on a GPU: inputs go to the model's
-    # device, log-probs come back to the batch's
-    device = next(model.parameters()).device
-    ids, attention = inputs.input_ids.to(device), inputs.attention_mask.to(device)
-    rows = ids.shape[0]
-    routing = inputs.routed_experts
-    if spec.routing is not None and spec.routing.replay and routing is None:
+    if spec.routing is not None and spec.routing.replay and inputs.routed_experts is None:
         raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
-    routing = None if routing is None else routing.to(device)
+    # the batch lives on the host (rollouts); the model may be on a GPU: the inputs go to the model's device
+    # (asynchronously from pinned memory) and the log-probs stay there, where the loss is computed
+    device = next(model.parameters()).device
+    host_response_mask = inputs.response_mask
+    inputs = to_device(inputs, device)
+    ids, attention, routing = inputs.input_ids, inputs.attention_mask, inputs.routed_experts
+    rows = ids.shape[0]
     start, width = inputs.response_start, inputs.response_mask.shape[1]
     hidden = None
     if can_share_prompts(model, spec):
         unique_rows, inverse = unique_prompt_rows(ids[:, :start], attention[:, :start])
         if len(unique_rows) < rows:
             hidden = shared_prompt_hidden(
-                model, ids, attention, start, inputs.response_mask, unique_rows, inverse, routing, spec
+                model, ids, attention, start, host_response_mask, unique_rows, inverse, routing, spec
             )
     if hidden is None:
         hidden = full_forward_hidden(model, ids, attention, start, width, routing, spec)
-    selected = inputs.response_mask.to(device).bool()
-    targets = inputs.input_ids.to(device)[:, start : start + width]
+    # the scored tokens by index, found on the host copy of the mask (a boolean mask's indexing waits for a GPU)
+    selected = to_device(host_response_mask.bool().nonzero(as_tuple=True), device)
+    targets = ids[:, start : start + width]
     logprobs_flat, entropy_flat = response_logprobs(
         model, hidden[selected], targets[selected], vocab_size, spec, with_entropy=with_entropy
     )
-    home = batch.response_mask.device
-    logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device).masked_scatter(selected, logprobs_flat)
+    logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device).index_put(selected, logprobs_flat)
     full = batch.response_ids.shape[1]
-    logprobs = pad_to_width(logprobs.to(home), full)
+    logprobs = pad_to_width(logprobs, full)
     if not with_entropy:
         return logprobs, None
-    entropy = torch.zeros(rows, width, dtype=torch.float32, device=device).masked_scatter(selected, entropy_flat)
-    return logprobs, pad_to_width(entropy.to(home), full)
+    entropy = torch.zeros(rows, width, dtype=torch.float32, device=device).index_put(selected, entropy_flat)
+    return logprobs, pad_to_width(entropy, full)
 
 
 # --------------------------------------------------------------------------------------------------

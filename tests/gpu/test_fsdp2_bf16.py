@@ -156,7 +156,7 @@ def test_bf16_logprobs_match_fp32_within_tolerance(measure):
             backend = FSDP2Backend.build(ModelConfig(path=WARMSTART), ParallelismConfig(param_dtype=dtype),
                                          TrainingConfig(), ctx.device, total_optimizer_steps=1)
             with torch.no_grad():
-                scores[dtype] = torch.cat([backend.logprobs(batch.select(slice(i, i + spec.micro_batch_size)), spec)[0]
+                scores[dtype] = torch.cat([backend.logprobs(batch.select(slice(i, i + spec.micro_batch_size)), spec)[0].cpu()
                                            for i in range(0, len(batch), spec.micro_batch_size)])
             backend.close()
         mask = batch.response_mask.bool()

@@ -88,11 +88,11 @@ def test_liger_through_the_fsdp2_backend_in_bf16(measure):
         for use_liger in (False, True):
             spec = ForwardSpec(micro_batch_size=len(batch), temperature=0.7, chunk_size=64, exact_layout=False,
                                use_liger=use_liger, entropy_grad=False)
-            logprobs, _ = backend.logprobs(batch, spec)
-            (logprobs * token_weights * batch.response_mask).sum().backward()
+            logprobs, _ = backend.logprobs(batch, spec)  # on the GPU, where the loss is computed
+            (logprobs * (token_weights * batch.response_mask).to(logprobs.device)).sum().backward()
             grads = {n: p.grad.full_tensor().clone() for n, p in backend.model.named_parameters()}
             backend.optimizer.zero_grad(set_to_none=True)
-            results[use_liger] = (logprobs.detach(), grads)
+            results[use_liger] = (logprobs.detach().cpu(), grads)
         mask = batch.response_mask.bool()
         value_error = (results[True][0] - results[False][0])[mask].abs().max().item()
         grad_errors = {n: _relative_error(results[True][1][n], g) for n, g in results[False][1].items()}

@@ -60,13 +60,13 @@ def test_megatron_logprobs_and_gradients_on_cuda_equal_the_transformers_model(tm
         spec = ForwardSpec(micro_batch_size=6, temperature=0.8, chunk_size=8, exact_layout=False)
         ours, our_entropy = backend.logprobs(batch, spec, with_entropy=True)
         theirs, their_entropy = policy_logprobs(PolicyModel(hf), batch, spec, with_entropy=True)
-        assert ours.device == theirs.device == batch.response_mask.device  # back where the batch lives
-        diff = (ours - theirs).abs().max().item()
+        assert ours.device.type == "cuda"  # where the model computes: the loss is computed there
+        diff = (ours.detach().cpu() - theirs).abs().max().item()
         measure("megatron_vs_hf_logprob_max_abs_diff", diff, "nats")
         assert diff <= 1e-4
-        assert torch.allclose(our_entropy, their_entropy, atol=1e-4, rtol=0)
+        assert torch.allclose(our_entropy.cpu(), their_entropy, atol=1e-4, rtol=0)
         weights = torch.linspace(0.5, 1.5, ours.shape[1])
-        (ours * weights).sum().backward()
+        (ours * weights.to(ours.device)).sum().backward()
         (theirs * weights).sum().backward()
         grads = dict(backend.model.named_parameters())
         ours_hf = dict(megatron_to_hf(((n, grads[n].grad) for n in backend.full_names), backend.shape))

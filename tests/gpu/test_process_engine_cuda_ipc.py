@@ -82,7 +82,7 @@ def test_cuda_ipc_syncs_are_bitwise_and_the_engine_samples_exactly_them(model_di
             batch = build_rollout_batch(prompts, completions, [{}] * len(prompts), 0, pad_token_id=pad,
                                         fixed_width=MAX_NEW_TOKENS)
             with torch.no_grad():
-                trainer_logprobs, _ = backend.logprobs(batch, spec)
+                trainer_logprobs = backend.logprobs(batch, spec)[0].cpu()
             mask = batch.response_mask.bool()
             assert torch.equal(trainer_logprobs[mask], batch.rollout_logprobs[mask]), (
                 f"sync v{version}: max |diff| {(trainer_logprobs - batch.rollout_logprobs)[mask].abs().max():.3e}"

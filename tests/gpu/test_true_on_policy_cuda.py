@@ -66,7 +66,7 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(dtype, measure):
             spec = ForwardSpec(micro_batch_size=micro_batch_size, temperature=TEMPERATURE, chunk_size=1024,
                                exact_layout=True)
             with torch.no_grad():
-                return torch.cat([backend.logprobs(batch.select(slice(i, i + micro_batch_size)), spec)[0]
+                return torch.cat([backend.logprobs(batch.select(slice(i, i + micro_batch_size)), spec)[0].cpu()
                                   for i in range(0, len(batch), micro_batch_size)])
 
         same_batch = score(len(batch))  # the trainer scores the engine's batch in one forward, as it sampled

@@ -226,6 +226,20 @@ def test_unsharded_single_process_equals_fully_shard_bitwise(tmp_path, model_dir
     _assert_same_trained_models(model_dir, tmp_path / "sharded", tmp_path / "plain")
 
 
+def test_a_plain_model_resumes_a_sharded_checkpoint_bitwise(tmp_path, model_dir, pm_with_digit_reward):
+    """A checkpoint written under FSDP2 (every CPU run, and GPU runs before shard_single_process=auto) resumes
+    into the plain model that auto picks on one GPU: DCP reshards, and the run ends where an uninterrupted
+    sharded run ends."""
+    pm = pm_with_digit_reward
+    common = (*DENSE, "training.steps=4", "training.micro_batch_size=4", "checkpoint.export_hf=true",
+              "checkpoint.every=2", "training.eval_every=2")
+    run_training(tiny_config(model_dir, tmp_path / "sharded", *common, pm=pm))
+    run_training(tiny_config(model_dir, tmp_path / "switched", *common, "training.steps=2", pm=pm))
+    plain = ("parallelism.shard_single_process=false", "parallelism.fused_grad_accumulation=false")
+    run_training(tiny_config(model_dir, tmp_path / "switched", *common, *plain, "checkpoint.resume=auto", pm=pm))
+    _assert_same_trained_models(model_dir, tmp_path / "sharded", tmp_path / "switched")
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
 def test_exported_model_loads_in_plain_transformers(tmp_path, model_dir, tied):
     if tied:

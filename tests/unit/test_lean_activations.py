@@ -35,6 +35,26 @@ def test_lean_model_matches_hugging_face_forward_bitwise_and_gradients(kind):
         assert scale > 0 and (b.grad - a.grad).abs().max().item() <= 1e-5 * scale, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lean_swiglu_gradients_are_autograds_bit_for_bit(dtype):
+    """The lean MLP's backward recomputes silu and the product, then runs the very kernels autograd runs
+    for the unpatched MLP (silu's own backward on ``dp * u`` in the model's dtype; no float32 chain of
+    temporaries), so every gradient is bitwise autograd's, in bf16 as in fp32."""
+    reference = tiny_qwen2(vocab_size=97).to(dtype)
+    lean = copy.deepcopy(reference)
+    apply_lean_activations(lean)
+    mlp_ref, mlp_lean = reference.model.layers[0].mlp, lean.model.layers[0].mlp
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 32, generator=g).to(dtype)
+    upstream = torch.randn(3, 7, 32, generator=g).to(dtype)
+    inputs = [x.clone().requires_grad_(True) for _ in range(2)]
+    mlp_ref(inputs[0]).backward(upstream)
+    mlp_lean(inputs[1]).backward(upstream)
+    assert torch.equal(inputs[0].grad, inputs[1].grad)
+    for (name, a), b in zip(mlp_ref.named_parameters(), mlp_lean.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def _saved_bytes(fn) -> int:
     """Bytes of the distinct tensors autograd keeps for backward while ``fn()``'s output lives."""
     seen: dict[int, int] = {}

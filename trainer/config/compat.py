@@ -148,7 +148,16 @@ RULES: tuple[Rule, ...] = (
          f"on a CPU), {ON_FSDP2}"),
     Rule(MEGATRON, equals("training.liger_fused_logprobs", True),
          "the megatron backend computes log-probs over its tensor-parallel vocabulary slices itself (liger's kernel "
-         "would be silently ignored)", f"set training.liger_fused_logprobs=false, {ON_FSDP2}"),
+         "would be silently ignored)",
+         f"set training.liger_fused_logprobs=auto (off for this backend) or false, {ON_FSDP2}"),
+    Rule(MEGATRON, equals("training.compile", True),
+         "the megatron backend builds megatron-core's own modules and does not compile them (it would be silently "
+         "ignored)", f"set training.compile=false, {ON_FSDP2}"),
+    Rule(equals("training.compile", True), equals("training.share_prompt_prefix", True),
+         "the shared-prompt forward hands each decoder block a KV cache indexed by the block's layer number, which "
+         "torch.compile specialises per layer and per pass, past its recompile limit (the blocks would run eager)",
+         "set training.share_prompt_prefix=false with training.compile=true (each prompt then runs once per sample), "
+         "or training.compile=false"),
     Rule(MEGATRON, equals("model.lora.enabled", True), "the megatron backend trains full weights",
          "set model.lora.enabled=false, or use parallelism.backend=fsdp2 for LoRA"),
     Rule(MEGATRON, equals("algorithm.critic.enabled", True), "the megatron backend has no critic yet",

@@ -405,7 +405,10 @@ class TrainingConfig:
     micro-batch's padded size (sequences x (longest prompt + longest response)) stays within it, with at
     most ``micro_batch_size`` sequences; every data-parallel rank runs the same number of micro-batches.
     Applies to pi_old, pi_ref, the critic and the update alike. Bounds a micro-batch's activation memory
-    when lengths vary, and cuts padding (``batching/padding_fraction``)."""
+    when lengths vary, and cuts padding (``batching/padding_fraction``). Off on a GPU too: sorting rows by length
+    splits a GRPO group's samples over micro-batches, so each of its prompts runs in several of them and prompt
+    sharing (``share_prompt_prefix``) saves less, while shared prompts and their response length buckets already
+    compute little padding; a budget pays when lengths vary widely and memory, not padding, is the limit."""
     lr: float = 1e-5
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
@@ -422,8 +425,23 @@ class TrainingConfig:
     """Linear warm-up steps from 0 to the peak learning rate."""
     min_lr_ratio: float = 0.0
     """Final learning rate of the cosine and linear schedules, as a fraction of ``lr``."""
-    liger_fused_logprobs: bool = False
-    """Compute response log-probs with liger-kernel's fused linear cross-entropy (CUDA only; ``pip install rlite[liger]``)."""
+    liger_fused_logprobs: Union[bool, str] = "auto"
+    """Compute response log-probs with liger-kernel's fused linear cross-entropy (``pip install rlite[liger]``; its
+    Triton kernels need CUDA). ``auto`` (default): on a CUDA device, with liger-kernel >= 0.8.2 installed, a backend
+    that takes it (fsdp2) and no entropy term in the loss (``algorithm.entropy_coef=0``); otherwise rlite's chunked
+    output layer. Why: the output layer is the model's largest matrix (a 152k-word vocabulary is a quarter of a 0.5B
+    model's FLOPs) and rlite's chunked path writes and reads its float32 ``[tokens, vocabulary]`` logits several times
+    per chunk, forward and backward; liger's kernels fuse that, and installing the extra is the opt-in. The entropy
+    metric is then computed without gradient by the chunked path (one more output-layer forward); an entropy term in
+    the loss needs the chunked path's gradient. ``true`` requires it (an error where it cannot run), ``false`` never."""
+    compile: bool = False
+    """``torch.compile`` each decoder block of the policy (fsdp2 backend; ``rlite.backends.fsdp2.compile``): the
+    elementwise work around the matrix products fused per block, the same log-probs and gradients to float rounding.
+    Off by default: compiling takes time at the start and at each new micro-batch shape (seconds to minutes), it pays
+    only on a GPU where the elementwise ops cost a noticeable share of the step, and it cannot run the shared-prompt
+    forward (set ``training.share_prompt_prefix=false`` with it: each distinct prompt then runs once per sample).
+    Inside compiled blocks, ``parallelism.lean_activations`` and ``fused_grad_accumulation`` do not apply (the
+    compiler picks what to save). Not measured on a GPU yet."""
     share_prompt_prefix: bool = True
     """Run each prompt once per micro-batch and share its KV cache with its n samples (off with activation checkpointing or true on-policy)."""
     logprob_recompute_mb: float = 256.0
@@ -478,6 +496,9 @@ class TrainingConfig:
         _check(self.logprob_chunk_size >= 1, "training.logprob_chunk_size must be >= 1")
         _check(self.max_nonfinite_in_a_row >= 1, "training.max_nonfinite_in_a_row must be >= 1")
         _check_choice("training.optimizer_offload", self.optimizer_offload, OPTIMIZER_OFFLOADS)
+        _check(self.liger_fused_logprobs in ("auto", True, False),
+               f"training.liger_fused_logprobs: invalid value {self.liger_fused_logprobs!r}. Valid choices: auto "
+               "(on CUDA when liger-kernel is installed), true, false")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -506,12 +527,17 @@ class ParallelismConfig:
     elementwise ops in backward instead: the same forward values, less memory (``rlite.backends.fsdp2.lean_activations``)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3 style); False keeps them until backward."""
-    shard_single_process: bool = True
-    """Apply ``fully_shard`` at world size 1 too (the code path N ranks run). False leaves a single process's model
-    plain: no per-micro-batch copies of each block's weights and gradients (FSDP2 makes them even at world size 1);
-    needs ``param_dtype=float32`` and no ``cpu_offload``, which FSDP2 implements."""
+    shard_single_process: Union[bool, str] = "auto"
+    """Apply ``fully_shard`` at world size 1 too. ``auto`` (default): on a CPU, yes (the code path N ranks run, as
+    before); on one CUDA GPU, only when FSDP2 implements what the run asks for, ``cpu_offload`` or compute in another
+    dtype than the master weights (``param_dtype`` != ``model.dtype``: FSDP2's mixed precision, which computes exactly
+    as a bf16 model does and holds one block's bf16 copy at a time); otherwise (pure bf16, fp32) the model stays plain:
+    none of FSDP2's per-micro-batch copies of each block's weights and gradients, which it makes even at world size 1,
+    and gradients added into ``.grad`` in place (``rlite.backends.fsdp2.sharding.shards_single_process`` argues each
+    case). ``true`` / ``false`` force it; a plain model needs ``param_dtype`` equal to ``model.dtype`` and no
+    ``cpu_offload``. Several ranks always shard."""
     fused_grad_accumulation: bool = True
-    """For a model without FSDP2 (``shard_single_process=false`` at world size 1): matrix products and embeddings add
+    """For a model without FSDP2 (a single process whose ``shard_single_process`` resolves to plain): matrix products and embeddings add
     their weight gradients straight into ``.grad`` (``addmm_``, ``index_add_``) instead of autograd allocating,
     buffering and summing a fresh gradient per use of each weight (``rlite.training.grad_accumulation``). The same gradients to
     float rounding, less memory and time per micro-batch. No effect under FSDP2."""
@@ -521,11 +547,14 @@ class ParallelismConfig:
         _check_choice("parallelism.reduce_dtype", self.reduce_dtype, DTYPES)
         _check_trained_dtype("parallelism.param_dtype", self.param_dtype)
         _check_trained_dtype("parallelism.reduce_dtype", self.reduce_dtype)
+        _check(self.shard_single_process in ("auto", True, False),
+               f"parallelism.shard_single_process: invalid value {self.shard_single_process!r}. Valid choices: auto "
+               "(FSDP2 on a CPU, plain on one GPU where the precision allows), true, false")
         _check(
-            self.shard_single_process or (self.param_dtype == "float32" and not self.cpu_offload),
+            self.shard_single_process is not False or not self.cpu_offload,
             "parallelism.shard_single_process=false leaves the model without FSDP2 at world size 1, so it cannot "
-            "apply parallelism.param_dtype or parallelism.cpu_offload: set param_dtype=float32 and cpu_offload=false, "
-            "or shard_single_process=true",
+            "apply parallelism.cpu_offload (FSDP2's CPUOffloadPolicy): set cpu_offload=false, or "
+            "shard_single_process=auto",
         )
 
 
@@ -676,6 +705,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.rewards), "rewards: list at least one reward function")
+        _check(
+            self.parallelism.shard_single_process is not False or self.parallelism.param_dtype == self.model.dtype,
+            f"parallelism.shard_single_process=false leaves the model without FSDP2 at world size 1, in "
+            f"model.dtype={self.model.dtype}, so it cannot compute in parallelism.param_dtype="
+            f"{self.parallelism.param_dtype}: set param_dtype={self.model.dtype}, or shard_single_process=auto "
+            "(FSDP2's mixed precision)",
+        )
         _check(self.reward_timeout_s > 0, f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         _check(self.reward_workers >= 1, f"reward_workers must be >= 1, got {self.reward_workers}")
         for key in ("reward_max_failure_fraction", "reward_max_timeout_fraction"):

@@ -42,7 +42,7 @@ from rlite.stages.scoring import RolloutScoring
 from rlite.stages.sync import check_sync_mode
 from rlite.stages.targets import TargetsSpec
 from rlite.stages.update import LossSpec
-from rlite.training.backend import ForwardSpec, TrainingBackend
+from rlite.training.backend import BackendCapabilities, ForwardSpec, TrainingBackend
 from rlite.workflows import TurnRunner, turn_format
 
 log = logging.getLogger("rlite")
@@ -115,19 +115,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         entropy_coef=algo.entropy_coef,
         loss_time_corrections=corrections if loss_time else [],
     )
-    forward = ForwardSpec(
-        micro_batch_size=cfg.training.micro_batch_size,
-        temperature=cfg.rollout.temperature,
-        chunk_size=cfg.training.logprob_chunk_size,
-        exact_layout=cfg.rollout.true_on_policy,
-        max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch,
-        pack_sequences=cfg.training.pack_sequences,
-        use_liger=check_liger(cfg),
-        entropy_grad=algo.entropy_coef != 0.0,
-        recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20,
-        # HF activation checkpointing turns the KV cache off, so sharing needs it off
-        share_prompts=cfg.training.share_prompt_prefix and not cfg.parallelism.activation_checkpointing,
-    )
+    forward = forward_spec(cfg, ctx.device.type, backend.capabilities)
     targets = TargetsSpec(
         advantage=resolve_choice(pm.registry("advantage_estimator"), algo.advantage),
         old_logprob_mode=algo.old_logprob_mode,
@@ -231,6 +219,24 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         rewards.close()
         raise
     return run
+
+
+def forward_spec(cfg: RunConfig, device_type: str, capabilities: BackendCapabilities) -> ForwardSpec:
+    """How the run's backend scores and trains (the same spec for both), resolved for this device type and
+    backend: ``training.liger_fused_logprobs=auto`` among others (:func:`check_liger`)."""
+    return ForwardSpec(
+        micro_batch_size=cfg.training.micro_batch_size,
+        temperature=cfg.rollout.temperature,
+        chunk_size=cfg.training.logprob_chunk_size,
+        exact_layout=cfg.rollout.true_on_policy,
+        max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch,
+        pack_sequences=cfg.training.pack_sequences,
+        use_liger=check_liger(cfg, device_type=device_type, backend_fuses=capabilities.fused_logprobs),
+        entropy_grad=cfg.algorithm.entropy_coef != 0.0,
+        recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20,
+        # HF activation checkpointing turns the KV cache off, so sharing needs it off
+        share_prompts=cfg.training.share_prompt_prefix and not cfg.parallelism.activation_checkpointing,
+    )
 
 
 HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -379,24 +385,54 @@ def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch
     return make_draft(DraftContext(cfg.model, tokenizer, cfg.rollout, device, layout), draft_cfg)
 
 
-def check_liger(cfg: RunConfig) -> bool:
-    """Validate ``training.liger_fused_logprobs`` against this machine (its kernels need CUDA)."""
-    if not cfg.training.liger_fused_logprobs:
+def check_liger(cfg: RunConfig, *, device_type: str | None = None, backend_fuses: bool = True) -> bool:
+    """Resolve ``training.liger_fused_logprobs`` on this machine: whether the run's log-probs come from
+    liger-kernel's fused linear cross-entropy (:func:`resolve_liger`). ``device_type``: the trainer's
+    (default: ``cuda`` when a GPU is visible); ``backend_fuses``: the backend follows ``ForwardSpec.use_liger``."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    setting = cfg.training.liger_fused_logprobs
+    installed = None
+    if device_type == "cuda" and setting is not False and _liger_importable():  # (no liger import on a CPU)
+        installed = installed_version("liger-kernel") or "unknown"
+    return resolve_liger(setting, device_type=device_type, backend_fuses=backend_fuses,
+                         entropy_in_loss=cfg.algorithm.entropy_coef != 0.0, installed=installed)
+
+
+def resolve_liger(setting: bool | str, *, device_type: str, backend_fuses: bool, entropy_in_loss: bool,
+                  installed: str | None) -> bool:
+    """``training.liger_fused_logprobs`` resolved: ``false`` never; ``true`` wherever it can run and a
+    :class:`ConfigError` saying why where it cannot; ``auto`` exactly where ``true`` would run (on CUDA,
+    liger-kernel >= :data:`LIGER_MIN_VERSION` importable (``installed`` its version, ``None`` when it is
+    not), a backend that takes it, no entropy term in the loss), else the chunked output layer."""
+    if setting is False:
         return False
-    if not torch.cuda.is_available():
+    if setting == "auto":
+        return (device_type == "cuda" and backend_fuses and not entropy_in_loss and installed is not None
+                and liger_version_ok(installed))
+    if device_type != "cuda":
         raise ConfigError(
             "training.liger_fused_logprobs needs CUDA: liger-kernel's Triton kernels do not run on CPU "
             "(the default chunked path keeps memory bounded there)"
         )
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        raise ConfigError("training.liger_fused_logprobs: liger-kernel is not installed; pip install 'rlite[liger]'") from None
-    check_liger_version(installed_version("liger-kernel"))
-    if cfg.algorithm.entropy_coef != 0.0:
+    if installed is None:
+        raise ConfigError("training.liger_fused_logprobs: liger-kernel is not installed; pip install 'rlite[liger]'")
+    check_liger_version(installed)
+    if entropy_in_loss:
         raise ConfigError(
             "training.liger_fused_logprobs computes no entropy gradient; set algorithm.entropy_coef=0 or turn liger off"
         )
+    if not backend_fuses:
+        raise ConfigError("training.liger_fused_logprobs: this training backend computes its log-probs itself; "
+                          "set training.liger_fused_logprobs=auto or false, or use parallelism.backend=fsdp2")
+    return True
+
+
+def _liger_importable() -> bool:
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
     return True
 
 
@@ -415,12 +451,15 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
+def liger_version_ok(found: str | None) -> bool:
+    """Whether a liger-kernel version is at least :data:`LIGER_MIN_VERSION`."""
+    numbers = [int(n) for n in re.findall(r"\d+", found or "")[:3]]
+    return bool(numbers) and tuple(numbers + [0] * (3 - len(numbers))) >= LIGER_MIN_VERSION
+
+
 def check_liger_version(found: str | None) -> None:
     """Refuse a liger-kernel older than :data:`LIGER_MIN_VERSION` (or of unknown version)."""
-    import re
-
-    numbers = [int(n) for n in re.findall(r"\d+", found or "")[:3]]
-    if not numbers or tuple(numbers + [0] * (3 - len(numbers))) < LIGER_MIN_VERSION:
+    if not liger_version_ok(found):
         wanted = ".".join(map(str, LIGER_MIN_VERSION))
         raise ConfigError(
             f"training.liger_fused_logprobs: liger-kernel {found or '(version unknown)'} computes wrong weight "

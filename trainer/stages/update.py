@@ -7,6 +7,8 @@ gradient equals that of the whole mini-batch whatever the split into ranks and m
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,8 +20,9 @@ import torch
 
 from rlite.algorithms import aggregate_loss
 from rlite.distributed import all_reduce_max, all_reduce_sum
-from rlite.rollout import RolloutBatch
+from rlite.rollout import RolloutBatch, pad_to_width
 from rlite.training.backend import ForwardSpec, ScoringModel, TrainingBackend
+from rlite.training.device import to_device
 from rlite.training.micro_batching import MicroBatching, padding_stats
 
 
@@ -59,21 +62,28 @@ def split_minibatches(batch: RolloutBatch, count: int) -> list[RolloutBatch]:
 def score_logprobs(
     model: ScoringModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1, group: Any = None
 ) -> torch.Tensor:
-    """Log-probs ``[B, T]`` of the batch's responses under ``model`` (no gradient).
+    """Log-probs ``[B, T]`` of the batch's responses under ``model`` (no gradient), on the batch's device.
 
     The batch is cut into exactly the mini- and micro-batches that :func:`update_policy` uses, so
     every row is scored with the same shapes (and so the same rounding) as in training: pi_old of the
     first mini-batch equals its first training forward bit for bit (ratio exactly 1). ``group``: the
-    data-parallel ranks, which agree on the number of micro-batches under a token budget.
+    data-parallel ranks, which agree on the number of micro-batches under a token budget. The
+    micro-batches' log-probs stay where the model computed them until all are done, then come to the
+    batch's device in one copy (one wait for a GPU, not one per micro-batch).
     """
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
     cut = micro_batching(spec, group)
+    rows_done: list[int] = []
+    scored: list[torch.Tensor] = []
     offset = 0
     for mini in split_minibatches(batch, minibatches):
         for rows in cut.split(mini):
             logprobs = model.logprobs(mini.select(rows), spec)[0]
-            out[[offset + r for r in rows], : logprobs.shape[1]] = logprobs.to(out.dtype)
+            scored.append(pad_to_width(logprobs.to(out.dtype), out.shape[1]))
+            rows_done.extend(offset + r for r in rows)
         offset += len(mini)
+    if scored:
+        out[rows_done] = torch.cat(scored).to(out.device)
     return out * batch.response_mask
 
 
@@ -108,7 +118,7 @@ def update_policy(
     phase = timer.phase if timer is not None else nullcontext
     backend.train_mode()
     sums: dict[str, float] = defaultdict(float)
-    first_pass_logprobs = torch.zeros_like(batch.response_mask)
+    first_pass: list[tuple[list[int], torch.Tensor]] = []  # (rows, log-probs on the model's device)
     optimizer_steps = 0
     skipped: list[dict[str, float]] = []
     cut = micro_batching(fwd, dp_group)
@@ -120,29 +130,37 @@ def update_policy(
         for mini in split_minibatches(batch, minibatches):
             totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]), dp_group)
             counts = dict(global_tokens=float(totals[0]), global_sequences=float(totals[1]), dp_size=dp_size)
-            # per-step sums stay tensors until the step ends: no host sync per micro-batch
-            step_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
             parts = cut.split(mini)
             if epoch == 0:
                 unbudgeted = padding_stats(mini, fixed.split(mini))[1]
                 real, computed = padding_stats(mini, parts)
                 computed = real if fwd.pack_sequences and not fwd.exact_layout else computed  # packed: no padding
                 shape += torch.tensor([real, computed, len(parts), 1, unbudgeted], dtype=torch.float64)
+            # Inside this loop nothing waits for the device: the backend reads the micro-batch's host tensors
+            # and returns log-probs where it computes, the loss inputs follow them there (asynchronously),
+            # and the per-step sums stay device tensors until the step ends.
+            step_sums: dict[str, torch.Tensor] | None = None
             for rows in parts:
                 mb = mini.select(rows)
                 with phase("train/forward"):
                     logprobs, entropy = backend.logprobs(mb, fwd, with_entropy=True)
+                    if step_sums is None:
+                        step_sums = defaultdict(functools.partial(torch.zeros, (), dtype=torch.float64,
+                                                                  device=logprobs.device))
                     if epoch == 0:
-                        first_pass_logprobs[[offset + r for r in rows], : logprobs.shape[1]] = logprobs.detach()
-                    total = micro_batch_loss(mb, logprobs, entropy, loss, counts, step_sums)
+                        first_pass.append(([offset + r for r in rows], logprobs.detach()))
+                    total = micro_batch_loss(loss_inputs(mb, logprobs.device), logprobs, entropy, loss, counts,
+                                             step_sums)
                     step_sums[OBJECTIVE] += total.detach()
                 with phase("train/backward"):
                     backend.backward(total)
             offset += len(mini)
             lr = backend.current_lr()
             # every summed value is this rank's share x dp_size: average over ranks. Reduced before the
-            # optimizer step, so that every rank sees the same global loss and skips alike.
-            reduced = all_reduce_sum(torch.stack([v.detach().double().cpu() for v in step_sums.values()]), dp_group) / dp_size
+            # optimizer step, so that every rank sees the same global loss and skips alike (one copy to the host).
+            step_sums = step_sums or {OBJECTIVE: torch.zeros((), dtype=torch.float64)}  # (a rank with no rows)
+            local = torch.stack([v.detach().double() for v in step_sums.values()]).cpu()
+            reduced = all_reduce_sum(local, dp_group) / dp_size
             values = dict(zip(step_sums, reduced.tolist()))
             objective = values.pop(OBJECTIVE)
             with phase("train/optimizer"):
@@ -166,7 +184,27 @@ def update_policy(
     metrics = {name: value / optimizer_steps for name, value in sums.items()}
     metrics["train/skipped_nonfinite"] = float(len(skipped))
     metrics.update(batching_metrics(shape, dp_group))
-    return metrics, first_pass_logprobs
+    return metrics, first_pass_logprobs(batch, first_pass)
+
+
+def loss_inputs(mb: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """The micro-batch with what :func:`micro_batch_loss` reads (its targets and rollout log-probs) on
+    ``device``, next to the log-probs (moved asynchronously from pinned memory on a GPU; unchanged on the CPU)."""
+    if mb.response_mask.device == device:
+        return mb
+    return dataclasses.replace(mb, targets=to_device(mb.targets, device),
+                               rollout_logprobs=to_device(mb.rollout_logprobs, device))
+
+
+def first_pass_logprobs(batch: RolloutBatch, first_pass: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+    """The first epoch's log-probs of every row, on the batch's device: the micro-batches' results joined
+    where they were computed and copied over once."""
+    out = torch.zeros_like(batch.response_mask)
+    if first_pass:
+        rows = [r for part_rows, _ in first_pass for r in part_rows]
+        joined = torch.cat([pad_to_width(lp, out.shape[1]) for _, lp in first_pass]).to(out.dtype)
+        out[rows] = joined.to(out.device)
+    return out
 
 
 def batching_metrics(shape: torch.Tensor, dp_group: Any) -> dict[str, float]:

@@ -53,6 +53,8 @@ class ForwardSpec:
     exact_layout: bool
     """Score the engine's fixed ``[B, P + T]`` layout (true on-policy mode)."""
     use_liger: bool = False
+    """Take the log-probs from liger-kernel's fused linear cross-entropy (``training.liger_fused_logprobs`` as
+    resolved for this device and backend; only a backend with ``capabilities.fused_logprobs`` follows it)."""
     entropy_grad: bool = True
     """Whether the entropy term is in the loss (else it is a metric, computed without gradient)."""
     recompute_above_bytes: float = 0.0
@@ -90,7 +92,12 @@ class ScoringModel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[B, T]`` log-probs of ``batch.response_ids`` (0 past each response), and the ``[B, T]``
         entropy of the (temperature-scaled) distribution when ``with_entropy`` (else ``None``).
-        Gradients flow unless the caller runs under ``torch.no_grad()``."""
+        Gradients flow unless the caller runs under ``torch.no_grad()``.
+
+        ``batch`` lives in host memory; the results are on the device the model computes on (a GPU's),
+        where the caller computes the loss: the training loop moves the loss inputs there and copies what
+        it keeps to the host once per step. On a GPU nothing here should make the host wait for the
+        device (read the batch's values on the host, move inputs with :func:`rlite.training.device.to_device`)."""
 
 
 @runtime_checkable
@@ -141,6 +148,9 @@ class BackendCapabilities:
     routing_replay: bool = False
     """Follows ``ForwardSpec.routing`` for a Mixture-of-Experts policy: replays ``batch.routed_experts``
     and fills its agreement counts (``algorithm.routing_replay``, routing metrics)."""
+    fused_logprobs: bool = False
+    """Follows ``ForwardSpec.use_liger``: takes its log-probs from liger-kernel's fused linear cross-entropy
+    (``training.liger_fused_logprobs``; ``auto`` leaves it off for a backend without this)."""
 
 
 @runtime_checkable

@@ -27,9 +27,9 @@ weight still returns its gradient, which autograd adds into the same ``.grad`` a
 
 Only a model that is not wrapped by FSDP2 can do this: FSDP2 swaps the parameters for unsharded
 copies in every forward and reduces their gradients through its own hooks. ``parallelism.
-fused_grad_accumulation`` (on by default) switches it where it applies (a single process with
-``parallelism.shard_single_process=false``). Gradient hooks registered on a marked parameter
-(``register_post_accumulate_grad_hook``, ``Tensor.register_hook``) do not see the gradients
+fused_grad_accumulation`` (on by default) switches it where it applies (a single process whose
+model stays plain: ``parallelism.shard_single_process=false``, or ``auto`` on one GPU). Gradient hooks
+registered on a marked parameter (``register_post_accumulate_grad_hook``, ``Tensor.register_hook``) do not see the gradients
 written in place.
 """
 
@@ -44,16 +44,22 @@ from torch import nn
 _MARK = "_rlite_grad_in_place"
 
 
-def accumulate_in_place(model: nn.Module) -> dict[str, int]:
+def accumulate_in_place(model: nn.Module, skip: tuple[nn.Module, ...] | list[nn.Module] = ()) -> dict[str, int]:
     """Mark every trainable parameter of ``model`` for in-place gradient accumulation and swap the
     forward of its plain ``nn.Linear`` and ``nn.Embedding`` modules for :class:`LinearFunction` and
-    :class:`EmbeddingFunction`. Returns how many parameters and modules it changed."""
+    :class:`EmbeddingFunction`, except inside ``skip`` (blocks that ``torch.compile`` takes, which
+    cannot trace a backward writing ``.grad``: :mod:`rlite.backends.fsdp2.compile`). Returns how many
+    parameters and modules it changed."""
     counts = {"parameters": 0, "linear": 0, "embedding": 0}
+    skipped_modules = {id(m) for block in skip for m in block.modules()}
+    skipped_params = {id(p) for block in skip for p in block.parameters()}
     for param in model.parameters():
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in skipped_params:
             setattr(param, _MARK, True)
             counts["parameters"] += 1
     for module in model.modules():
+        if id(module) in skipped_modules:
+            continue
         if type(module) is nn.Linear and module.weight.requires_grad:
             module.forward = types.MethodType(_linear_forward, module)
             counts["linear"] += 1
@@ -133,15 +139,25 @@ class EmbeddingFunction(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
         flat_ids, rows = ids.reshape(-1), dy.reshape(-1, dy.shape[-1])
-        if ctx.padding_idx is not None:
-            keep = flat_ids != ctx.padding_idx
-            flat_ids, rows = flat_ids[keep], rows[keep]
+        if ctx.padding_idx is not None:  # the padding token's rows add zero (selecting the others would
+            # need their count: on a GPU, a wait for the device in every backward)
+            rows = rows.masked_fill((flat_ids == ctx.padding_idx)[:, None], 0)
         if not in_place(weight):
-            return None, torch.zeros_like(weight).index_add_(0, flat_ids, rows), None
+            return None, add_rows(torch.zeros_like(weight), flat_ids, rows), None
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, flat_ids, rows)
+        add_rows(weight.grad, flat_ids, rows)
         return None, None, None
+
+
+def add_rows(into: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``into[ids[i]] += rows[i]`` for every i, in place. On a GPU through ``index_put_(accumulate=True)``,
+    whose kernel sorts the ids and sums each id's rows in a fixed order: ``index_add_`` adds them with atomics
+    there, in whatever order the threads run, so two runs would differ in the last bits (autograd's own
+    embedding backward sorts too). On a CPU ``index_add_`` adds in the ids' order, as before."""
+    if into.device.type == "cpu":
+        return into.index_add_(0, ids, rows)
+    return into.index_put_((ids,), rows, accumulate=True)
 
 
 def _plain_embedding(module: nn.Embedding) -> bool:

@@ -27,12 +27,17 @@ the samples through the gather. Same maths as the full forward, about n times fe
 ``exact_layout=True`` instead calls the output layer on every position and ``log_softmax`` on the
 full logits, exactly as the transformers engine's fixed-shape sampler does, so that the trainer's
 numbers equal the engine's bit for bit (true on-policy mode).
+
+Whatever depends on the values of a micro-batch's masks (the scored tokens, the distinct prompts, the
+length buckets, the packing) is a :class:`ForwardPlan`, computed on the host before the forward; the
+forward itself selects and scatters by index only, so on a GPU it never waits for the device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -259,12 +264,87 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return model
 
 
+@dataclass
+class SharedPrompts:
+    """The shared-prompt forward of one micro-batch (:meth:`PolicyModel._shared_prompt_hidden`), decided
+    from its token and mask values."""
+
+    unique_rows: torch.Tensor
+    """[U] long: the first row of each run of identical prompts (:func:`unique_prompt_rows`)."""
+    inverse: torch.Tensor
+    """[B] long: each row's run."""
+    buckets: list[tuple[torch.Tensor, torch.Tensor, int]]
+    """The response passes (:func:`length_buckets`): ``(rows [b], their runs inverse[rows] [b], tokens run)``."""
+
+
+@dataclass
+class ForwardPlan:
+    """Everything about a micro-batch's forward that depends on the *values* of its masks: which response
+    tokens are scored, which prompts are shared and how the responses are bucketed, how sequences pack.
+
+    :meth:`of` reads those values (``nonzero``, ``tolist``), so it is computed from the host copy of the
+    micro-batch and moved to the model's device with the inputs (:func:`rlite.training.device.to_device`).
+    The forward then selects, gathers and scatters with index tensors and Python ints only: on a GPU it
+    never waits for the device to answer a question about the data."""
+
+    rows: torch.Tensor
+    """[N] long: the row of each scored response token (row-major order)."""
+    columns: torch.Tensor
+    """[N] long: its column in the response."""
+    shared: SharedPrompts | None = None
+    """The shared-prompt forward (``share_prompts`` and a prompt repeated in the micro-batch), else ``None``."""
+    packed: PackedRows | None = None
+    """The padding-free layout (``packed`` and no shared prompts), else ``None``."""
+
+    @property
+    def tokens(self) -> int:
+        """N: the response tokens scored."""
+        return self.rows.shape[0]
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int,
+           response_mask: torch.Tensor, *, share_prompts: bool = False, packed: bool = False,
+           exact_layout: bool = False) -> ForwardPlan:  # fmt: skip
+        """The plan of the forward :meth:`PolicyModel.forward` runs with these arguments."""
+        rows, columns = response_mask.bool().nonzero(as_tuple=True)
+        plan = cls(rows, columns)
+        if exact_layout:
+            return plan
+        if share_prompts:
+            prompt = slice(0, response_start)
+            unique_rows, inverse = unique_prompt_rows(input_ids[:, prompt], attention_mask[:, prompt])
+            if len(unique_rows) < input_ids.shape[0]:
+                plan.shared = SharedPrompts(unique_rows, inverse, response_buckets(response_mask, inverse))
+                return plan
+        if packed:
+            plan.packed = PackedRows.of(attention_mask)
+        return plan
+
+
+def response_buckets(response_mask: torch.Tensor, inverse: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The response passes of the shared-prompt forward: response token t is predicted from response token
+    t - 1, so a row whose last response token is at column L runs L - 1 tokens; rows run in
+    :func:`length_buckets` of similar length (none when every row runs 0)."""
+    width = response_mask.shape[1]
+    if width == 1:
+        return []
+    positions = torch.arange(1, width + 1, device=response_mask.device)
+    needs = ((response_mask.bool() * positions).amax(-1) - 1).clamp(min=0).tolist()
+    buckets = []
+    for rows, run in length_buckets(needs):
+        if run:
+            index = torch.tensor(rows, dtype=torch.long, device=response_mask.device)
+            buckets.append((index, inverse[index], run))
+    return buckets
+
+
 class PolicyModel(nn.Module):
     """A causal LM whose forward returns response-token log-probs (and entropy) directly.
 
     ``forward(input_ids, attention_mask, position_ids, response_start, response_mask)`` scores the
     tokens ``input_ids[:, response_start:]``: position ``response_start - 1 + t`` predicts response
-    token ``t``. Returns ``[B, T]`` log-probs and entropies, zero where ``response_mask`` is 0.
+    token ``t``. Returns ``[B, T]`` log-probs and entropies, zero where ``response_mask`` is 0, on the
+    model's device.
     """
 
     def __init__(self, lm: nn.Module) -> None:
@@ -297,12 +377,18 @@ class PolicyModel(nn.Module):
         routed_experts: torch.Tensor | None = None,
         routing=None,
         packed: bool = False,
+        plan: ForwardPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``routed_experts`` ``[B, S, L, K]``: the engine's routing of ``input_ids``; ``routing`` (a
         :class:`rlite.moe_routing.RoutingPlan`) says whether to replay it and what to count.
         ``packed``: run the decoder on the real tokens laid end to end (:class:`rlite.rollout.PackedRows`),
         no padding computed; the same maths (a micro-batch whose prompts are shared takes the
-        shared-prompt forward instead, whose responses are already cut into length buckets)."""
+        shared-prompt forward instead, whose responses are already cut into length buckets).
+        ``plan``: the :class:`ForwardPlan` of these arguments, computed on the host and moved with them
+        (``None``: computed here, from these tensors, which on a GPU waits for the device)."""
+        if plan is None:
+            plan = ForwardPlan.of(input_ids, attention_mask, response_start, response_mask,
+                                  share_prompts=share_prompts, packed=packed, exact_layout=exact_layout)
         lm = self.causal_lm
         if self.routers is None or routing is None:
             routed_experts = None
@@ -311,17 +397,15 @@ class PolicyModel(nn.Module):
         route = functools.partial(self._route, routing, routed_experts)
         head = lm.get_output_embeddings()
         targets = input_ids[:, response_start:]
-        batch, width = targets.shape
-        if share_prompts and not exact_layout:
-            unique_rows, inverse = unique_prompt_rows(input_ids[:, :response_start], attention_mask[:, :response_start])
-            if len(unique_rows) < batch:
-                h = self._shared_prompt_hidden(
-                    input_ids, attention_mask, position_ids, response_start, unique_rows, inverse, response_mask, route
-                )
-                return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy,
-                                   use_liger, entropy_grad, recompute_above_bytes)
-        if packed and not exact_layout:
-            rows = PackedRows.of(attention_mask)
+        width = targets.shape[1]
+        score = functools.partial(self._score, head=head, targets=targets, plan=plan, temperature=temperature,
+                                  chunk_size=chunk_size, with_entropy=with_entropy, use_liger=use_liger,
+                                  entropy_grad=entropy_grad, recompute_above_bytes=recompute_above_bytes)
+        if plan.shared is not None and not exact_layout:
+            return score(self._shared_prompt_hidden(input_ids, attention_mask, position_ids, response_start,
+                                                    plan.shared, route))
+        if plan.packed is not None and not exact_layout:
+            rows = plan.packed
             routing_context = (contextlib.nullcontext() if routed_experts is None
                                else self.routers.applying(routing, rows.pack(routed_experts, filler=-1)))
             with routing_context:
@@ -330,9 +414,7 @@ class PolicyModel(nn.Module):
                 flat = lm.get_decoder()(
                     input_ids=rows.pack(input_ids), position_ids=rows.positions(position_ids), use_cache=False
                 ).last_hidden_state.flatten(0, 1)
-            h = rows.unpack(flat, slice(response_start - 1, response_start - 1 + width))
-            return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
-                               entropy_grad, recompute_above_bytes)
+            return score(rows.unpack(flat, slice(response_start - 1, response_start - 1 + width)))
         with route(slice(None), slice(None)):
             hidden = lm.get_decoder()(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -346,9 +428,7 @@ class PolicyModel(nn.Module):
                 entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
             mask = response_mask.to(logprobs.dtype)
             return logprobs * mask, entropy * mask
-        h = hidden[:, response_start - 1 : response_start - 1 + width]
-        return self._score(h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
-                           entropy_grad, recompute_above_bytes)
+        return score(hidden[:, response_start - 1 : response_start - 1 + width])
 
     def _route(self, plan, routed_experts, rows, columns):
         """The routing context of one decoder call over ``input_ids[rows, columns]``."""
@@ -356,17 +436,16 @@ class PolicyModel(nn.Module):
             return contextlib.nullcontext()
         return self.routers.applying(plan, routed_experts[rows][:, columns])
 
-    def _shared_prompt_hidden(
-        self, input_ids, attention_mask, position_ids, response_start, unique_rows, inverse, response_mask,
-        route=None,
-    ):
+    def _shared_prompt_hidden(self, input_ids, attention_mask, position_ids, response_start, shared: SharedPrompts,
+                              route=None):  # fmt: skip
         """Hidden states predicting the response tokens, running each distinct prompt once.
 
         The prompt's keys and values are computed for the distinct prompts and gathered to every row
         (autograd flows through the gather, so each prompt token's gradient sums over its samples);
         then the responses run against that cache. Same maths as the full forward, fewer FLOPs.
-        Responses run in a few groups of similar length (:func:`length_buckets`), each only as wide as
-        its longest member, so the padding after short responses costs (almost) nothing.
+        Responses run in a few groups of similar length (:func:`length_buckets`, ``shared.buckets``),
+        each only as wide as its longest member, so the padding after short responses costs (almost)
+        nothing.
         """
         from transformers import DynamicCache
 
@@ -375,28 +454,21 @@ class PolicyModel(nn.Module):
         prompt = slice(0, response_start)
         cache = DynamicCache(config=lm.config)
         route = route or (lambda rows, columns: contextlib.nullcontext())
-        with route(unique_rows, prompt):  # a group's samples share the prompt's routing: the first's
+        with route(shared.unique_rows, prompt):  # a group's samples share the prompt's routing: the first's
             prompt_out = decoder(
-                input_ids=input_ids[unique_rows, prompt],
-                attention_mask=attention_mask[unique_rows, prompt],
-                position_ids=position_ids[unique_rows, prompt],
+                input_ids=input_ids[shared.unique_rows, prompt],
+                attention_mask=attention_mask[shared.unique_rows, prompt],
+                position_ids=position_ids[shared.unique_rows, prompt],
                 use_cache=True,
                 **{cache_kwarg(decoder): cache},
             )
-        last_prompt_hidden = prompt_out.last_hidden_state[:, -1:][inverse]
+        last_prompt_hidden = prompt_out.last_hidden_state[:, -1:][shared.inverse]
         batch, width = input_ids.shape[0], input_ids.shape[1] - response_start
         if width == 1:
             return last_prompt_hidden
-        # response token t is predicted from response token t - 1: a row of length L runs L - 1 tokens
-        positions = torch.arange(1, width + 1, device=response_mask.device)
-        needs = ((response_mask.bool() * positions).amax(-1) - 1).clamp(min=0).tolist()
         prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
         hidden = last_prompt_hidden.new_zeros(batch, width - 1, last_prompt_hidden.shape[-1])
-        for rows, run in length_buckets(needs):
-            if run == 0:
-                continue
-            index = torch.tensor(rows, dtype=torch.long, device=input_ids.device)
-            source = inverse[index]
+        for index, source, run in shared.buckets:
             bucket_cache = DynamicCache(ddp_cache_data=[(k[source], v[source]) for k, v in prompt_kv], config=lm.config)
             responses = slice(response_start, response_start + run)
             with route(index, responses):
@@ -411,14 +483,15 @@ class PolicyModel(nn.Module):
             hidden = hidden.index_copy(0, index, out)
         return torch.cat([last_prompt_hidden, hidden], dim=1)
 
-    def _score(self, h, head, targets, response_mask, temperature, chunk_size, with_entropy, use_liger,
-               entropy_grad, recompute_above_bytes):
+    def _score(self, h, *, head, targets, plan: ForwardPlan, temperature, chunk_size, with_entropy, use_liger,
+               entropy_grad, recompute_above_bytes):  # fmt: skip
+        """``[B, T]`` log-probs and entropies of the response tokens ``plan`` selects, from the hidden states
+        ``h`` ``[B, T, H]`` that predict them (gathered and scattered back by index)."""
         batch, width = targets.shape
-        selected = response_mask.bool()
-        args = (h[selected], head.weight, targets[selected])
+        args = (h[plan.rows, plan.columns], head.weight, targets[plan.rows, plan.columns])
         bias = getattr(head, "bias", None)
         # keep a micro-batch's response logits for backward when they are small; recompute otherwise
-        recompute = args[0].shape[0] * head.weight.shape[0] * 4 > recompute_above_bytes
+        recompute = plan.tokens * head.weight.shape[0] * 4 > recompute_above_bytes
         options = dict(entropy_grad=entropy_grad, recompute=recompute)
         if use_liger:
             lp_flat = liger_logprobs(*args, bias=bias, temperature=temperature)
@@ -431,8 +504,7 @@ class PolicyModel(nn.Module):
                 *args, bias=bias, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
                 **options,
             )
-        logprobs = h.new_zeros(batch, width, dtype=torch.float32)
-        entropy = h.new_zeros(batch, width, dtype=torch.float32)
-        logprobs = logprobs.masked_scatter(selected, lp_flat)
-        entropy = entropy.masked_scatter(selected, ent_flat)
+        selected = (plan.rows, plan.columns)
+        logprobs = h.new_zeros(batch, width, dtype=torch.float32).index_put(selected, lp_flat)
+        entropy = h.new_zeros(batch, width, dtype=torch.float32).index_put(selected, ent_flat)
         return logprobs, entropy

@@ -32,9 +32,16 @@ class PackedRows:
     """``R``: packed rows."""
     width: int
     """``C``: tokens per packed row (the longest sequence)."""
+    source: torch.Tensor
+    """[N] long: the real cells' positions in the flattened ``[B * S]`` grid (row-major)."""
+    target: torch.Tensor
+    """[N] long: where each of them goes in the flattened ``[R * C]`` packed rows."""
 
     @classmethod
     def of(cls, attention_mask: torch.Tensor) -> PackedRows:
+        """The packing of a micro-batch, from its attention mask. It reads the mask's values (the lengths), so
+        build it from the host copy of the mask and move it with :func:`rlite.training.device.to_device`: on a GPU the forward then
+        packs and unpacks with index tensors only, never waiting for the device."""
         real = attention_mask.bool()
         lengths = real.sum(-1).tolist()
         width = max(max(lengths), 1)
@@ -49,12 +56,14 @@ class PackedRows:
             fill[row] += lengths[seq]
         offset = torch.cumsum(real.long(), -1) - 1  # each real cell's place within its sequence
         index = torch.where(real, torch.tensor(starts, device=real.device)[:, None] + offset, -1)
-        return cls(real, index, len(fill), width)
+        source = real.flatten().nonzero().squeeze(-1)
+        return cls(real, index, len(fill), width, source, index.flatten()[source])
 
     def pack(self, grid: torch.Tensor, filler: int | float = 0) -> torch.Tensor:
-        """``[B, S, ...]`` -> ``[R, C, ...]``: the real cells in their packed places, ``filler`` elsewhere."""
+        """``[B, S, ...]`` -> ``[R, C, ...]``: the real cells in their packed places, ``filler`` elsewhere
+        (gathered and scattered by index: no boolean mask, whose indexing waits for a GPU)."""
         out = grid.new_full((self.rows * self.width, *grid.shape[2:]), filler)
-        out[self.index[self.real]] = grid[self.real]
+        out[self.target] = grid.flatten(0, 1)[self.source]
         return out.reshape(self.rows, self.width, *grid.shape[2:])
 
     def positions(self, position_ids: torch.Tensor) -> torch.Tensor:

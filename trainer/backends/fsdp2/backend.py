@@ -1,10 +1,12 @@
 """The FSDP2 training backend: the policy (and reference) model, AdamW and the LR schedule.
 
-``fully_shard`` is applied to every decoder block and then to the root at every world size, so a
-single process runs the very code path that N ranks run (and the mixed-precision policy is always
-installed). Gradients of several micro-batches accumulate in the sharded ``.grad`` of each parameter.
-``parallelism.shard_single_process=false`` keeps a single process's model plain; its weight
-gradients are then added into ``.grad`` in place (:mod:`rlite.training.grad_accumulation`).
+``fully_shard`` is applied to every decoder block and then to the root with several ranks, and in a
+single process on a CPU (the very code path that N ranks run); gradients of several micro-batches
+accumulate in the sharded ``.grad`` of each parameter. A single process on one GPU keeps the model
+plain unless FSDP2 implements what the run asks for (``parallelism.shard_single_process=auto``,
+:func:`rlite.backends.fsdp2.sharding.shards_single_process`); a plain model's weight gradients are added
+into ``.grad`` in place (:mod:`rlite.training.grad_accumulation`). Log-probs are returned on the device
+the model computes on, where the loss is computed (:func:`policy_logprobs`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from rlite.backends.fsdp2.compile import compile_decoder_blocks, decoder_blocks
 from rlite.backends.fsdp2.sharding import load_sharded
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from rlite.distributed import DataLayout
 from rlite.hf_models import apply_lora
-from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
+from rlite.rollout import ModelInputs, RolloutBatch, model_inputs, pad_to_width
 from rlite.training.backend import (
     BackendBase,
     BackendCapabilities,
@@ -29,7 +32,8 @@ from rlite.training.backend import (
     LoraAdapter,
     optimizer_state_bytes_to_come,
 )
-from rlite.training.logprobs import PolicyModel, causal_lm_of
+from rlite.training.device import to_device
+from rlite.training.logprobs import ForwardPlan, PolicyModel, causal_lm_of
 from rlite.training.schedule import build_lr_scheduler
 
 
@@ -42,14 +46,20 @@ def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any]) ->
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: torch.device, *, trainable: bool):
+def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: torch.device, *, trainable: bool,
+                 compile_blocks: bool = False):  # fmt: skip
+    """The policy (``trainable``) or the frozen reference model, loaded sharded (:func:`load_sharded`).
+    ``compile_blocks`` (``training.compile``, the policy only): each decoder block through ``torch.compile``
+    (:mod:`rlite.backends.fsdp2.compile`), where lean activations and in-place accumulation stay out."""
+
     def wrap(lm: nn.Module) -> PolicyModel:
         if trainable and model_cfg.lora.enabled:
             lm = apply_lora(lm, model_cfg.lora)
+        compiled = decoder_blocks(lm) if compile_blocks else []
         if par_cfg.lean_activations and trainable:
             from rlite.backends.fsdp2.lean_activations import apply_lean_activations
 
-            apply_lean_activations(lm)
+            apply_lean_activations(lm, skip=compiled)
         lm.config.use_cache = False
         policy = PolicyModel(lm)
         if par_cfg.activation_checkpointing and trainable:
@@ -59,23 +69,35 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
             enable_activation_checkpointing(causal_lm_of(lm), kwargs)
         if not trainable:
             policy.requires_grad_(False)
+        compile_decoder_blocks(compiled)  # before FSDP2 wraps them: its hooks then run between the graphs
         return policy
 
     policy = load_sharded(model_cfg, par_cfg, device, wrap)
     if trainable and par_cfg.fused_grad_accumulation and not isinstance(policy, FSDPModule):
         from rlite.training.grad_accumulation import accumulate_in_place
 
-        accumulate_in_place(policy)
+        accumulate_in_place(policy, skip=decoder_blocks(policy.lm) if compile_blocks else ())
     return policy
 
 
 def policy_logprobs(
-    model: nn.Module, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False
+    model: nn.Module, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, T]`` log-probs (and entropy) of a batch's responses under a :class:`PolicyModel`."""
-    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    """``[B, T]`` log-probs (and entropy) of a batch's responses under a :class:`PolicyModel`, on ``device``
+    (where the model computes; default: where its first parameter lives).
+
+    The model's inputs and its :class:`ForwardPlan` are built from the batch's host tensors (every value
+    the forward depends on is read there, before anything runs on the device) and moved to ``device``
+    asynchronously (:func:`rlite.training.device.to_device`); the results stay there, for the loss. So on
+    a GPU a micro-batch's forward, loss and backward queue up without the host waiting for the device.
+    """
+    inputs, plan = forward_inputs(batch, spec)
     if spec.routing is not None and spec.routing.replay and inputs.routed_experts is None:
         raise ValueError("routing replay: the batch carries no routed experts (the engine was not asked for them)")
+    if device is None:
+        device = next(model.parameters()).device
+    inputs, plan = to_device((inputs, plan), device)
     logprobs, entropy = model(
         inputs.input_ids,
         inputs.attention_mask,
@@ -93,10 +115,20 @@ def policy_logprobs(
         routed_experts=inputs.routed_experts,
         routing=spec.routing,
         packed=spec.pack_sequences,
+        plan=plan,
     )
-    # back to the batch's device (the CPU): the rollout batch and the loss live there, the model may be on a GPU
-    width, device = batch.response_ids.shape[1], batch.response_mask.device
-    return pad_to_width(logprobs, width).to(device), None if entropy is None else pad_to_width(entropy, width).to(device)
+    width = batch.response_ids.shape[1]
+    return pad_to_width(logprobs, width), None if entropy is None else pad_to_width(entropy, width)
+
+
+def forward_inputs(batch: RolloutBatch, spec: ForwardSpec) -> tuple[ModelInputs, ForwardPlan]:
+    """A micro-batch's model inputs and forward plan, computed from its host tensors: the one place of the
+    forward that reads tensor values (lengths, which prompts repeat, which tokens are scored)."""
+    inputs = model_inputs(batch, exact_layout=spec.exact_layout)
+    plan = ForwardPlan.of(inputs.input_ids, inputs.attention_mask, inputs.response_start, inputs.response_mask,
+                          share_prompts=spec.share_prompts, packed=spec.pack_sequences,
+                          exact_layout=spec.exact_layout)
+    return inputs, plan
 
 
 @dataclass
@@ -104,9 +136,11 @@ class FrozenPolicy:
     """The reference model: the initial policy on FSDP2, without LoRA or gradients."""
 
     model: PolicyModel
+    device: torch.device | None = None
+    """Where the model computes (and the log-probs are returned); ``None``: its parameters' device."""
 
     def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
-        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy)
+        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy, device=self.device)
 
 
 @dataclass
@@ -127,7 +161,8 @@ class FSDP2Backend(BackendBase):
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(lora=self.lora, critic=True, weight_views=not self.lora, routing_replay=True)
+        return BackendCapabilities(lora=self.lora, critic=True, weight_views=not self.lora, routing_replay=True,
+                                   fused_logprobs=True)
 
     @classmethod
     def build(
@@ -139,7 +174,7 @@ class FSDP2Backend(BackendBase):
         total_optimizer_steps: int,
         offload_dir: str | Path | None = None,
     ) -> FSDP2Backend:
-        policy = build_policy(model_cfg, par_cfg, device, trainable=True)
+        policy = build_policy(model_cfg, par_cfg, device, trainable=True, compile_blocks=train_cfg.compile)
         params = [p for p in policy.parameters() if p.requires_grad]
         adamw = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
         if train_cfg.optimizer_offload == "disk":
@@ -161,7 +196,7 @@ class FSDP2Backend(BackendBase):
 
     # -- training ---------------------------------------------------------------------------------
     def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
-        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy)
+        return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy, device=self.device)
 
     def train_mode(self) -> None:
         self.model.train()
@@ -226,7 +261,7 @@ class FSDP2Backend(BackendBase):
 
     # -- other models -----------------------------------------------------------------------------
     def build_reference(self) -> FrozenPolicy:
-        return FrozenPolicy(build_policy(self.model_cfg, self.par_cfg, self.device, trainable=False))
+        return FrozenPolicy(build_policy(self.model_cfg, self.par_cfg, self.device, trainable=False), self.device)
 
     def build_critic(self, cfg: CriticConfig):
         from rlite.backends.fsdp2.critic import Critic

@@ -23,6 +23,7 @@ from rlite.backends.fsdp2.sharding import load_sharded
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig
 from rlite.distributed import all_reduce_sum
 from rlite.rollout import RolloutBatch, model_inputs, pad_to_width
+from rlite.training.device import to_device
 from rlite.training.logprobs import causal_lm_of
 from rlite.training.micro_batching import MicroBatching
 from rlite.training.packing import PackedRows
@@ -44,11 +45,13 @@ class ValueModel(nn.Module):
         return causal_lm_of(self.lm)
 
     def forward(self, input_ids, attention_mask, position_ids, response_start: int, response_mask, packed=False):
+        """``packed``: a :class:`PackedRows` of ``attention_mask`` (built on the host, moved with the inputs) or
+        ``True`` (built here from ``attention_mask``); the forward then runs padding-free."""
         decoder = self.causal_lm.get_decoder()
         width = input_ids.shape[1] - response_start
         columns = slice(response_start - 1, response_start - 1 + width)
         if packed:  # padding-free: the real tokens end to end (rlite.training.packing)
-            rows = PackedRows.of(attention_mask)
+            rows = packed if isinstance(packed, PackedRows) else PackedRows.of(attention_mask)
             flat = decoder(input_ids=rows.pack(input_ids), position_ids=rows.positions(position_ids),
                            use_cache=False).last_hidden_state.flatten(0, 1)
             states = rows.unpack(flat, columns)
@@ -75,6 +78,8 @@ class Critic:
     model: ValueModel
     optimizer: torch.optim.Optimizer
     cfg: CriticConfig
+    device: torch.device = torch.device("cpu")
+    """Where the critic computes (its values are returned there by :meth:`_forward`)."""
 
     @classmethod
     def build(cls, model_cfg: ModelConfig, par_cfg: ParallelismConfig, cfg: CriticConfig, device) -> Critic:
@@ -90,7 +95,7 @@ class Critic:
         model = load_sharded(backbone_cfg, par_cfg, device, wrap)  # the backbone read once, on rank 0
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, fused=True)
-        return cls(model, optimizer, cfg)
+        return cls(model, optimizer, cfg, device)
 
     def checkpoint_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -106,23 +111,33 @@ class Critic:
         )
 
     def _forward(self, batch: RolloutBatch, exact_layout: bool, packed: bool = False) -> torch.Tensor:
+        """``[B, T]`` values on the critic's device; the inputs (and the packing) built from the batch's host
+        tensors and moved there asynchronously, as the policy's (:func:`rlite.backends.fsdp2.backend.policy_logprobs`)."""
         inputs = model_inputs(batch, exact_layout=exact_layout)
+        rows = PackedRows.of(inputs.attention_mask) if packed and not exact_layout else False
+        inputs, rows = to_device((inputs, rows), self.device)
         values = self.model(
             inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_start, inputs.response_mask,
-            packed=packed and not exact_layout,
+            packed=rows,
         )
-        return pad_to_width(values, batch.response_ids.shape[1]).to(batch.response_mask.device)  # the batch's device
+        return pad_to_width(values, batch.response_ids.shape[1])
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, micro_batching: MicroBatching, exact_layout: bool, minibatches: int = 1, *,
                packed: bool = False) -> torch.Tensor:
-        """V_old on the same mini/micro-batch partition as :meth:`update` (same shapes, same rounding)."""
+        """V_old on the same mini/micro-batch partition as :meth:`update` (same shapes, same rounding), on the
+        batch's device (the micro-batches' values copied over once, at the end)."""
         out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         size = len(batch) // minibatches
+        rows_done: list[int] = []
+        computed: list[torch.Tensor] = []
         for index in range(minibatches):
             mini = batch.select(slice(index * size, (index + 1) * size))
             for rows in micro_batching.split(mini):
-                out[[index * size + r for r in rows]] = self._forward(mini.select(rows), exact_layout, packed).to(out.dtype)
+                computed.append(self._forward(mini.select(rows), exact_layout, packed).to(out.dtype))
+                rows_done.extend(index * size + r for r in rows)
+        if computed:
+            out[rows_done] = torch.cat(computed).to(out.device)
         return out * batch.response_mask
 
     def update(
@@ -137,28 +152,29 @@ class Critic:
             mini = batch.select(slice(index * size, (index + 1) * size))
             totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]))
             n_tok, n_seq = float(totals[0]), float(totals[1])
-            step = defaultdict(float)
+            step: dict[str, torch.Tensor] = {}  # device tensors: no wait for the device inside the loop
             for rows in micro_batching.split(mini):
                 mb = mini.select(rows)
-                mask = mb.targets.loss_mask
                 values = self._forward(mb, exact_layout, packed)
-                per_token, clipped = value_loss(
-                    values, mb.targets.old_values, mb.targets.returns, mask, self.cfg.value_clip
-                )
+                targets = to_device(mb.targets, values.device)
+                mask = targets.loss_mask
+                per_token, clipped = value_loss(values, targets.old_values, targets.returns, mask, self.cfg.value_clip)
                 loss = aggregate_loss(per_token, mask, agg_mode, global_tokens=n_tok, global_sequences=n_seq,
                                       dp_size=dp_size, horizon=horizon)
                 loss.backward()
-                step["critic/vf_loss"] += loss.item()
-                step["critic/vf_clipfrac"] += clipped.sum().item() / max(n_tok, 1.0) * dp_size
-                step["critic/values_mean"] += (values.detach() * mask).sum().item() / max(n_tok, 1.0) * dp_size
+                share = dp_size / max(n_tok, 1.0)
+                for name, value in (("critic/vf_loss", loss.detach().double()),
+                                    ("critic/vf_clipfrac", clipped.sum().double() * share),
+                                    ("critic/values_mean", (values.detach() * mask).sum().double() * share)):
+                    step[name] = step[name] + value if name in step else value
             max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
             params = [p for p in self.model.parameters() if p.requires_grad]
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            reduced = all_reduce_sum(torch.tensor(list(step.values()), dtype=torch.float64)) / dp_size
-            for (name, _), value in zip(step.items(), reduced.tolist()):
+            reduced = all_reduce_sum(torch.stack(list(step.values())).cpu()) / dp_size
+            for name, value in zip(step, reduced.tolist()):
                 sums[name] += value / minibatches
             sums["critic/grad_norm"] += float(norm) / minibatches
         return dict(sums)

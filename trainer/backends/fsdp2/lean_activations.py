@@ -8,8 +8,9 @@ decoder block two places save tensors that are cheap to recompute from what is s
   :class:`SwiGLUFunction` keeps ``x``, ``g`` and ``u`` and recomputes ``a`` and ``p`` (two elementwise
   ops) in backward: half the MLP's intermediate-size activations. Its backward is the textbook chain:
   ``dp = dy W_d``, ``dW_d = dy^T p``, ``da = dp * u``, ``du = dp * a``,
-  ``dg = da * s (1 + g (1 - s))`` with ``s = sigmoid(g)``, ``dx = dg W_g + du W_u``,
-  ``dW_g = dg^T x``, ``dW_u = du^T x``.
+  ``dg = da * s (1 + g (1 - s))`` with ``s = sigmoid(g)`` (silu's own backward kernel, as autograd
+  runs it: the MLP's gradients are bitwise autograd's), ``dx = dg W_g + du W_u``, ``dW_g = dg^T x``,
+  ``dW_u = du^T x``.
 * **RMSNorm** ``y = w * (x * r)`` with ``r = rsqrt(mean(x^2) + eps)`` in float32. Autograd keeps
   ``x``, ``r`` and the normalised ``x * r``; :class:`RMSNormFunction` keeps ``x`` and ``r`` and uses
   ``dx = r (h - n mean(h n))`` with ``n = x r`` and ``h = dy w`` (in float32), ``dw = sum(dy n)``.
@@ -57,12 +58,12 @@ class SwiGLUFunction(torch.autograd.Function):
         x, g, u, w_gate, w_up, w_down = ctx.saved_tensors
         a = F.silu(g)  # recomputed exactly as the forward computed it
         p = a * u
-        gf = g.float()
-        s = torch.sigmoid(gf)
         dp = dy @ w_down
         dw_down = matmul_grad(w_down, dy.reshape(-1, dy.shape[-1]), p.reshape(-1, p.shape[-1]))
         du = dp * a
-        dg = (dp.float() * u.float() * (s * (1 + gf * (1 - s)))).to(g.dtype)
+        # silu's own backward kernel, as autograd runs it for the unpatched MLP: one pass computing
+        # da * s (1 + g (1 - s)) in float32 registers, instead of a chain of float32 temporaries
+        dg = torch.ops.aten.silu_backward(dp * u, g)
         dx = dg @ w_gate + du @ w_up
         x2 = x.reshape(-1, x.shape[-1])
         dw_gate = matmul_grad(w_gate, dg.reshape(-1, dg.shape[-1]), x2)
@@ -113,10 +114,14 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
     return all(_plain_linear(p) for p in parts) and _is_silu(getattr(module, "act_fn", None))
 
 
-def apply_lean_activations(model: nn.Module) -> dict[str, int]:
-    """Swap in the lean forwards on every recognised module of ``model``; return how many of each."""
+def apply_lean_activations(model: nn.Module, skip: tuple[nn.Module, ...] | list[nn.Module] = ()) -> dict[str, int]:
+    """Swap in the lean forwards on every recognised module of ``model`` but those inside ``skip`` (blocks
+    that ``torch.compile`` takes: :mod:`rlite.backends.fsdp2.compile`); return how many of each."""
     counts = {"swiglu_mlp": 0, "rmsnorm": 0}
+    skipped = {id(m) for block in skip for m in block.modules()}
     for module in model.modules():
+        if id(module) in skipped:
+            continue
         if is_swiglu_mlp(module):
             module.forward = types.MethodType(_swiglu_forward, module)
             counts["swiglu_mlp"] += 1

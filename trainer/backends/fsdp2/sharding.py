@@ -12,27 +12,67 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from rlite.backends.fsdp2.compile import decoder_blocks
 from rlite.config import ModelConfig, ParallelismConfig
 from rlite.hf_models import DTYPES, load_causal_lm
-from rlite.training.logprobs import PolicyModel, causal_lm_of
+from rlite.training.logprobs import PolicyModel
 
 
 def decoder_layers(policy: PolicyModel) -> list[nn.Module]:
-    layers = getattr(causal_lm_of(policy.lm).get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError("model: cannot find the decoder blocks (expected model.get_decoder().layers)")
-    return list(layers)
+    return decoder_blocks(policy.lm)
 
 
-def apply_fsdp(policy: PolicyModel, cfg: ParallelismConfig, mesh=None) -> PolicyModel:
-    """Shard each decoder block, then the root (embeddings, final norm, output layer); a single process
-    with ``parallelism.shard_single_process=false`` keeps the plain module."""
-    if not cfg.shard_single_process:
-        import torch.distributed as dist
+def shards_single_process(setting: bool | str, device_type: str, *, param_dtype: str, model_dtype: str,
+                          cpu_offload: bool) -> bool:  # fmt: skip
+    """Whether a world of one process wraps its model in FSDP2 (``parallelism.shard_single_process``).
 
-        world = mesh.size() if mesh is not None else (dist.get_world_size() if dist.is_initialized() else 1)
-        if world == 1:
-            return policy
+    ``true`` / ``false`` are taken as they are. ``auto`` (the default) resolves by the device type:
+
+    - **CPU**: FSDP2, as rlite always did there (one code path for one rank and N; the CPU numbers in
+      ``benchmarks/RESULTS.md`` were measured so).
+    - **CUDA**: the plain model, unless FSDP2 implements a setting the run asks for: ``cpu_offload``
+      (FSDP2's CPUOffloadPolicy), or compute in another dtype than the master weights
+      (``param_dtype`` != ``model.dtype``: fp32 masters with bf16 compute, FSDP2's mixed precision).
+
+    Why plain on one GPU: at world size 1, FSDP2 still copies every block's weights into a fresh unsharded
+    buffer before its forward and again before its backward (``reshard_after_forward``), copies the
+    gradients out after the backward, and runs Python hooks around every block, for every micro-batch,
+    sharding nothing. The plain model has none of it, and its weight gradients are added into ``.grad``
+    in place (``parallelism.fused_grad_accumulation``). Pure bf16 (``model.dtype=param_dtype=bfloat16``)
+    and fp32 then run plain.
+
+    Why fp32 masters with bf16 compute keep FSDP2 (the alternative is TRL's: the plain fp32 model under
+    ``torch.autocast(bfloat16)``):
+
+    - *Numerics*: FSDP2's mixed precision computes exactly as a bf16 copy of the model does (bf16
+      weights, bf16 residual stream, norms upcast inside as Hugging Face writes them). The bf16 log-prob
+      tolerance of ``tests/gpu/test_fsdp2_bf16.py`` and the bitwise engine/trainer equality of true
+      on-policy mode in bf16 (``tests/gpu/test_true_on_policy_cuda.py``, an engine loaded in bf16) were
+      measured on that. Autocast computes something else (the residual stream and every op outside its
+      cast lists stay fp32): true on-policy mode would lose its bitwise equality with a bf16 engine.
+    - *Memory*: autocast caches a bf16 copy of every weight from the forward until the backward that uses
+      it, and keeps the residual stream in fp32; FSDP2 holds one block's bf16 copy at a time and frees it
+      after the block (``reshard_after_forward``). The GPU issue asks for peak memory at most 0.6x TRL's.
+    - *Code*: rlite's own autograd functions (lean activations, in-place gradient accumulation, the fused
+      output layer) save and use their weights as given; under autocast each would have to cast them
+      itself to avoid fp32 matrix products in backward.
+    - *Cost*: the copies FSDP2 adds at world size 1 are memory traffic (a few GB per micro-batch for a
+      0.5B model, about a millisecond each on an H200) and hooks that overlap with compute when a
+      micro-batch is large. That cost is measurable directly: pure bf16 with ``shard_single_process=true``
+      against ``auto`` (plain) on a GPU. If it turns out large, autocast is the next step.
+    """
+    if setting != "auto":
+        return bool(setting)
+    if device_type != "cuda":
+        return True
+    return cpu_offload or param_dtype != model_dtype
+
+
+def apply_fsdp(policy: PolicyModel, cfg: ParallelismConfig, mesh=None, *, sharded: bool = True) -> PolicyModel:
+    """Shard each decoder block, then the root (embeddings, final norm, output layer); ``sharded=False`` (a
+    single process whose ``parallelism.shard_single_process`` resolves to plain) keeps the plain module."""
+    if not sharded:
+        return policy
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
@@ -59,7 +99,14 @@ def load_sharded(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return apply_fsdp(wrap(load_causal_lm(model_cfg)).to(device), par_cfg)
+        sharded = shards_single_process(par_cfg.shard_single_process, device.type, param_dtype=par_cfg.param_dtype,
+                                        model_dtype=model_cfg.dtype, cpu_offload=par_cfg.cpu_offload)
+        if not sharded and par_cfg.param_dtype != model_cfg.dtype:
+            raise ValueError(
+                f"parallelism.shard_single_process=false keeps the model plain, in model.dtype={model_cfg.dtype}, so it "
+                f"cannot compute in parallelism.param_dtype={par_cfg.param_dtype}: set them equal, or "
+                "shard_single_process=auto (FSDP2's mixed precision)")
+        return apply_fsdp(wrap(load_causal_lm(model_cfg)).to(device), par_cfg, sharded=sharded)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from rlite.hf_models import empty_causal_lm
