@@ -23,7 +23,7 @@ environment's protocol). The loss is on the assistant's messages only. The model
 ``--strings`` trains the same Qwen2 on short string instructions instead of sums, for tasks of your own
 that are about text rather than digits (examples/own_task: reversing words): ``copy: abc`` -> ``abc``,
 ``upper: abc`` -> ``ABC``, ``reverse: abc`` -> ``cba``, ``first: abc`` -> ``a``, ``last: abc`` -> ``c``, on
-words of 3-7 random lowercase letters (the tokenizer is byte-level, so a letter is a token). It is
+words of 3-6 random lowercase letters (the tokenizer is byte-level, so a letter is a token). It is
 partly right at reversing unseen words, so RL on a reversing task has a signal from the first step.
 Its held-out words are drawn apart from its training words; examples/own_task draws its own. Shipped.
 
@@ -84,7 +84,7 @@ STRING_TASKS = {
 
 
 def random_word(rng) -> str:
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 6)))
 
 
 def string_rows(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
