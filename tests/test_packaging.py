@@ -15,9 +15,9 @@ import json
 import os
 import re
 import shutil
-import sysconfig
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 

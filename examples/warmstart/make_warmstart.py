@@ -23,7 +23,7 @@ environment's protocol). The loss is on the assistant's messages only. The model
 ``--strings`` trains the same Qwen2 on short string instructions instead of sums, for tasks of your own
 that are about text rather than digits (examples/own_task: reversing words): ``copy: abc`` -> ``abc``,
 ``upper: abc`` -> ``ABC``, ``reverse: abc`` -> ``cba``, ``first: abc`` -> ``a``, ``last: abc`` -> ``c``, on
-words of 3-6 random lowercase letters (the tokenizer is byte-level, so a letter is a token). It is
+words of 3-5 random lowercase letters (the tokenizer is byte-level, so a letter is a token). It is
 partly right at reversing unseen words, so RL on a reversing task has a signal from the first step.
 Its held-out words are drawn apart from its training words; examples/own_task draws its own. Shipped.
 
@@ -84,7 +84,7 @@ STRING_TASKS = {
 
 
 def random_word(rng) -> str:
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 6)))
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 5)))
 
 
 def string_rows(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -279,6 +279,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=0)
+    parser.add_argument("--save-at", default="", help="also save the model after these steps (comma-separated) "
+                        "to OUT-step<N>: the same weights as --steps N, for choosing --steps in one run")
     args = parser.parse_args()
     if args.moe + args.multiturn + args.strings > 1:
         parser.error("--moe, --multiturn and --strings make different warm starts: give one of them")
@@ -308,6 +310,10 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if str(step) in args.save_at.split(","):
+            snapshot = Path(f"{args.out or HERE / name}-step{step}")
+            model.save_pretrained(snapshot)
+            tokenizer.save_pretrained(snapshot)
         if args.eval_every and step % args.eval_every == 0:
             chain = f", per chain turn {chain_accuracy(model, tokenizer, eval_rows)}" if args.multiturn else ""
             accuracy = greedy_accuracy(model, tokenizer, eval_rows)
