@@ -6,7 +6,7 @@ re-running it rewrites the same files. Your own data replaces these two files.
 
 A row::
 
-    {"instruction": "reverse: kelpa", "target": "aplek", "word": "kelpa"}
+    {"instruction": "reverse: laze", "target": "ezal", "word": "laze"}
 
 Words are 3-5 random lowercase letters, as the warm start ``examples/warmstart/strings-qwen2-1m`` saw them
 (its ``reverse: WORD`` instruction among others); the held-out words share none with the training words.

@@ -63,7 +63,7 @@ from rlite.tokenizer import build_byte_tokenizer  # noqa: E402
 
 HERE = Path(__file__).parent
 
-DEFAULT_STEPS = {"addition-qwen2-1m": 390, "multiturn-qwen2-1m": 600, "addition-qwen3moe": 400, "strings-qwen2-1m": 400}
+DEFAULT_STEPS = {"addition-qwen2-1m": 390, "multiturn-qwen2-1m": 600, "addition-qwen3moe": 400, "strings-qwen2-1m": 500}
 """Supervised steps of each warm start (named by its folder) when ``--steps`` is not given."""
 
 
