@@ -194,13 +194,19 @@ def test_a_missing_model_folder_says_where_it_looked_and_that_a_hub_name_is_trie
     assert "nearest existing folder is '" + str(tmp_path) + "'" not in err  # the working folder is no hint
 
 
-def test_config_prints_without_the_optional_package_that_train_requires(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("config", "package", "refusal"),
+    [
+        ("qwen2.5_gpu.yaml", "math_verify", "the math_verify reward needs the math-verify package: pip install 'rlite[math]'"),
+    ],
+)
+def test_config_prints_without_the_optional_package_that_train_requires(capsys, monkeypatch, config, package, refusal):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name.split(".")[0] == "math_verify" else real(name, *args))
-    assert main(["config", str(ROOT / "configs" / "qwen2.5_gpu.yaml")]) == 0
-    assert "name: math_verify" in capsys.readouterr().out
-    assert main(["train", str(ROOT / "configs" / "qwen2.5_gpu.yaml")]) == 2
-    assert "the math_verify reward needs the math-verify package: pip install 'rlite[math]'" in capsys.readouterr().err
+                        lambda name, *args: None if name.split(".")[0] == package else real(name, *args))
+    assert main(["config", str(ROOT / "configs" / config)]) == 0
+    assert "run_dir:" in capsys.readouterr().out
+    assert main(["train", str(ROOT / "configs" / config)]) == 2
+    assert refusal in capsys.readouterr().err
