@@ -265,16 +265,23 @@ def test_the_chat_template_gap_is_measured_again() -> None:
     assert measured_raw == pytest.approx(raw, abs=TOLERANCE), result.stdout
 
 
-def test_the_quickstarts_starting_accuracy_is_measured_again(tmp_path: Path) -> None:
-    """README: held-out greedy accuracy on 256 prompts 0.340 at step 0 (the shipped warm start, before any RL):
-    `rlite eval` of the warm start, as the quickstart's own step-0 evaluation (seconds)."""
-    readme = (ROOT / "README.md").read_text()
-    documented = float(re.search(r"held-out greedy accuracy on 256 prompts (\d\.\d+) →", readme).group(1))
+@pytest.mark.parametrize(
+    ("doc", "documented", "config"),
+    [
+        ("README.md", r"held-out greedy accuracy on 256 prompts (\d\.\d+) →", "configs/quickstart.yaml"),
+        ("examples/own_task/README.md", r"(\d\.\d+) at step 0 →", "examples/own_task/config.yaml"),
+    ],
+)
+def test_a_starting_accuracy_is_measured_again(tmp_path: Path, doc: str, documented: str, config: str) -> None:
+    """The held-out greedy accuracy a doc states for step 0 (the shipped warm start, before any RL): `rlite eval`
+    of the warm start, which is the run's own step-0 evaluation (seconds). Times (the audit's 12 s of CPU, a run's
+    minutes) are not re-measured here: tests hold no timing thresholds; RESULTS records them."""
+    value = float(re.search(documented, (ROOT / doc).read_text()).group(1))
     result = subprocess.run(
-        [sys.executable, "-m", "rlite", "eval", "configs/quickstart.yaml", "checkpoint.resume=never",
-         f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false"],
+        [sys.executable, "-m", "rlite", "eval", config, "checkpoint.resume=never", f"logging.run_dir={tmp_path / 'run'}",
+         "logging.progress_bar=false"],
         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
-    assert row["eval/greedy_accuracy"] == pytest.approx(documented, abs=TOLERANCE)
+    assert row["eval/greedy_accuracy"] == pytest.approx(value, abs=TOLERANCE)
