@@ -182,6 +182,19 @@ def test_every_stamp_names_a_commit_of_this_repository_and_known_warm_starts() -
     assert not missing, "stamps naming commits this repository does not have:\n" + "\n".join(missing)
 
 
+STAMPED_FROM = "2026-11-28"
+"""Sections dated from this day on (when the stamp line began) carry one whether or not a doc quotes them yet."""
+
+
+def test_every_section_recorded_since_stamps_began_carries_one() -> None:
+    missing = []
+    for entry in parse_entries(RESULTS.read_text()):
+        dates = re.findall(r"20\d\d-\d\d-\d\d", entry.title)
+        if entry.text.startswith("## ") and dates and max(dates) >= STAMPED_FROM and entry.commit is None:
+            missing.append(entry.title)
+    assert not missing, "RESULTS sections without a 'Measured on: commit ...' line:\n" + "\n".join(missing)
+
+
 # --------------------------------------------------------------------------------------------------
 # the check catches what it is for
 # --------------------------------------------------------------------------------------------------
