@@ -22,6 +22,7 @@ the data row (with ``"answer"``) and the function's config instance. Every confi
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlite.api import ConfigError, hookimpl
+from rlite.api import ConfigError, hookimpl, require_optional_package
 
 END_TEXTS = ["<|im_end|>", "<|endoftext|>"]
 """End-of-turn texts that may be left in a decoded completion; everything from the first one is cut."""
@@ -149,10 +150,8 @@ class MathVerifyConfig:
     """The completion is cut at the first of these texts before it is parsed."""
 
     def __post_init__(self) -> None:
-        if importlib.util.find_spec("math_verify") is None:
-            raise ConfigError(
-                "the math_verify reward needs the math-verify package: pip install 'rlite[math]'"
-            )
+        require_optional_package("math_verify", "the math_verify reward needs the math-verify package: pip install "
+                                 "'rlite[math]' (in a clone: pip install -e '.[math]')")
 
 
 class _DropTimeoutNotice(logging.Filter):
@@ -224,11 +223,25 @@ def resolve_function(path: str) -> Callable[..., Any]:
             raise ConfigError(f"function: cannot import module {module_name!r} of {path!r}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ConfigError(f"function: {path!r}: {module_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"function: {path!r}: {module_name!r} has no attribute {attr!r}{_candidates(target, part)}")
         target = getattr(target, part)
     if not callable(target):
         raise ConfigError(f"function: {path!r} is a {type(target).__name__}, not a callable")
     return target
+
+
+def _candidates(target: Any, missing: str) -> str:
+    """`` Did you mean 'x'? Its functions: a, b`` for a module (or class) that lacks ``missing``: the
+    public callables defined in it, not the ones it imported."""
+    home = getattr(target, "__name__", None)
+    names = sorted(
+        name for name, value in vars(target).items()
+        if not name.startswith("_") and callable(value) and getattr(value, "__module__", home) == home
+    )  # fmt: skip
+    if not names:
+        return ". It defines no public function"
+    close = difflib.get_close_matches(missing, names, n=1)
+    return (f". Did you mean {close[0]!r}?" if close else "") + f" Its functions: {', '.join(names)}"
 
 
 @dataclass
@@ -269,6 +282,9 @@ def python(completion: str | list[str], sample: dict | list[dict], cfg: PythonRe
     if cfg.batched:
         return fn(completion, **_columns(sample), **cfg.kwargs)
     return fn(completion, sample, **cfg.kwargs)
+
+
+python.reward_source = lambda cfg: resolve_function(cfg.function)  # whose return lines a bad value points at
 
 
 def _where(fn: Callable[..., Any]) -> str:

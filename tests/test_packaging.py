@@ -1,16 +1,23 @@
-"""The wheel: everything installs under the single import root ``rlite``, with the console script.
+"""The wheel: everything installs under the single import root ``rlite``, with the console script; the
+package is publishable (metadata, ``twine check``), and the built wheel trains in a fresh venv.
 
-One wheel is built (offline, no build isolation) from a copy of the sources, so the checkout is not
-touched, then installed into a temporary folder and imported from there.
+The sdist and the wheel are built once (``python -m build``, offline: no build isolation) from a copy of
+the sources, so the checkout is not touched. The fresh venv gets the wheel by ``pip install`` (no
+dependencies: they come from this venv's site-packages through a ``.pth`` line, since installing torch
+and transformers again would take minutes and the network) and runs the quickstart's first steps from a
+folder holding only the quickstart's config and warm start, so nothing is imported from the checkout.
 """
 
 from __future__ import annotations
 
 import configparser
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -19,26 +26,32 @@ import pytest
 import rlite
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "trainer", "plugins"]
+SOURCES = ["pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "CHANGELOG.md", "trainer", "plugins"]
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist and the wheel, as ``python -m build`` writes them for an upload."""
     source = tmp_path_factory.mktemp("source")
     for name in SOURCES:
+        assert (ROOT / name).exists(), f"{name} is missing: the sdist and the package metadata need it"
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        elif (ROOT / name).is_file():
+        else:
             shutil.copy2(ROOT / name, source / name)
-    dist = tmp_path_factory.mktemp("dist")
-    # --skip-dependency-check: the backend is the venv's setuptools (>= 70.1 builds wheels without
-    # the separate ``wheel`` package that pyproject still lists); nothing is downloaded.
+    out = tmp_path_factory.mktemp("dist")
+    # --no-isolation --skip-dependency-check: the backend is this venv's setuptools; nothing is downloaded
     result = subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check",
-         "--outdir", str(dist), str(source)],
-        capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, "-m", "build", "--sdist", "--wheel", "--no-isolation", "--skip-dependency-check",
+         "--outdir", str(out), str(source)],
+        capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(dist: Path) -> Path:
     (built,) = dist.glob("*.whl")
     return built
 
@@ -135,3 +148,70 @@ def test_installed_wheel_imports_and_loads_its_plugins(wheel: Path, tmp_path: Pa
     assert Path(init_file).is_relative_to(site)
     assert Path(advantages_file).is_relative_to(site)
     assert plugin_types == "['module']"
+
+
+def test_twine_check_passes_on_the_sdist_and_the_wheel(dist: Path) -> None:
+    files = sorted(str(path) for path in dist.iterdir())
+    assert [Path(f).name for f in files] == [f"rlite-{rlite.__version__}-py3-none-any.whl",
+                                             f"rlite-{rlite.__version__}.tar.gz"]
+    result = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *files], capture_output=True,
+                            text=True, timeout=300, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("PASSED") == 2, result.stdout
+
+
+def test_the_metadata_an_index_shows(wheel: Path, dist: Path) -> None:
+    metadata = read_member(wheel, ".dist-info/METADATA")
+    assert "License-Expression: Apache-2.0\n" in metadata and "License-File: LICENSE\n" in metadata
+    assert "Requires-Python: >=3.10\n" in metadata
+    assert "Description-Content-Type: text/markdown\n" in metadata
+    classifiers = [line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Classifier: ")]
+    assert "Programming Language :: Python :: 3.10" in classifiers and "Development Status :: 3 - Alpha" in classifiers
+    assert {"test", "math", "tensorboard", "wandb", "megatron", "sglang", "liger", "bench"} <= {
+        line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Provides-Extra: ")}
+    import tarfile
+
+    (sdist,) = dist.glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"CHANGELOG.md", "LICENSE", "README.md", "pyproject.toml"} <= names
+
+
+def test_the_docs_name_the_wheel_python_m_build_writes(wheel: Path) -> None:
+    """README, docs/gsm8k.md and the GPU recipe's comments install `dist/<wheel>`: the name the build writes."""
+    for doc in ("README.md", "docs/gsm8k.md", "configs/qwen2.5_gpu.yaml"):
+        named = set(re.findall(r"dist/(rlite-[\w.]+-py3-none-any\.whl)", (ROOT / doc).read_text()))
+        assert named == {wheel.name}, f"{doc} names {named}, the build writes {wheel.name}"
+
+
+def test_the_wheel_installed_in_a_fresh_venv_runs_the_quickstarts_first_steps(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    # the dependencies (torch, transformers, ...) from this venv; the editable rlite of the checkout is not
+    # among them: a .pth line adds the folder to sys.path but runs none of its own .pth files
+    (site / "zz_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    result = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check",
+                             str(wheel)], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    # the user's folder: the quickstart's config and warm start, nothing else of the checkout
+    work = tmp_path / "work"
+    shutil.copytree(ROOT / "configs", work / "configs", ignore=shutil.ignore_patterns("*.py"))
+    shutil.copytree(ROOT / "examples" / "warmstart" / "addition-qwen2-1m", work / "examples" / "warmstart" / "addition-qwen2-1m")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    where = subprocess.run([str(python), "-c", "import rlite, rlite.plugins.advantages as a; print(rlite.__file__); "
+                            "print(a.__file__)"], capture_output=True, text=True, cwd=work, env=env, check=True)  # fmt: skip
+    assert all(Path(line).is_relative_to(site) for line in where.stdout.split()), where.stdout
+    result = subprocess.run(
+        [str(venv / "bin" / "rlite"), "train", "configs/quickstart.yaml", "training.steps=2", "rollout.prompts_per_step=4",
+         "rollout.samples_per_prompt=4", "data.num_eval=8", "training.eval_every=2", "checkpoint.every=0",
+         "logging.progress_bar=false", "logging.plot=false"],
+        capture_output=True, text=True, cwd=work, env={**env, "OMP_NUM_THREADS": "1"}, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (work / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "reward/mean" in row] == [1, 2]
+    assert (work / "runs" / "quickstart" / "hf_model" / "config.json").is_file()
+    assert "rlite: 2 steps done in" in result.stdout

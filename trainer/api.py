@@ -24,7 +24,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
-from rlite.config import ConfigError, RunConfig
+from rlite.config import ConfigError, RunConfig, require_optional_package
 from rlite.distributed import DataLayout
 from rlite.drafts import DraftContext, FixedDraft, ModelDraft, SpeculativeDraft, check_draft_vocabulary
 from rlite.engines.base import (
@@ -132,6 +132,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "registered",
     "RunConfig",
     "ConfigError",
+    "require_optional_package",
     # Advantages, losses, KL and corrections
     "AdvantageInput",
     "masked_mean",

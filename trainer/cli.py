@@ -34,6 +34,7 @@ EXIT_REWARDS_FAILED = 3
 """Exit status of a run stopped because its reward functions failed or timed out too often."""
 
 OVERRIDES_HELP = "key.path=value overrides applied on top of the YAML file, e.g. training.steps=10"
+CONFIG_OR_RUN_HELP = "a YAML config file, or a run folder (its config.yaml, with logging.run_dir set to that folder)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,18 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a training job from a YAML config",
         description="Run a training job. Under torchrun every rank runs this command.",
     )
-    train.add_argument("config", metavar="CONFIG", help="YAML config file")
+    train.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
     train.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
     train.set_defaults(func=cmd_train)
 
     evaluate = commands.add_parser(
         "eval",
-        help="evaluate a checkpoint or a model on the held-out prompts, without training",
+        help="evaluate a run's latest checkpoint or a model on the held-out prompts, without training",
         description="Evaluate the model a run would start from (checkpoint.resume's checkpoint, else model.path) "
         "on the held-out prompts as the run's evaluations do; append the metrics to <run_dir>/eval.jsonl. "
+        "RUN_DIR: a run folder (its config.yaml, its checkpoints). "
         "An exported model: `rlite eval CONFIG model.path=RUN/hf_model checkpoint.resume=never`.",
     )
-    evaluate.add_argument("config", metavar="CONFIG", help="YAML config file")
+    evaluate.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
     evaluate.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
     evaluate.set_defaults(func=cmd_eval)
 
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved config (YAML + overrides + defaults) as YAML",
         description="Load and validate a config exactly as `rlite train` would, and print it with every default filled in.",
     )
-    config.add_argument("config", metavar="CONFIG", help="YAML config file")
+    config.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
     config.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
     config.add_argument(
         "--doc", action="store_true",
@@ -88,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser(
         "info",
-        help="print what produced a run: versions, git commit, plugins, config hash, seeds, device",
-        description="Print the provenance recorded in RUN_DIR: the first row of metrics.jsonl (and the rows "
-        "a resumed run added) and the record in each checkpoint.",
+        help="print where a run stands (steps, reward, held-out accuracy, time, the model) and what produced it",
+        description="Print where the run in RUN_DIR stands (steps done of planned, the last step's reward, the "
+        "last held-out accuracy, time in training steps, the exported model and the latest checkpoint), then the "
+        "provenance it recorded: the first row of metrics.jsonl (and the rows a resumed run added) and the record "
+        "in each checkpoint.",
     )
     info.add_argument("run_dir", metavar="RUN_DIR", help="the run's output folder (logging.run_dir)")
     info.add_argument("--json", action="store_true", help="print the records as JSON")
@@ -136,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "step, the engine's mismatch metrics, the estimator and loss against their documented formulas, and "
         "resume == uninterrupted for 3 steps.",
     )
-    audit.add_argument("config", metavar="CONFIG", help="YAML config file")
+    audit.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
     audit.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
     audit.add_argument("--workdir", help="folder for the replica's files (default: a new temporary folder)")
     audit.set_defaults(func=cmd_audit)
@@ -162,7 +166,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.process_entry = argv is None  # the ``rlite`` command itself, not a call from Python
     if args.process_entry and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         _run_as_rank(args)  # never returns
-    return dispatch(args)
+    if not args.process_entry:
+        return dispatch(args)
+    try:
+        code = dispatch(args)
+        sys.stdout.flush()  # inside the try: a pipe closed early (``| head``) fails here, not at exit
+        return code
+    except BrokenPipeError:
+        return reader_went_away()
+
+
+def reader_went_away() -> int:
+    """``rlite info RUN | head``: the reader closed the pipe. Like ``cat``, stop quietly; stdout points
+    at /dev/null so that the interpreter's last flush does not print a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a shell reports for a command a pipe stopped
 
 
 def _run_as_rank(args: argparse.Namespace) -> None:
@@ -206,6 +225,18 @@ def dispatch(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+def config_source(given: str, overrides: Sequence[str]) -> tuple[str, list[str]]:
+    """``(config file, overrides)`` of a CONFIG_OR_RUN argument: a run folder stands for its own
+    ``config.yaml`` with ``logging.run_dir`` set to the folder (the user's overrides still come last)."""
+    folder = Path(given)
+    if not folder.is_dir():
+        return given, list(overrides)
+    if not (folder / "config.yaml").is_file():
+        raise ConfigError(f"{given!r} is a folder without config.yaml, so not a run folder; give a run folder "
+                          "(logging.run_dir of a run) or a YAML config file")
+    return str(folder / "config.yaml"), [f"logging.run_dir={folder}", *overrides]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rlite.config.schema import CheckpointConfig
     from rlite.run.faults import Preemption
@@ -217,7 +248,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     preemption.install()
     finished = False
     try:
-        cfg, pm = load_run_config(args.config, args.overrides)
+        cfg, pm = load_run_config(*config_source(args.config, args.overrides))
         for broken in pm.failed:  # the run goes on without it, but never silently
             print(f"rlite train: warning: plugin {broken.name!r} ({broken.distribution}) is skipped: {broken.error}",
                   file=sys.stderr)
@@ -235,7 +266,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    cfg, pm = load_run_config(args.config, args.overrides)
+    cfg, pm = load_run_config(*config_source(args.config, args.overrides))
     from rlite.run.evaluation import run_evaluation  # heavy (torch, transformers)
 
     run_evaluation(cfg, pm)
@@ -243,7 +274,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    cfg, pm = load_run_config(args.config, args.overrides)
+    from rlite.config import optional_dependencies_deferred
+
+    with optional_dependencies_deferred():  # a printer needs no optional package; `rlite train` checks them
+        cfg, pm = load_run_config(*config_source(args.config, args.overrides))
     if args.doc:
         from rlite.config.docs import documented_yaml
 
@@ -330,6 +364,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    args.config, args.overrides = config_source(args.config, args.overrides)
     try:
         _, pm = load_run_config(args.config, args.overrides)  # validates the config as train would
     except ConfigError as exc:
@@ -368,6 +403,7 @@ def missing_model_message(config: str, overrides: Sequence[str]) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from rlite.provenance import describe, metrics_records, read_checkpoint_record
     from rlite.run.checkpoint import checkpoint_root, list_checkpoints, unsafe_content
+    from rlite.run.status import describe_status, run_status
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -379,8 +415,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     # a checkpoint's record is JSON, but its pickles are what a resume opens: say which ones it would refuse
     refused = [problem for problem in map(unsafe_content, list_checkpoints(checkpoint_root(run_dir))) if problem]
     if args.json:
-        print(json.dumps({"metrics": rows, "checkpoints": dict(checkpoints)}, indent=2, sort_keys=True))
+        print(json.dumps({"status": run_status(run_dir), "metrics": rows, "checkpoints": dict(checkpoints)}, indent=2,
+                         sort_keys=True))
     else:
+        print("\n".join(describe_status(run_status(run_dir))))
         for row in rows:
             print(f"metrics.jsonl, run started at step {row['step']}:")
             print("\n".join(describe(row["provenance"], "  ")))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,13 @@ def is_saved_dataset(path: Path) -> bool:
     ).is_file()
 
 
+def _where_read(path: str) -> str:
+    """Where a relative data path is looked for: the folder the command runs in, not the config's folder."""
+    if Path(path).is_absolute():
+        return ""
+    return f" (relative paths are read from the working folder, {os.getcwd()}, not from the config file's folder)"
+
+
 def resolve_data_files(spec: str | Sequence[str], key: str) -> list[Path]:
     """The data sources a ``data.*_files`` setting names, in order, each checked to exist.
 
@@ -111,12 +119,12 @@ def resolve_data_files(spec: str | Sequence[str], key: str) -> list[Path]:
         if any(ch in text for ch in GLOB_CHARS):
             matches = sorted(Path(m) for m in glob.glob(text, recursive=True))
             if not matches:
-                raise FileNotFoundError(f"{key}: {text!r} matches no file")
+                raise FileNotFoundError(f"{key}: {text!r} matches no file{_where_read(text)}")
             sources.extend(matches)
             continue
         path = Path(text)
         if not path.exists():
-            raise FileNotFoundError(f"{key}: {text!r} does not exist")
+            raise FileNotFoundError(f"{key}: {text!r} does not exist{_where_read(text)}")
         sources.append(path)
     resolved: list[Path] = []
     for path in sources:

@@ -24,6 +24,7 @@ from rlite.run.build import Run, build_run
 from rlite.run.evaluation import evaluate
 from rlite.run.faults import NonFiniteGuard, Preemption, RunStopped, latest_checkpoint_text, stop_on_full_disk
 from rlite.run.lifecycle import (
+    check_resume_config,
     finish_run,
     log_metrics,
     log_samples,
@@ -32,6 +33,7 @@ from rlite.run.lifecycle import (
     step_start_state,
     stop_after_engine_failure,
 )
+from rlite.run.status import finished_checkpoint
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
@@ -146,6 +148,24 @@ def train(run: Run) -> dict[str, Any]:
     return finish_run(run, last_metrics)
 
 
+def report_already_finished(cfg: RunConfig, checkpoint, is_main: bool) -> dict[str, Any]:
+    """The summary (and, on the main rank, the line) of a run whose last step was done before: nothing ran."""
+    from pathlib import Path
+
+    run_dir = Path(cfg.logging.run_dir)
+    exported = run_dir / "hf_model"
+    summary: dict[str, Any] = {"steps": cfg.training.steps, "run_dir": str(run_dir), "already_finished": True,
+                               "checkpoint": str(checkpoint)}
+    if exported.is_dir():
+        summary["exported_model"] = str(exported.resolve())
+    if is_main:
+        print(f"rlite: {run_dir} already finished its {cfg.training.steps} steps ({checkpoint.name}); nothing ran. "
+              + (f"The model: {summary['exported_model']} (talk to it: rlite chat {run_dir}). " if exported.is_dir() else "")
+              + "More steps: training.steps=N (N larger); a fresh run: checkpoint.resume=never or another logging.run_dir",
+              flush=True)
+    return summary
+
+
 def group_relative(run: Run) -> bool:
     """The advantage estimator's baseline comes from the other samples of a prompt (registered with
     ``needs_group``): a group whose rewards are all equal then gets zero advantages. A critic's or a
@@ -198,6 +218,11 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
     else:
         preemption.set_timeout(cfg.checkpoint.preempt_timeout_s)
     try:
+        done = finished_checkpoint(cfg)
+        if done is not None:  # re-running a finished run: say so, rather than a summary of steps that did not run
+            check_resume_config(cfg, done)  # another model or algorithm is still refused, not called finished
+            finished = True
+            return report_already_finished(cfg, done, ctx.is_main)
         # the write paths name themselves when a full disk stops them; anything else written (config.yaml,
         # the loggers' first files, a profile, offloaded moments) stops as cleanly, naming the run folder;
         # transformers' own load/save bars would break rlite's progress line

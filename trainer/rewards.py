@@ -213,21 +213,65 @@ def _call(entry: RewardEntry, completions: Sequence[str], samples: Sequence[dict
     try:
         if not entry.batched:
             result = entry.fn(completions[0], samples[0], entry.cfg)
-            return [_check_value(result)]
-        result = entry.fn(list(completions), list(samples), entry.cfg)
+        else:
+            result = entry.fn(list(completions), list(samples), entry.cfg)
     except BaseException as exc:  # a reward function must never take training down
         return [_failure_from(exc)] * len(completions)
-    if not isinstance(result, Sequence) or isinstance(result, (str, bytes)) or len(result) != len(completions):
+    if not entry.batched:
+        result = [result]
+    elif not isinstance(result, Sequence) or isinstance(result, (str, bytes)) or len(result) != len(completions):
         got = f"{len(result)} values" if isinstance(result, Sequence) else f"a {type(result).__name__}"
-        failure = _Failure(f"returned {got} for {len(completions)} completions", "a batched reward returns one value per completion")
+        failure = _Failure(f"returned {got} for {len(completions)} completions",
+                           "a batched reward returns one value per completion\n" + returned_where(entry))
         return [failure] * len(completions)
     out: list[Any] = []
     for value in result:
         try:
             out.append(_check_value(value))
-        except (TypeError, ValueError) as exc:
-            out.append(_Failure(str(exc), str(exc)))
+        except (TypeError, ValueError) as exc:  # the value is the function's: show its return, not this frame
+            out.append(_Failure(str(exc), f"{returned_where(entry)}{type(exc).__name__}: {exc}"))
     return out
+
+
+def returned_where(entry: RewardEntry) -> str:
+    """Where ``entry``'s function returns, as a traceback shows a line: ``File "f.py", line 7, in fn`` and the
+    source line, for each ``return`` of the function (the value that came back was made on one of them).
+    The function is the user's one behind a wrapper that names it (``fn.reward_source(cfg)``: the
+    ``python`` reward's file or module function), else ``entry.fn``; empty when its source is not readable."""
+    import ast
+    import inspect
+    import textwrap
+
+    fn = entry.fn
+    try:
+        source_of = getattr(fn, "reward_source", None)
+        fn = inspect.unwrap(source_of(entry.cfg) if source_of is not None else fn)
+        lines, first = inspect.getsourcelines(fn)
+        file = inspect.getsourcefile(fn)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except Exception:  # noqa: BLE001 - a builtin, a lambda in a REPL, a file changed since: no line to show
+        return ""
+    returns = [node for node in _own_nodes(tree.body[0]) if isinstance(node, ast.Return)]
+    name = getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))
+    if not returns:  # it falls off its end: None
+        return f'  File "{file}", line {first}, in {name}\n    {lines[0].strip()}\n  (it has no return statement)\n'
+    shown = [f'  File "{file}", line {first + node.lineno - 1}, in {name}\n    {lines[node.lineno - 1].strip()}\n'
+             for node in returns]
+    return "".join(shown)
+
+
+def _own_nodes(function) -> list:
+    """The nodes of ``function``'s body, not those of functions or lambdas defined inside it."""
+    import ast
+
+    found, todo = [], list(ast.iter_child_nodes(function))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        found.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return sorted(found, key=lambda node: getattr(node, "lineno", 0))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -94,7 +94,16 @@ def hub_rows() -> dict[str, list[dict]]:
     """GSM8K's train and test splits from the Hugging Face Hub (needs network)."""
     from datasets import load_dataset
 
-    dataset = load_dataset("openai/gsm8k", "main")
+    try:
+        dataset = load_dataset("openai/gsm8k", "main")
+    except Exception as exc:  # noqa: BLE001 - no network, the hub offline, a proxy: one line says which and what to do
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise PrepareError(
+            f"--from-hub: could not read openai/gsm8k from the Hugging Face Hub ({type(exc).__name__}: {first_line}). "
+            "It needs network access. Without it: copy GSM8K's train and test files onto this machine (the dataset's "
+            "main/*.parquet, or the grade-school-math repository's train.jsonl and test.jsonl) and run "
+            "python examples/gsm8k/prepare_gsm8k.py --train TRAIN --test TEST"
+        ) from None
     return {split: list(dataset[split]) for split in ("train", "test")}
 
 

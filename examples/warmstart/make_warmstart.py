@@ -10,6 +10,7 @@ writes other weights of the same quality.
     python examples/warmstart/make_warmstart.py               # examples/warmstart/addition-qwen2-1m
     python examples/warmstart/make_warmstart.py --moe         # examples/warmstart/addition-qwen3moe (MoE recipe)
     python examples/warmstart/make_warmstart.py --multiturn   # examples/warmstart/multiturn-qwen2-1m
+    python examples/warmstart/make_warmstart.py --strings     # examples/warmstart/strings-qwen2-1m
 
 ``--multiturn`` trains the same Qwen2 on chat conversations instead of single prompts, for the
 multi-turn recipes (configs/multiturn_*.yaml): the quickstart model answers a prompt only when it is
@@ -18,6 +19,13 @@ dropped from 0.33 to 0.00; docs/multiturn.md). A conversation is one to three ad
 the assistant (the ``arithmetic_chain`` game), or, one time in three, a calculator call: the assistant
 repeats the problem, a ``tool`` message answers it, the assistant copies the answer (the ``calculator``
 environment's protocol). The loss is on the assistant's messages only. The model is shipped.
+
+``--strings`` trains the same Qwen2 on short string instructions instead of sums, for tasks of your own
+that are about text rather than digits (examples/own_task: reversing words): ``copy: abc`` -> ``abc``,
+``upper: abc`` -> ``ABC``, ``reverse: abc`` -> ``cba``, ``first: abc`` -> ``a``, ``last: abc`` -> ``c``, on
+words of 3-5 random lowercase letters (the tokenizer is byte-level, so a letter is a token). It is
+partly right at reversing unseen words, so RL on a reversing task has a signal from the first step.
+Its held-out words are drawn apart from its training words; examples/own_task draws its own. Shipped.
 
 ``--moe`` makes a Qwen3-MoE instead (4 experts, top-2, every layer sparse) for
 ``configs/moe_megatron_cpu.yaml``; it is not shipped, run the command once to make it.
@@ -55,12 +63,47 @@ from rlite.tokenizer import build_byte_tokenizer  # noqa: E402
 
 HERE = Path(__file__).parent
 
-DEFAULT_STEPS = {"addition-qwen2-1m": 390, "multiturn-qwen2-1m": 600, "addition-qwen3moe": 400}
+DEFAULT_STEPS = {"addition-qwen2-1m": 390, "multiturn-qwen2-1m": 600, "addition-qwen3moe": 400, "strings-qwen2-1m": 500}
 """Supervised steps of each warm start (named by its folder) when ``--steps`` is not given."""
 
 
-def warm_start_name(moe: bool, multiturn: bool) -> str:
+def warm_start_name(moe: bool, multiturn: bool, strings: bool = False) -> str:
+    if strings:
+        return "strings-qwen2-1m"
     return "addition-qwen3moe" if moe else "multiturn-qwen2-1m" if multiturn else "addition-qwen2-1m"
+
+
+STRING_TASKS = {
+    "copy": lambda word: word,
+    "upper": str.upper,
+    "reverse": lambda word: word[::-1],
+    "first": lambda word: word[0],
+    "last": lambda word: word[-1],
+}
+"""The instructions of ``--strings``: ``f"{name}: {word}"`` is answered by ``STRING_TASKS[name](word)``."""
+
+
+def random_word(rng) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 5)))
+
+
+def string_rows(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """``--strings``' supervised rows (every task, on distinct words) and its held-out rows: ``reverse``
+    on words none of the training rows uses, the skill examples/own_task trains further with RL."""
+    import random
+
+    rng = random.Random(f"strings:{seed}")
+    eval_words: set[str] = set()
+    while len(eval_words) < num_eval:
+        eval_words.add(random_word(rng))
+    train = []
+    while len(train) < num_train:
+        word = random_word(rng)
+        if word not in eval_words:
+            task = rng.choice(sorted(STRING_TASKS))
+            train.append({"prompt": f"{task}: {word}", "answer": STRING_TASKS[task](word)})
+    held_out = [{"prompt": f"reverse: {w}", "answer": w[::-1]} for w in sorted(eval_words)]
+    return train, held_out
 
 
 def tensors_sha256(model_dir: str | Path) -> str:
@@ -230,15 +273,18 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of the dense Qwen2")
     parser.add_argument("--multiturn", action="store_true", help="train on chat conversations (multi-turn recipes)")
+    parser.add_argument("--strings", action="store_true", help="train on string instructions (copy, upper, reverse, ...)")
     defaults = ", ".join(f"{steps} for {name}" for name, steps in DEFAULT_STEPS.items())
     parser.add_argument("--steps", type=int, default=None, help=f"supervised steps (default: {defaults})")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=0)
+    parser.add_argument("--save-at", default="", help="also save the model after these steps (comma-separated) "
+                        "to OUT-step<N>: the same weights as --steps N, for choosing --steps in one run")
     args = parser.parse_args()
-    if args.moe and args.multiturn:
-        parser.error("--moe and --multiturn make different warm starts: give one of them")
-    name = warm_start_name(args.moe, args.multiturn)
+    if args.moe + args.multiturn + args.strings > 1:
+        parser.error("--moe, --multiturn and --strings make different warm starts: give one of them")
+    name = warm_start_name(args.moe, args.multiturn, args.strings)
     if args.steps is None:
         args.steps = DEFAULT_STEPS[name]
     if args.steps < 1:
@@ -247,7 +293,10 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer = build_byte_tokenizer()
-    train_rows, eval_rows = make_task("addition", num_train=2000, num_eval=256, seed=0, digits=2)
+    if args.strings:
+        train_rows, eval_rows = string_rows(num_train=4000, num_eval=256)
+    else:
+        train_rows, eval_rows = make_task("addition", num_train=2000, num_eval=256, seed=0, digits=2)
     examples = encode_conversations(tokenizer, train_rows) if args.multiturn else encode(tokenizer, train_rows)
     batch_of = collate_conversations if args.multiturn else collate
     model = build_moe_model(tokenizer) if args.moe else build_model(tokenizer)
@@ -261,9 +310,14 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if str(step) in args.save_at.split(","):
+            snapshot = Path(f"{args.out or HERE / name}-step{step}")
+            model.save_pretrained(snapshot)
+            tokenizer.save_pretrained(snapshot)
         if args.eval_every and step % args.eval_every == 0:
             chain = f", per chain turn {chain_accuracy(model, tokenizer, eval_rows)}" if args.multiturn else ""
-            print(f"step {step} loss {loss.item():.3f} held-out greedy acc {greedy_accuracy(model, tokenizer, eval_rows):.3f}{chain}")
+            accuracy = greedy_accuracy(model, tokenizer, eval_rows)
+            print(f"step {step} loss {loss.item():.3f} held-out greedy acc {accuracy:.3f}{chain}")
     model.eval()
     print(f"final held-out greedy accuracy: {greedy_accuracy(model, tokenizer, eval_rows):.3f}")
     if args.multiturn:

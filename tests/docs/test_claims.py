@@ -153,3 +153,46 @@ def test_the_readme_test_command_is_the_command_ci_runs() -> None:
     extras = re.search(r'pip install -q -e "\.\[([\w,]+)\]"', run).group(1).split(",")
     assert {"test", "megatron", "wandb", "tensorboard", "math", "bench"} <= set(extras)
     assert re.search(r"(?m)^python -m pytest -q", run)
+
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def torch_installs(text: str) -> list[list[str]]:
+    """The arguments of every ``pip install torch...`` in ``text`` (each up to the next ``&&``, ``;``, ``#`` or
+    line end), ``-q`` left out."""
+    found = []
+    for match in re.finditer(r"pip install ((?:-q )?torch[^&;#\n]*)", text):
+        found.append([word for word in match.group(1).split() if word != "-q"])
+    return found
+
+
+def test_the_readme_installs_cpu_torch_from_pytorchs_cpu_index_and_tests_run_sh_runs_that_line() -> None:
+    """PyPI's Linux torch wheel is the CUDA build (several GB): the README's CPU line and its quickstart take
+    torch from PyTorch's CPU index, the GPU line from PyPI, and the test command installs with the README's
+    CPU line word for word (so CI and the fresh-clone runs, `benchmarks/fresh_clone.py`, run it)."""
+    readme = (ROOT / "README.md").read_text()
+    install = code_block_after(readme, "## Install")
+    quickstart = code_block_after(readme, "## Quickstart")
+    (cpu,) = torch_installs(next(line for line in install if "# CPU" in line))
+    (gpu,) = torch_installs(next(line for line in install if "# GPU" in line))
+    assert cpu[1:] == ["--index-url", CPU_INDEX] and cpu[0].startswith("torch==")
+    assert gpu == [cpu[0]]  # the same version, from PyPI
+    assert torch_installs(quickstart[0]) == [cpu]
+    assert torch_installs((ROOT / "tests" / "run.sh").read_text()) == [cpu]
+    # the separate SGLang-compat venv installs the same CPU build (its version is a variable there)
+    compat = (ROOT / "tests" / "sglang_compat" / "run.sh").read_text()
+    assert f'torch==$TORCH_VERSION" --index-url {CPU_INDEX}' in compat
+    assert f"TORCH_VERSION={cpu[0].split('==')[1]}" in compat
+    assert "training" in readme[readme.index("## Install"):readme.index("## Quickstart")].split("```")[2]
+
+
+def test_the_readme_has_one_extras_table_naming_every_extra() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    section = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"(?m)^(\w+) = \[", section))
+    readme = (ROOT / "README.md").read_text()
+    tables = [line for line in readme.splitlines() if line.startswith("| extra |")]
+    assert len(tables) == 1
+    rows = re.findall(r"(?m)^\| `\[(\w+)\]` \|", readme)
+    assert sorted(rows) == sorted(extras)

@@ -55,7 +55,8 @@ def test_export_keeps_the_source_models_generation_config(tmp_path, model_dir):
         ("{tmp}/nope", "model.path: folder {missing!r} does not exist"),
         ("{tmp}/models/qwen-0.5b", "model.path: folder {missing!r} does not exist"),
         # a hub repo id: the tests run offline (conftest), so it cannot be downloaded
-        ("someone/no-such-model", "model.path: {missing!r} is not a local folder and the Hugging Face hub is offline"),
+        ("someone/no-such-model", "model.path: {missing!r} is not a local folder (relative paths are read from the "
+                                  "working folder"),
     ],
 )
 def test_a_missing_model_folder_is_named(tmp_path, capsys, missing, expected):

@@ -57,7 +57,7 @@ def test_every_warm_start_has_a_recorded_hash():
     for name, record in HASHES.items():
         flags = record["command"].split()[2:]
         assert record["command"].split()[:2] == ["python", "examples/warmstart/make_warmstart.py"], name
-        assert script.warm_start_name("--moe" in flags, "--multiturn" in flags) == name
+        assert script.warm_start_name("--moe" in flags, "--multiturn" in flags, "--strings" in flags) == name
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -35,7 +35,7 @@ if [ "$(cat "$VENV/.rlite-stamp" 2>/dev/null || true)" != "$STAMP" ]; then
     start=$(date +%s)
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    quiet_pip "torch==$TORCH_VERSION"
+    quiet_pip "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu  # the CPU build, as README installs it
     quiet_pip --no-deps "sglang==$SGLANG_VERSION"
     quiet_pip -r "$HERE/requirements.txt"
     echo "$STAMP" > "$VENV/.rlite-stamp"

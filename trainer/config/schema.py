@@ -11,6 +11,7 @@ as a bare name (``advantage: grpo``) or as ``{name: grpo, args: {norm_by_std: fa
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import difflib
 import os
@@ -39,6 +40,37 @@ class UnknownChoiceError(KeyError):
 # omegaconf builds the schema from default instances; linked-field rules only make sense on the
 # final merged values, so they are skipped while the schema and layers are being merged.
 _SKIP_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("rlite_skip_config_checks", default=False)
+
+
+_DEFER_DEPENDENCIES: contextvars.ContextVar[bool] = contextvars.ContextVar("rlite_defer_dependencies", default=False)
+"""Set while a config is only shown (``rlite config``): optional packages are checked when a run starts."""
+
+
+@contextlib.contextmanager
+def optional_dependencies_deferred() -> typing.Iterator[None]:
+    """Within this block, :func:`require_optional_package` checks nothing: a config that names an optional
+    package's feature can be loaded and printed without the package, which the run still requires."""
+    token = _DEFER_DEPENDENCIES.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_DEPENDENCIES.reset(token)
+
+
+def require_optional_package(module: str, message: str) -> None:
+    """Raise ConfigError(``message``) when ``module`` cannot be imported, unless the check is deferred
+    (:func:`optional_dependencies_deferred`). For a plugin option's ``__post_init__``: a config that needs the
+    package fails when a run loads it, and still prints with ``rlite config``."""
+    import importlib.util
+
+    if _DEFER_DEPENDENCIES.get() or _SKIP_CHECKS.get():
+        return
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module set to None in sys.modules
+        found = False
+    if not found:
+        raise ConfigError(message)
 
 
 def _check_trained_dtype(key: str, value: str) -> None:

@@ -245,7 +245,9 @@ HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 def check_model_source(key: str, source: str) -> None:
     """A model (or tokenizer) source must be an existing folder, or look like a hub repo id while the
-    hub is reachable; anything else is reported as a missing folder (not transformers' repo-id error)."""
+    hub is reachable; anything else is reported as a missing folder (not transformers' repo-id error).
+    Messages say where a relative path is read from and, for a name that could be a hub repo id, that
+    it would be downloaded from the hub."""
     path = Path(source).expanduser()
     if path.is_dir():
         return
@@ -255,18 +257,27 @@ def check_model_source(key: str, source: str) -> None:
         not HUB_REPO_ID.match(source) or source.startswith((".", "~", "/")) or (
             len(path.parts) > 1 and path.parent.is_dir())
     )  # fmt: skip
+    where = where_relative_paths_are_read(path)
     if looks_local:
         existing = next((p for p in path.absolute().parents if p.is_dir()), None)
+        # the working folder, or the root, is no hint: only a deeper folder that exists says where the path broke off
+        hint = existing is not None and existing not in (Path.cwd(), Path(existing.anchor))
         raise ConfigError(
-            f"{key}: folder {str(path)!r} does not exist"
-            + (f" (the nearest existing folder is {str(existing)!r})" if existing is not None else "")
+            f"{key}: folder {str(path)!r} does not exist{where}"
+            + (f"; its nearest existing folder is {str(existing)!r}" if hint else "")
         )
     offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     if offline:
         raise ConfigError(
-            f"{key}: {source!r} is not a local folder and the Hugging Face hub is offline (HF_HUB_OFFLINE), "
-            "so it cannot be downloaded; point it at a model folder"
+            f"{key}: {source!r} is not a local folder{where}, and as a Hugging Face hub name it would be downloaded, "
+            "but the Hugging Face hub is offline (HF_HUB_OFFLINE), so it cannot be; point it at a model folder"
         )
+    log.info("%s: %r is not a local folder%s: trying it as a Hugging Face hub name (a download)", key, source, where)
+
+
+def where_relative_paths_are_read(path: Path) -> str:
+    """`` (relative paths are read from the working folder, CWD)`` for a relative path, else ``""``."""
+    return "" if path.is_absolute() else f" (relative paths are read from the working folder, {os.getcwd()})"
 
 
 def check_input_paths(cfg: RunConfig) -> None:
@@ -477,7 +488,10 @@ def load_tokenizer(cfg: RunConfig):
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
         key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-        raise ConfigError(f"{key}: cannot load a tokenizer from {source!r} ({exc})") from None
+        tried_hub = not Path(source).expanduser().is_dir()
+        how = (f" (not a local folder{where_relative_paths_are_read(Path(source))}, so it was tried as a Hugging Face "
+               "hub name: check the name and the network, or point it at a model folder)") if tried_hub else ""
+        raise ConfigError(f"{key}: cannot load a tokenizer from {source!r}{how}: {exc}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
