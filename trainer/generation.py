@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,6 @@ from typing import Any
 
 from rlite.config import ConfigError, RunConfig
 from rlite.data import format_prompt
-from rlite.plugin_manager import RlitePluginManager, load_run_config
 
 
 @dataclass
@@ -98,13 +98,14 @@ class ChatModel:
 
 
 def is_run_folder(path: Path) -> bool:
-    return (path / "config.yaml").is_file() and not (path / "config.json").is_file()
+    return os.path.lexists(path / "config.yaml") and not (path / "config.json").is_file()
 
 
 @contextlib.contextmanager
 def open_chat_model(target: str | Path, *, raw: bool = False, dtype: str = "float32") -> Iterator[ChatModel]:
     """The model ``target`` names (a run folder or a Hugging Face folder), ready to reply. ``raw``:
-    prompts go to the model as they are, never templated."""
+    prompts go to the model as they are, never templated. A run folder is read as data
+    (:func:`read_run_folder_config`): nothing its config names runs."""
     from rlite.hf_models import quiet_transformers_progress
 
     path = Path(target)
@@ -112,8 +113,9 @@ def open_chat_model(target: str | Path, *, raw: bool = False, dtype: str = "floa
         raise ConfigError(f"MODEL_OR_RUN {str(target)!r} is not a folder (a run folder or a Hugging Face model folder)")
     with quiet_transformers_progress(), contextlib.ExitStack() as cleanup:
         if is_run_folder(path):
-            cfg, pm = load_run_folder_config(path)
-            model_dir, source = run_model_folder(path, cfg, pm, cleanup)
+            scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="rlite-chat-")))
+            cfg = read_run_folder_config(path, scratch)
+            model_dir, source = run_model_folder(path, cfg, scratch)
             prompt_format = PromptFormat(cfg.data.chat_template and not raw, cfg.data.system_prompt)
             dtype, max_new_tokens = cfg.model.dtype, cfg.rollout.max_new_tokens
         elif (path / "config.json").is_file():
@@ -130,20 +132,64 @@ def open_chat_model(target: str | Path, *, raw: bool = False, dtype: str = "floa
         yield ChatModel(model, tokenizer, prompt_format, source, max_new_tokens)
 
 
-def load_run_folder_config(run_dir: Path) -> tuple[RunConfig, RlitePluginManager]:
-    """The run's resolved ``config.yaml``, validated against the installed plugins (as ``rlite train``)."""
-    return load_run_config(str(run_dir / "config.yaml"), [])
+RUN_FOLDER_KEYS: dict[str, tuple[str, ...] | None] = {
+    "model": None,
+    "parallelism": None,
+    "training": None,
+    "data": ("chat_template", "system_prompt", "max_prompt_tokens"),
+    "rollout": ("max_new_tokens",),
+}
+"""What ``rlite chat`` and ``rlite generate`` read of a run folder's ``config.yaml`` (None: the whole section):
+how prompts were given to the model, and the model a checkpoint holds (its sections decide how a checkpoint
+turns back into a Hugging Face model). Nothing else: not the rewards, workflows, plugins or loggers it names."""
 
 
-def run_model_folder(run_dir: Path, cfg: RunConfig, pm: RlitePluginManager, cleanup: contextlib.ExitStack,
-                     ) -> tuple[Path, str]:  # fmt: skip
-    """The run's exported ``hf_model/``, unless its latest intact checkpoint is newer (a run resumed for
-    more steps and stopped before its end writes checkpoints but no new export): that checkpoint, exported
-    into a temporary folder (removed by ``cleanup``). With the description of what was loaded."""
+def read_run_folder_config(run_dir: Path, scratch: Path) -> RunConfig:
+    """The run's ``config.yaml`` read as data: the keys of :data:`RUN_FOLDER_KEYS` (every other key at its
+    default), as plain values (no interpolation resolved, no plugin or reward looked up, so nothing the file
+    names is imported), ``model.trust_remote_code`` off whatever it says, and every folder a checkpoint's
+    backend could write to (the run folder, the optimizer offload folder) pointed at ``scratch``. The file is
+    opened without following a link (:mod:`rlite.run.files`)."""
+    import yaml
+
+    from rlite.config.loader import config_from_data
+    from rlite.run.files import read_run_file
+
+    path = run_dir / "config.yaml"
+    try:
+        raw = yaml.safe_load(read_run_file(path).decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not a YAML file ({' '.join(str(exc).split())[:200]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, as rlite writes it")
+    kept: dict[str, Any] = {}
+    for section, keys in RUN_FOLDER_KEYS.items():
+        values = raw.get(section) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: {section} must be a mapping, as rlite writes it")
+        kept[section] = {key: value for key, value in values.items() if keys is None or key in keys}
+    kept["model"]["trust_remote_code"] = False  # a folder's model code never runs here (docs/faults.md)
+    kept["data"]["task"] = "addition"  # no prompt is read from the run's data; the schema wants a source
+    kept["training"]["optimizer_offload_dir"] = str(scratch / "optimizer_offload")
+    kept["logging"] = {"run_dir": str(scratch)}
+    return config_from_data(kept, str(path))
+
+
+def run_model_folder(run_dir: Path, cfg: RunConfig, scratch: Path) -> tuple[Path, str]:
+    """The run's exported ``hf_model/``, unless its latest checkpoint is newer (a run resumed for more steps
+    and stopped before its end writes checkpoints but no new export): that checkpoint, exported into
+    ``scratch``, as the export at the end of the run would have. With the description of what was loaded.
+
+    A damaged latest checkpoint is refused (exit status 2, naming it and why) rather than answered for by an
+    older one, and neither the export nor a checkpoint may hold a link (:mod:`rlite.run.files`)."""
     from rlite.run.checkpoint import MARKER, find_resume_checkpoint
+    from rlite.run.files import link_in_folder, refusal
 
     exported = run_dir / "hf_model"
-    checkpoint = find_resume_checkpoint(run_dir, "auto")
+    found = link_in_folder(exported)
+    if found:
+        raise refusal(*found)
+    checkpoint = find_resume_checkpoint(run_dir, "auto", fallback=False)
     if (exported / "config.json").is_file() and (
         checkpoint is None or (exported / "config.json").stat().st_mtime >= (checkpoint / MARKER).stat().st_mtime
     ):
@@ -153,21 +199,23 @@ def run_model_folder(run_dir: Path, cfg: RunConfig, pm: RlitePluginManager, clea
             f"{run_dir}: the run has no exported hf_model/ and no checkpoint yet (checkpoint.every, "
             "checkpoint.export_hf); nothing to load"
         )
-    folder = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="rlite-chat-")))
-    export_checkpoint(cfg, pm, checkpoint, folder)
+    folder = scratch / "hf_model"
+    export_checkpoint(cfg, checkpoint, folder)
     return folder, str(checkpoint)
 
 
-def export_checkpoint(cfg: RunConfig, pm: RlitePluginManager, checkpoint: Path, out_dir: Path) -> None:
+def export_checkpoint(cfg: RunConfig, checkpoint: Path, out_dir: Path) -> None:
     """Load ``checkpoint`` into the run's training backend (one process) and export its policy as a
-    Hugging Face folder, as the end of the run would have."""
+    Hugging Face folder, as the end of the run would have. The backend is looked up among the installed
+    plugins (the folder's ``plugins`` section is not read: a folder names a backend, it never brings one)."""
     from rlite.distributed import init_distributed, shutdown_distributed
-    from rlite.plugin_manager import resolve_choice
+    from rlite.plugin_manager import build_manager, resolve_choice
     from rlite.run.build import load_tokenizer
     from rlite.run.checkpoint import load_checkpoint
     from rlite.run.export import export_hf
     from rlite.run.lifecycle import model_state
 
+    pm = build_manager()
     ctx = init_distributed()
     finished = False
     try:

@@ -1,0 +1,115 @@
+"""A run folder someone hands you is data: ``rlite chat``, ``rlite generate``, ``rlite info`` and ``rlite eval``
+run nothing it names (a reward file, remote modelling code), and no command follows a link out of it to
+read or write a file that is not the run's (``docs/faults.md``, threat model).
+
+The hostile folder here is a real run's folder whose ``config.yaml`` was rewritten to name a ``python``
+reward file and a model folder with remote code (``trust_remote_code: true``), each creating a marker file
+when imported: the marker must never appear."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlite.cli import main
+from rlite.run.checkpoint import MANIFEST, list_checkpoints
+from rlite.tokenizer import build_tiny_model_dir
+
+TRAIN_ARGS = [
+    "training.steps=2", "training.eval_every=0", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=4", "training.micro_batch_size=8", "training.lr=1e-2", "logging.loggers=[jsonl]",
+    "logging.plot=false", "logging.progress_bar=false", "checkpoint.every=1", "checkpoint.save_final=true",
+    "checkpoint.export_hf=true", "logging.samples_every=1",
+]  # fmt: skip
+
+EVIL_REWARD = """
+open({marker!r}, "w").close()
+
+
+def score(completion, sample):
+    return 0.0
+"""
+
+EVIL_MODELLING = """
+open({marker!r}, "w").close()
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+class EvilConfig(Qwen2Config):
+    pass
+
+
+class EvilModel(Qwen2ForCausalLM):
+    config_class = EvilConfig
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, model_dir) -> tuple[Path, Path]:
+    """A finished 2-step run (checkpoints of steps 1 and 2, an export) and the config that trained it."""
+    tmp = tmp_path_factory.mktemp("finished")
+    config = tmp / "run.yaml"
+    config.write_text(f"model: {{path: {model_dir}}}\ndata: {{task: addition, num_train: 32, num_eval: 4}}\n")
+    assert main(["train", str(config), *TRAIN_ARGS, f"logging.run_dir={tmp / 'run'}", "checkpoint.resume=never"]) == 0
+    return tmp / "run", config
+
+
+@pytest.fixture
+def run_copy(finished, tmp_path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished[0], run_dir, symlinks=True)
+    return run_dir
+
+
+def make_hostile(run_dir: Path, model_dir: Path, marker: Path) -> None:
+    """Rewrite the folder's config.yaml as an attacker would: a reward file and a remote-code model folder,
+    both inside the folder, each creating ``marker`` when it is imported."""
+    (run_dir / "evil.py").write_text(EVIL_REWARD.format(marker=str(marker)))
+    model = run_dir / "model"
+    shutil.copytree(model_dir, model)
+    (model / "evil_model.py").write_text(EVIL_MODELLING.format(marker=str(marker)))
+    hf_config = json.loads((model / "config.json").read_text())
+    hf_config["auto_map"] = {"AutoConfig": "evil_model.EvilConfig", "AutoModelForCausalLM": "evil_model.EvilModel"}
+    (model / "config.json").write_text(json.dumps(hf_config))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["rewards"] = [{"name": "python", "args": {"function": f"{run_dir / 'evil.py'}:score"}}]
+    config["model"].update(path=str(model), trust_remote_code=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+@pytest.mark.parametrize("export", [True, False], ids=["its export", "its checkpoint"])
+@pytest.mark.parametrize("command", ["chat", "generate"])
+def test_chat_and_generate_run_nothing_a_run_folders_config_names(run_copy, model_dir, tmp_path, monkeypatch,
+                                                                     capsys, command, export):  # fmt: skip
+    marker = tmp_path / "code-ran"
+    make_hostile(run_copy, model_dir, marker)
+    if not export:  # the checkpoint is turned into a model by the training backend: the config's model section
+        shutil.rmtree(run_copy / "hf_model")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("12+3=\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("12+3=\n"))
+    argv = ["chat", str(run_copy)] if command == "chat" else [
+        "generate", str(run_copy), "--prompts", str(prompts), "--out", str(tmp_path / "out.jsonl")]
+    assert main([*argv, "--max-new-tokens", "2"]) == 0, capsys.readouterr().err
+    assert not marker.exists(), "a file the run folder's config named was executed"
+
+
+def test_info_and_eval_run_nothing_a_run_folders_config_names(run_copy, finished, model_dir, tmp_path, capsys):
+    marker = tmp_path / "code-ran"
+    make_hostile(run_copy, model_dir, marker)
+    assert main(["info", str(run_copy)]) == 0
+    # eval's own config is the user's (trusted); the folder it resumes from is only read
+    assert main(["eval", str(finished[1]), *TRAIN_ARGS, f"logging.run_dir={run_copy}", "checkpoint.resume=auto",
+                 "checkpoint.resume_mismatch=allow"]) == 0, capsys.readouterr().err  # fmt: skip
+    assert not marker.exists(), "a file the run folder's config named was executed"
