@@ -150,16 +150,17 @@ def read_run_folder_config(run_dir: Path, scratch: Path) -> RunConfig:
     names is imported), ``model.trust_remote_code`` off whatever it says, and every folder a checkpoint's
     backend could write to (the run folder, the optimizer offload folder) pointed at ``scratch``. The file is
     opened without following a link (:mod:`rlite.run.files`)."""
-    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from rlite.config.loader import config_from_data
     from rlite.run.files import read_run_file
 
     path = run_dir / "config.yaml"
-    try:
-        raw = yaml.safe_load(read_run_file(path).decode("utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not a YAML file ({' '.join(str(exc).split())[:200]})") from None
+    try:  # omegaconf's YAML reading (as rlite train's: 1e-3 is a number), its interpolations left unresolved
+        raw = OmegaConf.to_container(OmegaConf.create(read_run_file(path).decode("utf-8")), resolve=False)
+    except (UnicodeDecodeError, ValueError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"{path}: not the YAML config rlite writes ({' '.join(str(exc).split())[:200]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, as rlite writes it")
     kept: dict[str, Any] = {}

@@ -113,3 +113,87 @@ def test_info_and_eval_run_nothing_a_run_folders_config_names(run_copy, finished
     assert main(["eval", str(finished[1]), *TRAIN_ARGS, f"logging.run_dir={run_copy}", "checkpoint.resume=auto",
                  "checkpoint.resume_mismatch=allow"]) == 0, capsys.readouterr().err  # fmt: skip
     assert not marker.exists(), "a file the run folder's config named was executed"
+
+
+# -- links and special files where a run keeps its own ----------------------------------------------
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKeyKeyKeyKeyKeyKeyKeyKeyKeyKeyKeyKeyKeyKeyKey user@host\n"
+
+
+def resume(finished, run_dir: Path, capsys, steps: int = 3) -> tuple[int, str]:
+    status = main(["train", str(finished[1]), *TRAIN_ARGS, f"training.steps={steps}", f"logging.run_dir={run_dir}",
+                   "checkpoint.resume=auto"])  # fmt: skip
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl", "config.yaml"])
+def test_a_resume_refuses_a_linked_run_file_and_leaves_what_it_points_to_as_it_was(run_copy, finished, tmp_path,
+                                                                                   capsys, name):  # fmt: skip
+    """A resume rewrote metrics.jsonl through the link (the torn-line repair), then appended to it: a one-line
+    public key became metrics rows, and the warning copied the key into the log."""
+    target = tmp_path / "id_ed25519.pub"
+    target.write_text(KEY)
+    (run_copy / name).unlink()
+    (run_copy / name).symlink_to(target)
+    status, err = resume(finished, run_copy, capsys)
+    assert status == 2, err[-2000:]
+    assert f"{run_copy / name} is a symbolic link to {target}" in err
+    assert target.read_text() == KEY and "AAAAC3Nza" not in err
+    assert (run_copy / name).is_symlink()  # refused before anything was written
+
+
+def test_a_one_line_log_that_is_not_rlites_is_refused_not_emptied(run_copy, finished, capsys):
+    (run_copy / "metrics.jsonl").write_text(KEY)
+    status, err = resume(finished, run_copy, capsys)
+    assert status == 2
+    assert f"{run_copy / 'metrics.jsonl'}: its first line is not a row rlite writes" in err and "AAAAC3Nza" not in err
+    assert (run_copy / "metrics.jsonl").read_text() == KEY
+
+
+def test_rlite_info_refuses_a_fifo_for_metrics_without_waiting_for_a_writer(run_copy, tmp_path):
+    import subprocess
+    import sys
+
+    from rlite.testing import run_in_subprocess_env
+
+    (run_copy / "metrics.jsonl").unlink()
+    os.mkfifo(run_copy / "metrics.jsonl")
+    done = subprocess.run([sys.executable, "-m", "rlite", "info", str(run_copy)], env=run_in_subprocess_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and f"{run_copy / 'metrics.jsonl'} is a FIFO" in done.stderr
+
+
+def link_a_shard_out(run_dir: Path, outside: Path) -> Path:
+    """The latest checkpoint's DCP shard moved out of the folder and linked back: its bytes (and so the
+    manifest's checksum) unchanged."""
+    latest = list_checkpoints(run_dir / "checkpoints")[-1]
+    shard = latest / "__0_0.distcp"
+    shutil.move(shard, outside)
+    shard.symlink_to(outside)
+    return shard
+
+
+def link_the_checkpoint_folder_out(run_dir: Path, outside: Path) -> Path:
+    latest = list_checkpoints(run_dir / "checkpoints")[-1]
+    shutil.move(latest, outside)
+    latest.symlink_to(outside, target_is_directory=True)
+    return latest
+
+
+@pytest.mark.parametrize("link", [link_a_shard_out, link_the_checkpoint_folder_out], ids=["a shard", "the folder"])
+def test_a_checkpoint_holding_a_link_is_refused_naming_it(run_copy, finished, tmp_path, capsys, link):
+    linked = link(run_copy, tmp_path / "elsewhere")
+    status, err = resume(finished, run_copy, capsys)
+    assert status == 2, err[-2000:]
+    assert f"{linked} is a symbolic link to {tmp_path / 'elsewhere'}" in err
+    assert [json.loads(line)["step"] for line in (run_copy / "metrics.jsonl").read_text().splitlines()][-1] == 2
+
+
+@pytest.mark.parametrize("what", ["hf_model", "hf_model/model.safetensors"])
+def test_chat_refuses_an_export_holding_a_link(run_copy, tmp_path, monkeypatch, capsys, what):
+    linked = run_copy / what
+    shutil.move(linked, tmp_path / "elsewhere")
+    linked.symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setattr("sys.stdin", io.StringIO("12+3=\n"))
+    assert main(["chat", str(run_copy), "--max-new-tokens", "2"]) == 2
+    assert f"{linked} is a symbolic link to {tmp_path / 'elsewhere'}" in capsys.readouterr().err

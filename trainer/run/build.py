@@ -30,6 +30,7 @@ from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.provenance import append_metrics_record
 from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner, reward_samples
 from rlite.run.checkpoint import find_resume_checkpoint
+from rlite.run.files import link_in_folder, make_run_folder, refusal, refuse_link_or_special, replace_run_file
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.run.limits import check_run_fits
 from rlite.run.state import Run
@@ -52,9 +53,22 @@ def write_run_config(run_dir: Path, text: str) -> None:
     """Replace ``<run_dir>/config.yaml`` in one step (a temporary file renamed over it): every other rank
     reads the old one in :func:`rlite.run.lifecycle.check_resume_config` while the main rank writes, and
     must see it whole, never a file cut short (which reads as another run's config)."""
-    tmp = run_dir / f".config.yaml.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, run_dir / "config.yaml")
+    replace_run_file(run_dir / "config.yaml", text)
+
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "eval.jsonl")
+"""The files a run reads and writes at the top of its folder (its loggers' own files are opened likewise)."""
+
+
+def check_run_folder(run_dir: Path) -> None:
+    """Refuse (:class:`~rlite.run.files.RunFolderError`, exit status 2) a run folder holding a link or a special
+    file where the run keeps one of its files, or a link in its exported ``hf_model/``: a resume would read or
+    overwrite whatever it points to (``docs/faults.md``, threat model). Checkpoints are checked when chosen."""
+    for name in RUN_FILES:
+        refuse_link_or_special(run_dir / name)
+    found = link_in_folder(run_dir / "hf_model")
+    if found:
+        raise refusal(*found)
 
 
 def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool = False) -> Run:
@@ -71,11 +85,18 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         keep_freed_memory()
     torch.manual_seed(cfg.training.seed)
     run_dir = Path(cfg.logging.run_dir)
+    check_run_folder(run_dir)  # a link where the run keeps a file: refused before anything is read or written
     # found (and its checksums verified) once; the config check, the load and the provenance use it
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume, verify=cfg.checkpoint.verify)
+    # (an evaluation describes the checkpoint it was pointed at: a damaged one is refused, not replaced)
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume, verify=cfg.checkpoint.verify,
+                                         fallback=not evaluation_only)
     check_resume_config(cfg, resume_from)  # before this run's config.yaml replaces the one the check reads
     if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            make_run_folder(run_dir)  # 0700: a sandboxed program's uid, or another user, reads nothing in it
+        except OSError as exc:  # /proc/x, a read-only mount, no permission
+            raise ConfigError(f"logging.run_dir: cannot create the run folder {str(run_dir)!r} ({exc.strerror or exc}); "
+                              "point it at a folder you can write") from None
     if ctx.is_main and not evaluation_only:
         write_run_config(run_dir, config_to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)

@@ -53,7 +53,9 @@ def run_evaluation(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict
             run.backend.close()
         result = {"step": run.start_step, "model": evaluated_model(cfg, run), **metrics}
         if ctx.is_main:
-            with open(run.run_dir / "eval.jsonl", "a") as handle:
+            from rlite.run.files import open_run_file
+
+            with open_run_file(run.run_dir / "eval.jsonl", "a") as handle:
                 handle.write(json.dumps(result) + "\n")
             for key, value in result.items():
                 print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}", flush=True)

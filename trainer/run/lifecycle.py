@@ -9,6 +9,7 @@ sampler's position, the KL controller and a trained speculative draft (weights a
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +82,23 @@ def check_resume_config(cfg: RunConfig, path: Path | None) -> None:
     (``<run_dir>/checkpoints/step_X`` -> ``<run_dir>/config.yaml``).
     """
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     if path is None:
         return
+    from rlite.run.files import read_run_file
+
     saved_file = path.parent.parent / "config.yaml"
-    if not saved_file.is_file():
+    if not os.path.lexists(saved_file):
         log.warning("resuming %s: its run folder has no config.yaml to check the model and algorithm against", path)
         return
-    saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=False) or {}
+    try:  # data: read without following a link, no interpolation resolved
+        saved = OmegaConf.to_container(OmegaConf.create(read_run_file(saved_file).decode("utf-8")), resolve=False) or {}
+    except (UnicodeDecodeError, ValueError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"checkpoint.resume: {saved_file} is not the YAML config rlite writes ({type(exc).__name__}); "
+                          "resume from another run folder, or start afresh") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"checkpoint.resume: {saved_file} is not the config rlite writes (a mapping of sections)")
     current = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False)
     differ = [d for section in RESUME_CHECKED_SECTIONS for d in _differences(saved.get(section), current[section], section)]
     if not differ:
