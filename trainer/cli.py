@@ -378,8 +378,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         raise ConfigError(f"{run_dir}: no provenance recorded (no metrics.jsonl provenance row, no checkpoint record)")
     # a checkpoint's record is JSON, but its pickles are what a resume opens: say which ones it would refuse
     refused = [problem for problem in map(unsafe_content, list_checkpoints(checkpoint_root(run_dir))) if problem]
+    damaged = checkpoint_damage_report(run_dir)
     if args.json:
-        print(json.dumps({"metrics": rows, "checkpoints": dict(checkpoints)}, indent=2, sort_keys=True))
+        print(json.dumps({"metrics": rows, "checkpoints": dict(checkpoints), "damaged": damaged}, indent=2,
+                         sort_keys=True))  # fmt: skip
     else:
         for row in rows:
             print(f"metrics.jsonl, run started at step {row['step']}:")
@@ -387,9 +389,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         for name, record in checkpoints:
             print(f"checkpoints/{name}:")
             print("\n".join(describe(record, "  ") if record else ["  (no record: written before rlite recorded provenance)"]))
+            if name in damaged:
+                print(f"  DAMAGED: {damaged[name]} (rlite train resumes from an older one; rlite chat and eval refuse it)")
     if refused:
         raise ConfigError("; ".join(refused))
     return 0
+
+
+def checkpoint_damage_report(run_dir: Path) -> dict[str, str]:
+    """Checkpoint name -> what is damaged in it, for ``rlite info``: what shows without hashing the shards
+    (:func:`rlite.run.checkpoint.checkpoint_damage`: the manifest's sizes, the DCP metadata, the trainer states
+    loaded and checked)."""
+    from rlite.run.checkpoint import checkpoint_damage, checkpoint_root, list_checkpoints
+
+    report = {path.name: checkpoint_damage(path) for path in list_checkpoints(checkpoint_root(run_dir))}
+    return {name: damage for name, damage in report.items() if damage}
 
 
 # --------------------------------------------------------------------------------------------------

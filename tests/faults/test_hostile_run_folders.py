@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from rlite.cli import main
-from rlite.run.checkpoint import MANIFEST, list_checkpoints
+from rlite.run.checkpoint import list_checkpoints
 from rlite.tokenizer import build_tiny_model_dir
 
 TRAIN_ARGS = [
