@@ -187,13 +187,20 @@ def maybe_resume(
     backend.load_checkpoint_state(state)
     if critic is not None:
         critic.load_checkpoint_state(state)
-    backend.load_lr_scheduler_state(trainer_state["scheduler"])
-    sampler.load_state_dict(trainer_state["sampler"])
-    kl_controller.load_state_dict(trainer_state["kl_controller"])
-    if draft is not None and trainer_state.get("draft"):  # a run that had no draft before starts it afresh
-        draft.load_state_dict(trainer_state["draft"])
-    if rollouts_ahead is not None:
-        rollouts_ahead.update(trainer_state.get("rollouts_ahead") or {})
+    try:  # its sections were checked to be of the right types; what they hold is checked by applying them
+        backend.load_lr_scheduler_state(trainer_state["scheduler"])
+        sampler.load_state_dict(trainer_state["sampler"])
+        kl_controller.load_state_dict(trainer_state["kl_controller"])
+        if draft is not None and trainer_state.get("draft"):  # a run that had no draft before starts it afresh
+            draft.load_state_dict(trainer_state["draft"])
+        if rollouts_ahead is not None:
+            rollouts_ahead.update(trainer_state.get("rollouts_ahead") or {})
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise ConfigError(
+            f"checkpoint.resume: the trainer state of {path} does not fit this run ({type(exc).__name__}: {exc}); it is "
+            "damaged or not a checkpoint rlite wrote. Point checkpoint.resume at another checkpoint or start fresh "
+            "with checkpoint.resume=never"
+        ) from None
     step = int(trainer_state["step"])
     if ctx.is_main:
         log.info("resumed from %s (step %d)", path, step)
