@@ -105,25 +105,30 @@ def train(run: Run) -> dict[str, Any]:
             with timer.phase("draft"):
                 train_metrics.update(run.draft.update(batch))
 
-        # 5. the engine samples the next batch from exactly these weights
-        with timer.phase("weight_sync"), run.rollouts.exclusive_engine(step):  # async: not mid-generation
-            run.sync_weights(version=step)
-        run.rollouts.weights_synced(step)
-        hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
-
-        # 6. metrics, evaluation, then checkpoint
+        # 5. the step's metrics so far: an engine that dies for good at the sync or the evaluation stops the run
+        # with this step's checkpoint, which must come with this step's row (run.unlogged_metrics)
         metrics, generated_tokens = step_metrics(
             batch, train_logprobs, reward_stats, measure_mismatch=not prepared.mismatch_measured,
             dp_group=run.layout.group, speculation=run.rollouts.speculation,
         )
         metrics.update(prepared.metrics)
         metrics.update(train_metrics)
+        run.unlogged_metrics = metrics
+
+        # 6. the engine samples the next batch from exactly these weights
+        with timer.phase("weight_sync"), run.rollouts.exclusive_engine(step):  # async: not mid-generation
+            run.sync_weights(version=step)
+        run.rollouts.weights_synced(step)
+        hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
+
+        # 7. evaluation, the metrics row, then checkpoint
         if cfg.training.eval_every and step % cfg.training.eval_every == 0 or step == cfg.training.steps:
             with timer.phase("eval"):
                 metrics.update(evaluate(run, step))
         metrics.update(timer.step_metrics())
         metrics["perf/tokens_per_s"] = generated_tokens / max(time.perf_counter() - step_start, 1e-9)
         log_metrics(run, step, metrics)
+        run.unlogged_metrics = None
         log_samples(run, step, batch)
         progress.update(step, metrics)
         signal_watch.observe(step, metrics)
@@ -210,8 +215,11 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
                 with stop_on_full_disk("the run's files", run.run_dir, run.run_dir):
                     summary = train(run)
             except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
-                close_loggers_after_failure(run)
-                raise stop_after_engine_failure(run, failure) from None
+                try:
+                    stopped = stop_after_engine_failure(run, failure)  # logs the step's row first: loggers still open
+                finally:
+                    close_loggers_after_failure(run)
+                raise stopped from None
             except BaseException:
                 close_loggers_after_failure(run)
                 raise

@@ -155,6 +155,9 @@ def stop_after_engine_failure(run: Run, failure: Exception):
     step, at_start = run.in_progress
     if at_start is not None:
         step -= 1
+    elif run.unlogged_metrics is not None:  # the policy moved: this step's checkpoint comes with its row
+        log_metrics(run, step, {**run.unlogged_metrics, **run.timer.step_metrics()})
+        run.unlogged_metrics = None
     if step == 0:
         saved = "no step had finished, so a re-run starts from the beginning"
     else:
