@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -259,8 +260,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def check_generation_arguments(args: argparse.Namespace) -> None:
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 and finite (0 is greedy), got {args.temperature}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
@@ -272,18 +273,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from rlite.generation import open_chat_model
 
     interactive = sys.stdin.isatty()
-    with open_chat_model(args.model, raw=args.raw) as chat:
-        max_new_tokens = args.max_new_tokens or chat.max_new_tokens
+    with open_chat_model(args.model, raw=args.raw, max_new_tokens=args.max_new_tokens) as chat:
         if interactive:
             layout = "the chat template" if chat.prompt_format.chat_template else "no template (raw)"
             print(f"rlite chat: {chat.source}; prompts formatted with {layout}, as in training. Ctrl-D ends.",
                   file=sys.stderr)
         history: list[dict[str, str]] = []
-        for turn, line in enumerate(iter(lambda: read_turn(interactive), None)):
+        for turn, line in enumerate(iter(StdinTurns(interactive), None)):
             if not line.strip():
                 continue
             user = {"role": "user", "content": line}
-            (reply,) = chat.reply([[*history, user] if args.multi_turn else line], max_new_tokens=max_new_tokens,
+            (reply,) = chat.reply([[*history, user] if args.multi_turn else line], max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, seed=args.seed + turn)
             if args.show_prompt:
                 print(reply.prompt_text, file=sys.stderr, flush=True)
@@ -293,12 +293,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_turn(interactive: bool) -> str | None:
-    """The next line of stdin without its newline; None at the end."""
-    if interactive:
-        print("> ", end="", file=sys.stderr, flush=True)
-    line = sys.stdin.readline()
-    return line.rstrip("\n") if line else None
+class StdinTurns:
+    """The lines of stdin without their newline, one per call (None at the end), read as bytes and decoded as
+    UTF-8: a line that is not UTF-8 text, or holds a NUL, is refused naming its number rather than handed to
+    the tokenizer (it raised a TypeError on undecodable bytes)."""
+
+    def __init__(self, interactive: bool) -> None:
+        self.interactive = interactive
+        self.number = 0
+
+    def __call__(self) -> str | None:
+        from rlite.generation import check_prompt_text
+
+        if self.interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        stream = getattr(sys.stdin, "buffer", None)  # a test's StringIO has none
+        raw = stream.readline() if stream is not None else sys.stdin.readline()
+        if not raw:
+            return None
+        self.number += 1
+        where = f"stdin line {self.number}"
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start + 1} of the line: "
+                                  f"{exc.object[exc.start:exc.start + 1]!r}); rlite chat reads UTF-8") from None
+        line = raw.rstrip("\n").rstrip("\r")
+        check_prompt_text(line, where)
+        return line
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -307,21 +330,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     from rlite.generation import open_chat_model, read_prompt_file
 
+    out = check_output_file(args.out, args.prompts)
     rows = read_prompt_file(args.prompts, args.prompt_key)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open_chat_model(args.model, raw=args.raw) as chat, open(out, "w") as handle:
-        max_new_tokens = args.max_new_tokens or chat.max_new_tokens
-        for start in range(0, len(rows), args.batch_size):
-            batch = rows[start : start + args.batch_size]
-            replies = chat.reply([row["prompt"] for row in batch], max_new_tokens=max_new_tokens,
-                                 temperature=args.temperature, seed=args.seed + start)  # fmt: skip
-            for row, reply in zip(batch, replies):
-                written = {**row, "prompt_text": reply.prompt_text, "completion": reply.completion,
-                           "finish_reason": reply.finish_reason}  # fmt: skip
-                handle.write(json.dumps(written) + "\n")
+    # written beside --out and renamed at the end: a failure leaves no half file, and a folder that cannot be
+    # written is found before the model loads
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        handle = open(tmp, "x")
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write in {str(out.parent)!r} ({exc.strerror or exc})") from None
+    try:
+        with handle, open_chat_model(args.model, raw=args.raw, max_new_tokens=args.max_new_tokens,
+                                     prompts=[row["prompt"] for row in rows], batch_size=args.batch_size) as chat:
+            for start in range(0, len(rows), args.batch_size):
+                batch = rows[start : start + args.batch_size]
+                replies = chat.reply([row["prompt"] for row in batch], max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, seed=args.seed + start)  # fmt: skip
+                for row, reply in zip(batch, replies):
+                    written = {**row, "prompt_text": reply.prompt_text, "completion": reply.completion,
+                               "finish_reason": reply.finish_reason}  # fmt: skip
+                    handle.write(json.dumps(written) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"rlite generate: {len(rows)} replies from {chat.source} written to {out}", file=sys.stderr)
     return 0
+
+
+def check_output_file(out: str, prompts: str) -> Path:
+    """``--out``, refused before anything runs when it cannot be the output file: a folder, a file in a folder
+    that does not exist, or the ``--prompts`` file itself (which the output would overwrite)."""
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"--out: {out!r} is a folder; give the path of the .jsonl file to write")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--out: the folder {str(path.parent)!r} does not exist; create it first")
+    if path.exists() and Path(prompts).exists() and os.path.samefile(path, prompts):
+        raise ConfigError(f"--out: {out!r} is the --prompts file; writing the replies would overwrite the prompts")
+    return path
 
 
 # --------------------------------------------------------------------------------------------------
