@@ -19,7 +19,7 @@ from rlite.engines.supervisor import EngineGaveUp
 from rlite.hf_models import quiet_transformers_progress
 from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager, plugin_manager_in_use
-from rlite.run.build import Run, build_run
+from rlite.run.build import Run, build_run, sandbox_hidden_paths
 from rlite.run.evaluation import evaluate
 from rlite.run.faults import NonFiniteGuard, Preemption, RunStopped, latest_checkpoint_text, stop_on_full_disk
 from rlite.run.lifecycle import (
@@ -31,6 +31,7 @@ from rlite.run.lifecycle import (
     step_start_state,
     stop_after_engine_failure,
 )
+from rlite.sandbox import hidden_from_programs
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
@@ -203,7 +204,8 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
         # the write paths name themselves when a full disk stops them; anything else written (config.yaml,
         # the loggers' first files, a profile, offloaded moments) stops as cleanly, naming the run folder;
         # transformers' own load/save bars would break rlite's progress line
-        with quiet_transformers_progress():
+        # (every program a reward runs in the sandbox is kept out of the run's folder, data and offload folder)
+        with quiet_transformers_progress(), hidden_from_programs(sandbox_hidden_paths(cfg)):
             try:
                 with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir), \
                         plugin_manager_in_use(pm if pm is not None else get_plugin_manager()) as run_pm:

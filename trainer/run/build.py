@@ -304,6 +304,25 @@ def check_input_paths(cfg: RunConfig) -> None:
                     raise ConfigError(str(exc).strip("'\"")) from None
 
 
+def sandbox_hidden_paths(cfg: RunConfig) -> list[str]:
+    """What every program a reward runs in the sandbox must not see of this run, wherever it lives: the run
+    folder (its config, checkpoints, metrics and samples), the data files (the answers) and the optimizer
+    offload folder, and a checkpoint resumed from another folder (:func:`rlite.sandbox.hidden_from_programs`)."""
+    import glob
+
+    from rlite.data import GLOB_CHARS
+    from rlite.training.optim_offload import optimizer_offload_dir
+
+    paths = [cfg.logging.run_dir, str(optimizer_offload_dir(cfg.training.optimizer_offload_dir, cfg.logging.run_dir, 0).parent)]
+    if cfg.checkpoint.resume not in ("auto", "never"):
+        paths.append(cfg.checkpoint.resume)
+    for spec in (cfg.data.train_files, cfg.data.eval_files):
+        for entry in [spec] if isinstance(spec, str) else list(spec or []):
+            text = os.path.expanduser(str(entry))
+            paths += sorted(glob.glob(text, recursive=True)) if any(ch in text for ch in GLOB_CHARS) else [text]
+    return [os.path.abspath(path) for path in paths]
+
+
 def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, resume_from: Path | None,
                    start_step: int) -> dict:
     """This run's record; a resumed run's names the record of the checkpoint it loaded (``resume_from``)."""
