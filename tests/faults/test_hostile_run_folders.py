@@ -197,3 +197,9 @@ def test_chat_refuses_an_export_holding_a_link(run_copy, tmp_path, monkeypatch, 
     monkeypatch.setattr("sys.stdin", io.StringIO("12+3=\n"))
     assert main(["chat", str(run_copy), "--max-new-tokens", "2"]) == 2
     assert f"{linked} is a symbolic link to {tmp_path / 'elsewhere'}" in capsys.readouterr().err
+
+
+def test_a_run_folder_that_cannot_be_made_is_refused_naming_the_key(finished, capsys):
+    assert main(["train", str(finished[1]), *TRAIN_ARGS, "logging.run_dir=/proc/rlite-run"]) == 2
+    err = capsys.readouterr().err
+    assert "logging.run_dir: cannot create the run folder '/proc/rlite-run'" in err and "Traceback" not in err
