@@ -1,6 +1,6 @@
 """``python -m rlite ...`` (also what ``torchrun -m rlite train ...`` runs)."""
 
-from rlite.cli import main
+from rlite.entry import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -161,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     args.process_entry = argv is None  # the ``rlite`` command itself, not a call from Python
+    if args.command != "train":  # only train has a preemption of its own: a SIGTERM ends the others as ever
+        from rlite import entry
+
+        entry.release()
     if args.process_entry and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         _run_as_rank(args)  # never returns
     return dispatch(args)
@@ -208,8 +212,9 @@ def dispatch(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from rlite import entry
     from rlite.config.schema import CheckpointConfig
-    from rlite.run.faults import Preemption
+    from rlite.run.faults import EXIT_PREEMPTED, Preemption
 
     # first thing: a SIGTERM (a scheduler's preemption) while the config loads, torch imports or the
     # model is built stops the run cleanly (exit 75) instead of killing it; the handlers stay installed
@@ -218,6 +223,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     preemption.install()
     finished = False
     try:
+        if args.process_entry and entry.received():  # while the command itself was importing (rlite.entry)
+            raise RunStopped("SIGTERM received while rlite was starting: nothing ran and nothing new is saved; run the "
+                             "same command again (it resumes from the latest checkpoint, if any)",
+                             exit_code=EXIT_PREEMPTED)  # fmt: skip
         cfg, pm = load_run_config(args.config, args.overrides)
         for broken in pm.failed:  # the run goes on without it, but never silently
             print(f"rlite train: warning: plugin {broken.name!r} ({broken.distribution}) is skipped: {broken.error}",
