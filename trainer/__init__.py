@@ -14,7 +14,7 @@ __all__ = ["__version__", "hookimpl"]
 
 def __getattr__(name: str) -> Any:
     # ``hookimpl`` loads on first use: importing the package stays instant, so that the ``rlite`` command's
-    # entry point (rlite.entry) installs its SIGTERM handler before anything heavy is imported
+    # entry point (rlite.__main__) installs its SIGTERM handler before anything heavy is imported
     if name == "hookimpl":
         from rlite.hookspecs import hookimpl
 

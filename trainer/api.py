@@ -54,7 +54,7 @@ from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
 from rlite.plugin_manager import registered
 from rlite.rewards import RewardOutcome
 from rlite.rollout import EnvResults, RolloutBatch, TrainTargets, model_inputs, pad_to_width
-from rlite.run.files import open_run_file
+from rlite.run_files import open_run_file
 from rlite.sandbox import KINDS as SANDBOX_KINDS
 from rlite.sandbox import (
     Isolation,

@@ -1,8 +1,9 @@
-"""The ``rlite`` command's first code: a SIGTERM handler, installed before anything heavy is imported.
+"""The ``rlite`` command's first code (:mod:`rlite.__main__` installs it): a SIGTERM handler, set before anything
+heavy is imported.
 
 Importing the command (pluggy, omegaconf, rich, then torch) takes a second or two on a loaded node, and a
 scheduler's SIGTERM in that window used to kill the process (status 143) before ``rlite train`` had
-installed its preemption handlers. This module imports nothing but ``signal``; its handler only records the
+installed its preemption handlers. This module imports nothing of rlite's, and its handler only records the
 signal. ``rlite train`` then stops with status 75 before it starts anything (there is nothing to save yet);
 every other command restores the default handler and, if the signal came, ends by it as it would have.
 Only the interpreter's own start-up comes before this.
@@ -38,11 +39,3 @@ def release() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if _received:
             signal.raise_signal(signal.SIGTERM)
-
-
-def main() -> int:
-    """The ``rlite`` console script (and ``python -m rlite``)."""
-    install()
-    from rlite.cli import main as cli_main
-
-    return cli_main()

@@ -256,12 +256,12 @@ def read_run_folder_config(run_dir: Path, scratch: Path) -> RunConfig:
     default), as plain values (no interpolation resolved, no plugin or reward looked up, so nothing the file
     names is imported), ``model.trust_remote_code`` off whatever it says, and every folder a checkpoint's
     backend could write to (the run folder, the optimizer offload folder) pointed at ``scratch``. The file is
-    opened without following a link (:mod:`rlite.run.files`)."""
+    opened without following a link (:mod:`rlite.run_files`)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from rlite.config.loader import config_from_data
-    from rlite.run.files import read_run_file
+    from rlite.run_files import read_run_file
 
     path = run_dir / "config.yaml"
     try:  # omegaconf's YAML reading (as rlite train's: 1e-3 is a number), its interpolations left unresolved
@@ -289,9 +289,9 @@ def run_model_folder(run_dir: Path, cfg: RunConfig, scratch: Path) -> tuple[Path
     ``scratch``, as the export at the end of the run would have. With the description of what was loaded.
 
     A damaged latest checkpoint is refused (exit status 2, naming it and why) rather than answered for by an
-    older one, and neither the export nor a checkpoint may hold a link (:mod:`rlite.run.files`)."""
+    older one, and neither the export nor a checkpoint may hold a link (:mod:`rlite.run_files`)."""
     from rlite.run.checkpoint import MARKER, find_resume_checkpoint
-    from rlite.run.files import link_in_folder, refusal
+    from rlite.run_files import link_in_folder, refusal
 
     exported = run_dir / "hf_model"
     found = link_in_folder(exported)

@@ -198,10 +198,10 @@ def read_log_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     damaged): :class:`~rlite.config.ConfigError` naming the file and line, rather than drop history.
     """
     from rlite.config import ConfigError
-    from rlite.run.files import RunFolderError, read_run_file
+    from rlite.run_files import RunFolderError, read_run_file
 
     path = Path(path)
-    raw = read_run_file(path)  # never through a link (rlite.run.files)
+    raw = read_run_file(path)  # never through a link (rlite.run_files)
     body = raw.rstrip(b"\x00\r\n\t ")
     lines = body.decode("utf-8", errors="replace").split("\n")
     first = next((line for line in lines if line.strip()), None)
@@ -247,8 +247,8 @@ def trim_metrics_file(path: str | Path, keep_through_step: int | None) -> None:
     """Make ``metrics.jsonl`` describe this run only: a fresh run (``None``) starts it empty; a resumed
     run keeps the rows up to its checkpoint's step and drops rows logged after it before a crash (and a
     last line the crash cut short: :func:`read_log_rows`). The file is replaced, never rewritten in place,
-    and a link or special file in its place is refused (:mod:`rlite.run.files`)."""
-    from rlite.run.files import refuse_link_or_special, replace_run_file
+    and a link or special file in its place is refused (:mod:`rlite.run_files`)."""
+    from rlite.run_files import refuse_link_or_special, replace_run_file
 
     path = Path(path)
     refuse_link_or_special(path)

@@ -105,15 +105,15 @@ def with_weight_version(record: dict[str, Any], weight_version: int) -> dict[str
 
 
 def write_checkpoint_record(folder: Path, record: dict[str, Any]) -> None:
-    from rlite.run.files import open_run_file
+    from rlite.run_files import open_run_file
 
     with open_run_file(Path(folder) / FILE_NAME, "w") as handle:
         handle.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def read_checkpoint_record(folder: Path) -> dict[str, Any] | None:
-    """A checkpoint's record, read without following a link (:mod:`rlite.run.files`); None when it has none."""
-    from rlite.run.files import read_run_file
+    """A checkpoint's record, read without following a link (:mod:`rlite.run_files`); None when it has none."""
+    from rlite.run_files import read_run_file
 
     path = Path(folder) / FILE_NAME
     return json.loads(read_run_file(path)) if os.path.lexists(path) else None
@@ -129,7 +129,7 @@ def metrics_records(metrics_file: Path) -> list[dict[str, Any]]:
 
 
 def append_metrics_record(metrics_file: Path, step: int, record: dict[str, Any]) -> None:
-    from rlite.run.files import open_run_file
+    from rlite.run_files import open_run_file
 
     metrics_file.parent.mkdir(parents=True, exist_ok=True)
     with open_run_file(metrics_file, "a") as handle:

@@ -30,10 +30,10 @@ from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.provenance import append_metrics_record
 from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner, reward_samples
 from rlite.run.checkpoint import find_resume_checkpoint
-from rlite.run.files import link_in_folder, make_run_folder, refusal, refuse_link_or_special, replace_run_file
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.run.limits import check_run_fits
 from rlite.run.state import Run
+from rlite.run_files import link_in_folder, make_run_folder, refusal, refuse_link_or_special, replace_run_file
 from rlite.samples import SampleWriter
 from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import RolloutOptions, Rollouts
@@ -61,7 +61,7 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "eval.jsonl")
 
 
 def check_run_folder(run_dir: Path) -> None:
-    """Refuse (:class:`~rlite.run.files.RunFolderError`, exit status 2) a run folder holding a link or a special
+    """Refuse (:class:`~rlite.run_files.RunFolderError`, exit status 2) a run folder holding a link or a special
     file where the run keeps one of its files, or a link in its exported ``hf_model/``: a resume would read or
     overwrite whatever it points to (``docs/faults.md``, threat model). Checkpoints are checked when chosen."""
     for name in RUN_FILES:

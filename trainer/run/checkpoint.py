@@ -34,7 +34,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rlite.distributed import all_gather_objects, barrier, broadcast_object
-from rlite.run.files import FILE_MODE, FOLDER_MODE, RunFolderError, link_in_folder, open_run_file, refusal
 from rlite.run.safe_pickle import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -44,6 +43,7 @@ from rlite.run.safe_pickle import (
     read_dcp_metadata,
     unsafe_checkpoint_error,
 )
+from rlite.run_files import FILE_MODE, FOLDER_MODE, RunFolderError, link_in_folder, open_run_file, refusal
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
@@ -258,7 +258,7 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> str:
     state loads and holds what rlite writes (:func:`trainer_state_damage`). Both ways every pickle is read
     inertly (:mod:`rlite.run.safe_pickle`): one that names anything rlite never writes raises
     :class:`~rlite.run.safe_pickle.UnsafeCheckpointError`, and a link anywhere in the folder raises
-    :class:`~rlite.run.files.RunFolderError`, rather than counting as damage (a tampered folder needs a look).
+    :class:`~rlite.run_files.RunFolderError`, rather than counting as damage (a tampered folder needs a look).
     """
     refuse_links(path)
     structure = _structure_damage(path)  # first: code or a link is refused whatever the manifest says
@@ -270,7 +270,7 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> str:
 
 
 def refuse_links(path: Path) -> None:
-    """Refuse (:class:`~rlite.run.files.RunFolderError`) a checkpoint folder that is a link or holds one (or a
+    """Refuse (:class:`~rlite.run_files.RunFolderError`) a checkpoint folder that is a link or holds one (or a
     special file): rlite writes neither, and a shard linked to a file elsewhere would be loaded as the run's."""
     found = link_in_folder(path)
     if found:

@@ -55,7 +55,7 @@ def run_evaluation(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict
                 run.backend.close()
         result = {"step": run.start_step, "model": evaluated_model(cfg, run), **metrics}
         if ctx.is_main:
-            from rlite.run.files import open_run_file
+            from rlite.run_files import open_run_file
 
             with open_run_file(run.run_dir / "eval.jsonl", "a") as handle:
                 handle.write(json.dumps(result) + "\n")

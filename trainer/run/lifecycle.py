@@ -86,7 +86,7 @@ def check_resume_config(cfg: RunConfig, path: Path | None) -> None:
 
     if path is None:
         return
-    from rlite.run.files import read_run_file
+    from rlite.run_files import read_run_file
 
     saved_file = path.parent.parent / "config.yaml"
     if not os.path.lexists(saved_file):

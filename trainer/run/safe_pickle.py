@@ -86,11 +86,11 @@ def trainer_state_globals() -> list[Any]:
 
 
 def _file_bytes(file: Path | io.BytesIO) -> io.BytesIO:
-    """A checkpoint file's bytes, read without following a link (:mod:`rlite.run.files`)."""
+    """A checkpoint file's bytes, read without following a link (:mod:`rlite.run_files`)."""
     if isinstance(file, io.BytesIO):
         file.seek(0)
         return file
-    from rlite.run.files import read_run_file
+    from rlite.run_files import read_run_file
 
     return io.BytesIO(read_run_file(file))
 
@@ -174,7 +174,7 @@ class MetadataUnpickler(pickle._Unpickler):
 
 def read_dcp_metadata(path: Path) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint folder ``path``, through :class:`MetadataUnpickler`."""
-    from rlite.run.files import open_run_file
+    from rlite.run_files import open_run_file
 
     file = Path(path) / ".metadata"
     with open_run_file(file, "rb") as handle:
