@@ -24,6 +24,21 @@ Fault kinds (each trial a few seconds on a ~0.2M-parameter model, 4 steps):
 * ``engine_start_death``: the spawned engine process SIGKILLed before it is ready: the first engine once or
   twice, or (after the running engine was killed at a random step) its replacement once; the run must start
   it again and go on (``rollout.engine_restarts=2``).
+* ``engine_exhausted``: the spawned engine SIGKILLed during the policy update of a random step with
+  ``rollout.engine_restarts=0``: ``rlite train`` must stop with status 4 having written that step's metrics row
+  before its checkpoint (the rows are counted), and the same command again must finish.
+* ``code_in_config``: a run folder whose ``config.yaml`` names a ``python`` reward file, or a model folder with
+  remote code and ``trust_remote_code: true``, each creating a marker file when imported, given to ``rlite chat``,
+  ``rlite generate`` or ``rlite info`` (its export or its checkpoint): the command must succeed and nothing run
+  ("data lost": the marker exists or a file of the run changed).
+* ``linked_files``: a run folder where ``metrics.jsonl``, ``samples.jsonl`` or ``config.yaml`` is a symbolic link
+  to a file outside it, or the latest checkpoint's shard or folder is, resumed by ``rlite train``; or whose
+  ``hf_model`` is, given to ``rlite chat``: refused (status 2) naming the link, the file it points to unchanged
+  ("data lost": it changed).
+* ``malformed_state``: the latest checkpoint's trainer state replaced by data that is no trainer state (a view past
+  its storage, a list 200,000 deep, an int; ``rlite.testing.write_malformed_trainer_state``) under a manifest that
+  vouches for it: ``rlite chat`` must refuse it (status 2, naming the file) and ``rlite train`` resume from the
+  checkpoint before and finish.
 
 Columns: ``injected`` trials where the fault hit a running run; ``survived`` the run (and its resume)
 finished every step; ``resumed bitwise`` its final weights equal an undisturbed run's bit for bit;
@@ -52,7 +67,7 @@ from rlite import hookimpl
 
 STEPS = 4
 KINDS = ("sigkill", "sigterm", "nan", "engine_kill", "corrupt_latest", "torn_log", "malicious_checkpoint",
-         "disk_full", "engine_start_death")
+         "disk_full", "engine_start_death", "engine_exhausted", "code_in_config", "linked_files", "malformed_state")
 
 
 def base_args(model_dir: str, run_dir: Path, *extra: str) -> list[str]:
@@ -375,12 +390,12 @@ class Payload:
 
 def malicious_trial(rng, work, config, model_dir, reference, duration, prepared: Path):
     import contextlib
-    import hashlib
     import io
     import pickle
 
     from rlite.cli import main as rlite_main
-    from rlite.run.checkpoint import MANIFEST, list_checkpoints
+    from rlite.run.checkpoint import list_checkpoints
+    from rlite.testing import rewrite_manifest
 
     run_dir = work / "run"
     shutil.copytree(prepared, run_dir)
@@ -398,10 +413,7 @@ def malicious_trial(rng, work, config, model_dir, reference, duration, prepared:
         metadata = pickle.loads(victim.read_bytes())  # the campaign's own file
         metadata.planner_data = Payload(call, argument)
         victim.write_bytes(pickle.dumps(metadata))
-    manifest = json.loads((latest / MANIFEST).read_text())
-    data = victim.read_bytes()
-    manifest["files"][victim.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (latest / MANIFEST).write_text(json.dumps(manifest))
+    rewrite_manifest(latest)  # it vouches for the payload, in rlite's own scheme
     before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
@@ -412,6 +424,188 @@ def malicious_trial(rng, work, config, model_dir, reference, duration, prepared:
         print(f"  [malicious_checkpoint] {victim.name}, {call.__name__}: status {status}, marker "
               f"{marker.exists()}: {stderr.getvalue()[-300:]!r}", file=sys.stderr)  # fmt: skip
     return True, refused and not marker.exists(), None, marker.exists() or before != after
+
+
+class KilledDuringTheUpdate:
+    """SIGKILLs the spawned engine once the policy update of ``step`` is done (its death shows at the sync)."""
+
+    def __init__(self, step: int):
+        self.step, self.engine = step, None
+
+    @hookimpl
+    def after_weight_sync(self, step, engine):
+        self.engine = engine
+
+    @hookimpl
+    def after_optimizer_step(self, step, model, metrics):
+        if step == self.step:
+            os.kill(self.engine.pid, signal.SIGKILL)
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [row["step"] for row in rows if "provenance" not in row]
+
+
+def engine_exhausted_trial(rng, work, config, model_dir, reference, duration):
+    from rlite.config import load_config
+    from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.faults import RunStopped
+
+    run_dir = work / "run"
+    step = rng.randint(2, STEPS - 1)  # from step 2: a sync has shown the hook the engine
+    pm = build_plugin_manager(autoload=False)
+    pm.register(KilledDuringTheUpdate(step), name="killer")
+    args = base_args(model_dir, run_dir, *ENGINE, "rollout.engine_restarts=0", "checkpoint.resume=auto")
+    try:
+        run_training(load_config(None, args, pm=pm), pm)
+        stopped, rows_at_stop = None, metric_steps(run_dir)
+    except RunStopped as exc:
+        stopped, rows_at_stop = exc, metric_steps(run_dir)
+    injected = stopped is not None and stopped.exit_code == 4
+    # the checkpoint of `step` came with its row: the stop left rows 0..step, exactly
+    rows_ok = rows_at_stop == list(range(step + 1))
+    try:
+        in_process(model_dir, run_dir, None, *ENGINE)
+        resumed = True
+    except Exception as exc:  # noqa: BLE001
+        print(f"  [engine_exhausted step {step}] resume: {type(exc).__name__}: {exc}", file=sys.stderr)
+        resumed = False
+    if not (injected and rows_ok):
+        print(f"  [engine_exhausted step {step}] stop {stopped!r}, rows at the stop {rows_at_stop}", file=sys.stderr)
+    weights = final_weights(run_dir)
+    lost = not (rows_ok and rows_exact(run_dir) and weights is not None)
+    return injected, injected and rows_ok and resumed, same(weights, reference), lost
+
+
+EVIL_REWARD = "open({marker!r}, 'w').close()\n\n\ndef score(completion, sample):\n    return 0.0\n"
+EVIL_MODEL = """open({marker!r}, "w").close()
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+class EvilConfig(Qwen2Config):
+    pass
+
+
+class EvilModel(Qwen2ForCausalLM):
+    config_class = EvilConfig
+"""
+
+
+def folder_files(run_dir: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def quietly(argv: list[str], stdin: str = "") -> tuple[int, str]:
+    """``rlite.cli.main(argv)`` in this process with ``stdin``; its status and stderr."""
+    import contextlib
+    import io
+
+    from rlite.cli import main as rlite_main
+
+    err = io.StringIO()
+    saved = sys.stdin
+    sys.stdin = io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            status = rlite_main(argv)
+    finally:
+        sys.stdin = saved
+    return status, err.getvalue()
+
+
+def code_in_config_trial(rng, work, config, model_dir, reference, duration, prepared: Path):
+    import yaml
+
+    run_dir = work / "run"
+    shutil.copytree(prepared, run_dir)
+    marker = work / "code-ran"
+    payload = rng.choice(["python reward", "remote model code"])
+    settings = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if payload == "python reward":
+        (run_dir / "evil.py").write_text(EVIL_REWARD.format(marker=str(marker)))
+        settings["rewards"] = [{"name": "python", "args": {"function": f"{run_dir / 'evil.py'}:score"}}]
+    else:
+        model = run_dir / "model"
+        shutil.copytree(model_dir, model)
+        (model / "evil_model.py").write_text(EVIL_MODEL.format(marker=str(marker)))
+        hf = json.loads((model / "config.json").read_text())
+        hf["auto_map"] = {"AutoConfig": "evil_model.EvilConfig", "AutoModelForCausalLM": "evil_model.EvilModel"}
+        (model / "config.json").write_text(json.dumps(hf))
+        settings["model"].update(path=str(model), trust_remote_code=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(settings))
+    if rng.random() < 0.5:  # its checkpoint, turned into a model by the training backend, instead of its export
+        shutil.rmtree(run_dir / "hf_model")
+    command = rng.choice(["chat", "generate", "info"])
+    prompts = work / "prompts.txt"
+    prompts.write_text("12+3=\n")
+    argv = {"chat": ["chat", str(run_dir), "--max-new-tokens", "2"], "info": ["info", str(run_dir)],
+            "generate": ["generate", str(run_dir), "--prompts", str(prompts), "--out", str(work / "out.jsonl"),
+                         "--max-new-tokens", "2"]}[command]  # fmt: skip
+    before = folder_files(run_dir)
+    status, err = quietly(argv, "12+3=\n")
+    ran = marker.exists()
+    if status != 0 or ran:
+        print(f"  [code_in_config {payload}, {command}] status {status}, marker {ran}: {err[-300:]!r}", file=sys.stderr)
+    return True, status == 0 and not ran, None, ran or folder_files(run_dir) != before
+
+
+LINKED = ("metrics.jsonl", "samples.jsonl", "config.yaml", "checkpoint shard", "checkpoint folder", "hf_model")
+
+
+def linked_files_trial(rng, work, config, model_dir, reference, duration, prepared: Path):
+    from rlite.run.checkpoint import list_checkpoints
+
+    run_dir = work / "run"
+    shutil.copytree(prepared, run_dir)
+    what = rng.choice(LINKED)
+    latest = list_checkpoints(run_dir / "checkpoints")[-1]
+    target = work / "outside"
+    if what in ("metrics.jsonl", "samples.jsonl", "config.yaml"):  # someone's file: the resume must not touch it
+        link = run_dir / what
+        target.write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKeyKeyKeyKeyKeyKeyKeyKey user@host\n")
+        link.unlink()
+    else:  # the run's own data moved out and linked back: it loaded silently
+        link = {"checkpoint shard": latest / "__0_0.distcp", "checkpoint folder": latest,
+                "hf_model": run_dir / "hf_model"}[what]  # fmt: skip
+        shutil.move(link, target)
+    link.symlink_to(target)
+    before = target.read_bytes() if target.is_file() else folder_files(target)
+    if what == "hf_model":
+        status, err = quietly(["chat", str(run_dir), "--max-new-tokens", "2"], "12+3=\n")
+    else:
+        status, err = quietly(["train", str(config), *base_args(model_dir, run_dir, "checkpoint.every=1")])
+    after = target.read_bytes() if target.is_file() else folder_files(target)
+    refused = status == 2 and f"{link} is a symbolic link to {target}" in err
+    if not refused:
+        print(f"  [linked_files {what}] status {status}: {err[-300:]!r}", file=sys.stderr)
+    return True, refused and before == after, None, before != after
+
+
+def malformed_state_trial(rng, work, config, model_dir, reference, duration, prepared: Path):
+    from rlite.run.checkpoint import list_checkpoints
+    from rlite.testing import MALFORMED_TRAINER_STATES, rewrite_manifest, write_malformed_trainer_state
+
+    run_dir = work / "run"
+    shutil.copytree(prepared, run_dir)  # no export: chat turns the latest checkpoint into the model
+    kind = rng.choice(MALFORMED_TRAINER_STATES)
+    latest = list_checkpoints(run_dir / "checkpoints")[-1]
+    write_malformed_trainer_state(latest / "trainer_state_rank0.pt", kind)
+    rewrite_manifest(latest)
+    chat, chat_err = quietly(["chat", str(run_dir), "--max-new-tokens", "2"], "12+3=\n")
+    chat_refused = chat == 2 and f"{latest} is damaged: trainer_state_rank0.pt" in chat_err
+    try:
+        in_process(model_dir, run_dir, None, "checkpoint.every=1")
+        survived = chat_refused
+    except Exception as exc:  # noqa: BLE001
+        print(f"  [malformed_state {kind}] {type(exc).__name__}: {exc}", file=sys.stderr)
+        survived = False
+    if not chat_refused:
+        print(f"  [malformed_state {kind}] chat status {chat}: {chat_err[-300:]!r}", file=sys.stderr)
+    weights = final_weights(run_dir)
+    return True, survived, same(weights, reference), not (rows_exact(run_dir) and weights is not None)
 
 
 def main() -> None:
@@ -443,6 +637,9 @@ def main() -> None:
     in_process(model_dir, prepared, None, "checkpoint.every=1", "checkpoint.keep_last=2", "training.steps=3",
                "checkpoint.export_hf=false")  # fmt: skip
     shutil.rmtree(prepared / "hf_model", ignore_errors=True)
+    exported = root / "exported"  # a finished run folder with its export and samples, for chat, generate, info
+    in_process(model_dir, exported, None, "checkpoint.every=1", "checkpoint.keep_last=2", "training.steps=3",
+               "logging.samples_every=1")  # fmt: skip
     logging.getLogger("rlite").setLevel(logging.ERROR)  # the trials' own warnings are expected
 
     trials = {
@@ -455,6 +652,10 @@ def main() -> None:
         "malicious_checkpoint": lambda r, w: malicious_trial(r, w, config, model_dir, reference, duration, prepared),
         "disk_full": lambda r, w: disk_full_trial(r, w, config, model_dir, reference, duration),
         "engine_start_death": lambda r, w: engine_start_trial(r, w, config, model_dir, reference_engine, duration),
+        "engine_exhausted": lambda r, w: engine_exhausted_trial(r, w, config, model_dir, reference_engine, duration),
+        "code_in_config": lambda r, w: code_in_config_trial(r, w, config, model_dir, reference, duration, exported),
+        "linked_files": lambda r, w: linked_files_trial(r, w, config, model_dir, reference, duration, exported),
+        "malformed_state": lambda r, w: malformed_state_trial(r, w, config, model_dir, reference, duration, prepared),
     }
     table = []
     for kind in args.kinds.split(","):

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlite.api import hookimpl
+from rlite.api import hookimpl, open_run_file
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class JsonlLogger:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.handle = open(path, "a")
+        self.handle = open_run_file(path, "a")  # never through a link: the run folder may be someone else's
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step}

@@ -106,7 +106,7 @@ def test_every_source_module_ships(names: set[str]) -> None:
 def test_console_script_and_metadata(wheel: Path) -> None:
     entry_points = configparser.ConfigParser()
     entry_points.read_string(read_member(wheel, ".dist-info/entry_points.txt"))
-    assert entry_points["console_scripts"]["rlite"] == "rlite.cli:main"
+    assert entry_points["console_scripts"]["rlite"] == "rlite.__main__:main"  # its SIGTERM handler comes first
     metadata = read_member(wheel, ".dist-info/METADATA")
     assert "Name: rlite\n" in metadata and f"Version: {rlite.__version__}\n" in metadata
 

@@ -54,6 +54,7 @@ from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
 from rlite.plugin_manager import registered
 from rlite.rewards import RewardOutcome
 from rlite.rollout import EnvResults, RolloutBatch, TrainTargets, model_inputs, pad_to_width
+from rlite.run_files import open_run_file
 from rlite.sandbox import KINDS as SANDBOX_KINDS
 from rlite.sandbox import (
     Isolation,
@@ -219,6 +220,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "SingleTurn",
     # Loggers
     "samples_markdown",
+    "open_run_file",
     # Models
     "load_causal_lm",
     "skeleton_causal_lm",

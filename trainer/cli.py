@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -164,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     args.process_entry = argv is None  # the ``rlite`` command itself, not a call from Python
+    if args.command != "train":  # only train has a preemption of its own: a SIGTERM ends the others as ever
+        from rlite import entry
+
+        entry.release()
     if args.process_entry and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         _run_as_rank(args)  # never returns
     if not args.process_entry:
@@ -238,8 +243,9 @@ def config_source(given: str, overrides: Sequence[str]) -> tuple[str, list[str]]
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from rlite import entry
     from rlite.config.schema import CheckpointConfig
-    from rlite.run.faults import Preemption
+    from rlite.run.faults import EXIT_PREEMPTED, Preemption
 
     # first thing: a SIGTERM (a scheduler's preemption) while the config loads, torch imports or the
     # model is built stops the run cleanly (exit 75) instead of killing it; the handlers stay installed
@@ -248,6 +254,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     preemption.install()
     finished = False
     try:
+        if args.process_entry and entry.received():  # while the command itself was importing (rlite.entry)
+            raise RunStopped("SIGTERM received while rlite was starting: nothing ran and nothing new is saved; run the "
+                             "same command again (it resumes from the latest checkpoint, if any)",
+                             exit_code=EXIT_PREEMPTED)  # fmt: skip
         cfg, pm = load_run_config(*config_source(args.config, args.overrides))
         for broken in pm.failed:  # the run goes on without it, but never silently
             print(f"rlite train: warning: plugin {broken.name!r} ({broken.distribution}) is skipped: {broken.error}",
@@ -293,8 +303,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def check_generation_arguments(args: argparse.Namespace) -> None:
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 and finite (0 is greedy), got {args.temperature}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
@@ -306,18 +316,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from rlite.generation import open_chat_model
 
     interactive = sys.stdin.isatty()
-    with open_chat_model(args.model, raw=args.raw) as chat:
-        max_new_tokens = args.max_new_tokens or chat.max_new_tokens
+    with open_chat_model(args.model, raw=args.raw, max_new_tokens=args.max_new_tokens) as chat:
         if interactive:
             layout = "the chat template" if chat.prompt_format.chat_template else "no template (raw)"
             print(f"rlite chat: {chat.source}; prompts formatted with {layout}, as in training. Ctrl-D ends.",
                   file=sys.stderr)
         history: list[dict[str, str]] = []
-        for turn, line in enumerate(iter(lambda: read_turn(interactive), None)):
+        for turn, line in enumerate(iter(StdinTurns(interactive), None)):
             if not line.strip():
                 continue
             user = {"role": "user", "content": line}
-            (reply,) = chat.reply([[*history, user] if args.multi_turn else line], max_new_tokens=max_new_tokens,
+            (reply,) = chat.reply([[*history, user] if args.multi_turn else line], max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, seed=args.seed + turn)
             if args.show_prompt:
                 print(reply.prompt_text, file=sys.stderr, flush=True)
@@ -327,12 +336,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_turn(interactive: bool) -> str | None:
-    """The next line of stdin without its newline; None at the end."""
-    if interactive:
-        print("> ", end="", file=sys.stderr, flush=True)
-    line = sys.stdin.readline()
-    return line.rstrip("\n") if line else None
+class StdinTurns:
+    """The lines of stdin without their newline, one per call (None at the end), read as bytes and decoded as
+    UTF-8: a line that is not UTF-8 text, or holds a NUL, is refused naming its number rather than handed to
+    the tokenizer (it raised a TypeError on undecodable bytes)."""
+
+    def __init__(self, interactive: bool) -> None:
+        self.interactive = interactive
+        self.number = 0
+
+    def __call__(self) -> str | None:
+        from rlite.generation import check_prompt_text
+
+        if self.interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        stream = getattr(sys.stdin, "buffer", None)  # a test's StringIO has none
+        raw = stream.readline() if stream is not None else sys.stdin.readline()
+        if not raw:
+            return None
+        self.number += 1
+        where = f"stdin line {self.number}"
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start + 1} of the line: "
+                                  f"{exc.object[exc.start:exc.start + 1]!r}); rlite chat reads UTF-8") from None
+        line = raw.rstrip("\n").rstrip("\r")
+        check_prompt_text(line, where)
+        return line
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -341,21 +373,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     from rlite.generation import open_chat_model, read_prompt_file
 
+    out = check_output_file(args.out, args.prompts)
     rows = read_prompt_file(args.prompts, args.prompt_key)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open_chat_model(args.model, raw=args.raw) as chat, open(out, "w") as handle:
-        max_new_tokens = args.max_new_tokens or chat.max_new_tokens
-        for start in range(0, len(rows), args.batch_size):
-            batch = rows[start : start + args.batch_size]
-            replies = chat.reply([row["prompt"] for row in batch], max_new_tokens=max_new_tokens,
-                                 temperature=args.temperature, seed=args.seed + start)  # fmt: skip
-            for row, reply in zip(batch, replies):
-                written = {**row, "prompt_text": reply.prompt_text, "completion": reply.completion,
-                           "finish_reason": reply.finish_reason}  # fmt: skip
-                handle.write(json.dumps(written) + "\n")
+    # written beside --out and renamed at the end: a failure leaves no half file, and a folder that cannot be
+    # written is found before the model loads
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        handle = open(tmp, "x")
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write in {str(out.parent)!r} ({exc.strerror or exc})") from None
+    try:
+        with handle, open_chat_model(args.model, raw=args.raw, max_new_tokens=args.max_new_tokens,
+                                     prompts=[row["prompt"] for row in rows], batch_size=args.batch_size) as chat:
+            for start in range(0, len(rows), args.batch_size):
+                batch = rows[start : start + args.batch_size]
+                replies = chat.reply([row["prompt"] for row in batch], max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, seed=args.seed + start)  # fmt: skip
+                for row, reply in zip(batch, replies):
+                    written = {**row, "prompt_text": reply.prompt_text, "completion": reply.completion,
+                               "finish_reason": reply.finish_reason}  # fmt: skip
+                    handle.write(json.dumps(written) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"rlite generate: {len(rows)} replies from {chat.source} written to {out}", file=sys.stderr)
     return 0
+
+
+def check_output_file(out: str, prompts: str) -> Path:
+    """``--out``, refused before anything runs when it cannot be the output file: a folder, a file in a folder
+    that does not exist, or the ``--prompts`` file itself (which the output would overwrite)."""
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"--out: {out!r} is a folder; give the path of the .jsonl file to write")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--out: the folder {str(path.parent)!r} does not exist; create it first")
+    if path.exists() and Path(prompts).exists() and os.path.samefile(path, prompts):
+        raise ConfigError(f"--out: {out!r} is the --prompts file; writing the replies would overwrite the prompts")
+    return path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -414,9 +469,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         raise ConfigError(f"{run_dir}: no provenance recorded (no metrics.jsonl provenance row, no checkpoint record)")
     # a checkpoint's record is JSON, but its pickles are what a resume opens: say which ones it would refuse
     refused = [problem for problem in map(unsafe_content, list_checkpoints(checkpoint_root(run_dir))) if problem]
+    damaged = checkpoint_damage_report(run_dir)
     if args.json:
-        print(json.dumps({"status": run_status(run_dir), "metrics": rows, "checkpoints": dict(checkpoints)}, indent=2,
-                         sort_keys=True))
+        print(json.dumps({"status": run_status(run_dir), "metrics": rows, "checkpoints": dict(checkpoints),
+                          "damaged": damaged}, indent=2, sort_keys=True))  # fmt: skip
     else:
         print("\n".join(describe_status(run_status(run_dir))))
         for row in rows:
@@ -425,9 +481,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         for name, record in checkpoints:
             print(f"checkpoints/{name}:")
             print("\n".join(describe(record, "  ") if record else ["  (no record: written before rlite recorded provenance)"]))
+            if name in damaged:
+                print(f"  DAMAGED: {damaged[name]} (rlite train resumes from an older one; rlite chat and eval refuse it)")
     if refused:
         raise ConfigError("; ".join(refused))
     return 0
+
+
+def checkpoint_damage_report(run_dir: Path) -> dict[str, str]:
+    """Checkpoint name -> what is damaged in it, for ``rlite info``: what shows without hashing the shards
+    (:func:`rlite.run.checkpoint.checkpoint_damage`: the manifest's sizes, the DCP metadata, the trainer states
+    loaded and checked)."""
+    from rlite.run.checkpoint import checkpoint_damage, checkpoint_root, list_checkpoints
+
+    report = {path.name: checkpoint_damage(path) for path in list_checkpoints(checkpoint_root(run_dir))}
+    return {name: damage for name, damage in report.items() if damage}
 
 
 # --------------------------------------------------------------------------------------------------

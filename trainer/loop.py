@@ -20,7 +20,7 @@ from rlite.hf_models import quiet_transformers_progress
 from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler
 from rlite.perf import PerfMeter
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager, plugin_manager_in_use
-from rlite.run.build import Run, build_run
+from rlite.run.build import Run, build_run, sandbox_hidden_paths
 from rlite.run.evaluation import evaluate
 from rlite.run.faults import NonFiniteGuard, Preemption, RunStopped, latest_checkpoint_text, stop_on_full_disk
 from rlite.run.lifecycle import (
@@ -34,6 +34,7 @@ from rlite.run.lifecycle import (
     stop_after_engine_failure,
 )
 from rlite.run.status import finished_checkpoint
+from rlite.sandbox import hidden_from_programs
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
 from rlite.stages.targets import prepare_training_targets
@@ -109,19 +110,23 @@ def train(run: Run) -> dict[str, Any]:
             with timer.phase("draft"):
                 train_metrics.update(run.draft.update(batch))
 
-        # 5. the engine samples the next batch from exactly these weights
-        with timer.phase("weight_sync"), run.rollouts.exclusive_engine(step):  # async: not mid-generation
-            run.sync_weights(version=step)
-        run.rollouts.weights_synced(step)
-        hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
-
-        # 6. metrics, evaluation, then checkpoint
+        # 5. the step's metrics so far: an engine that dies for good at the sync or the evaluation stops the run
+        # with this step's checkpoint, which must come with this step's row (run.unlogged_metrics)
         metrics, tokens = step_metrics(
             batch, train_logprobs, reward_stats, measure_mismatch=not prepared.mismatch_measured,
             dp_group=run.layout.group, speculation=run.rollouts.speculation,
         )
         metrics.update(prepared.metrics)
         metrics.update(train_metrics)
+        run.unlogged_metrics = metrics
+
+        # 6. the engine samples the next batch from exactly these weights
+        with timer.phase("weight_sync"), run.rollouts.exclusive_engine(step):  # async: not mid-generation
+            run.sync_weights(version=step)
+        run.rollouts.weights_synced(step)
+        hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
+
+        # 7. evaluation, the metrics row, then checkpoint
         if cfg.training.eval_every and step % cfg.training.eval_every == 0 or step == cfg.training.steps:
             with timer.phase("eval"):
                 metrics.update(evaluate(run, step))
@@ -129,6 +134,7 @@ def train(run: Run) -> dict[str, Any]:
         metrics["perf/tokens_per_s"] = tokens.generated / max(time.perf_counter() - step_start, 1e-9)
         metrics.update(perf.step_metrics(tokens.sequences, metrics, pi_old_recomputed=prepared.mismatch_measured))
         log_metrics(run, step, metrics)
+        run.unlogged_metrics = None
         log_samples(run, step, batch)
         progress.update(step, metrics)
         signal_watch.observe(step, metrics)
@@ -226,7 +232,8 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
         # the write paths name themselves when a full disk stops them; anything else written (config.yaml,
         # the loggers' first files, a profile, offloaded moments) stops as cleanly, naming the run folder;
         # transformers' own load/save bars would break rlite's progress line
-        with quiet_transformers_progress():
+        # (every program a reward runs in the sandbox is kept out of the run's folder, data and offload folder)
+        with quiet_transformers_progress(), hidden_from_programs(sandbox_hidden_paths(cfg)):
             try:
                 with stop_on_full_disk("the run's files", cfg.logging.run_dir, cfg.logging.run_dir), \
                         plugin_manager_in_use(pm if pm is not None else get_plugin_manager()) as run_pm:
@@ -238,8 +245,11 @@ def run_training(cfg: RunConfig, pm: RlitePluginManager | None = None,
                 with stop_on_full_disk("the run's files", run.run_dir, run.run_dir):
                     summary = train(run)
             except EngineGaveUp as failure:  # dead past its restarts: a checkpoint and a message, no traceback
-                close_loggers_after_failure(run)
-                raise stop_after_engine_failure(run, failure) from None
+                try:
+                    stopped = stop_after_engine_failure(run, failure)  # logs the step's row first: loggers still open
+                finally:
+                    close_loggers_after_failure(run)
+                raise stopped from None
             except BaseException:
                 close_loggers_after_failure(run)
                 raise

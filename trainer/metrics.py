@@ -205,24 +205,30 @@ def read_log_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     damaged): :class:`~rlite.config.ConfigError` naming the file and line, rather than drop history.
     """
     from rlite.config import ConfigError
+    from rlite.run_files import RunFolderError, read_run_file
 
     path = Path(path)
-    raw = path.read_bytes()
+    raw = read_run_file(path)  # never through a link (rlite.run_files)
     body = raw.rstrip(b"\x00\r\n\t ")
+    lines = body.decode("utf-8", errors="replace").split("\n")
+    first = next((line for line in lines if line.strip()), None)
+    if first is not None and _row_problem(first):
+        # a file rlite did not write (a one-line key file, a copy of something else): nothing of it is dropped or
+        # echoed, since a crash leaves the first row whole long before a checkpoint exists to resume
+        raise RunFolderError(
+            f"{path}: its first line is not a row rlite writes (a JSON object with a step), so it is no rlite log: rlite "
+            "neither repairs nor rewrites it. Move it out of the run folder, or point logging.run_dir elsewhere"
+        )
     if b"\x00" in raw[len(body):]:
         log.warning("%s: dropped %d NUL bytes after its last line (what a crash during a write can leave)",
                     path, raw[len(body):].count(b"\x00"))
-    lines = body.decode("utf-8", errors="replace").split("\n")
     rows = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-            problem = "" if isinstance(row, dict) and "step" in row else "not an object with a step"
-        except ValueError as exc:
-            problem = str(exc)
+        problem = _row_problem(line)
         if not problem:
+            row = json.loads(line)
             rows.append((line, row))
         elif number == len(lines):
             log.warning("%s: dropped line %d, cut short by a crash or a full disk (%s): %.80r", path, number, problem, line)
@@ -235,18 +241,31 @@ def read_log_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
+def _row_problem(line: str) -> str:
+    """Why ``line`` is not a row of an rlite log ("" when it is)."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        return str(exc)
+    return "" if isinstance(row, dict) and "step" in row else "not an object with a step"
+
+
 def trim_metrics_file(path: str | Path, keep_through_step: int | None) -> None:
     """Make ``metrics.jsonl`` describe this run only: a fresh run (``None``) starts it empty; a resumed
     run keeps the rows up to its checkpoint's step and drops rows logged after it before a crash (and a
-    last line the crash cut short: :func:`read_log_rows`)."""
+    last line the crash cut short: :func:`read_log_rows`). The file is replaced, never rewritten in place,
+    and a link or special file in its place is refused (:mod:`rlite.run_files`)."""
+    from rlite.run_files import refuse_link_or_special, replace_run_file
+
     path = Path(path)
+    refuse_link_or_special(path)
     if not path.is_file():
         return
     if keep_through_step is None:
         path.unlink()
         return
     kept = [line for line, row in read_log_rows(path) if row["step"] <= keep_through_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    replace_run_file(path, "".join(line + "\n" for line in kept))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -104,26 +105,34 @@ def with_weight_version(record: dict[str, Any], weight_version: int) -> dict[str
 
 
 def write_checkpoint_record(folder: Path, record: dict[str, Any]) -> None:
-    (folder / FILE_NAME).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    from rlite.run_files import open_run_file
+
+    with open_run_file(Path(folder) / FILE_NAME, "w") as handle:
+        handle.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def read_checkpoint_record(folder: Path) -> dict[str, Any] | None:
+    """A checkpoint's record, read without following a link (:mod:`rlite.run_files`); None when it has none."""
+    from rlite.run_files import read_run_file
+
     path = Path(folder) / FILE_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    return json.loads(read_run_file(path)) if os.path.lexists(path) else None
 
 
 def metrics_records(metrics_file: Path) -> list[dict[str, Any]]:
     """The provenance rows of a ``metrics.jsonl`` (``{"step", "provenance"}``), in file order."""
     from rlite.metrics import read_log_rows
 
-    if not Path(metrics_file).is_file():
+    if not os.path.lexists(metrics_file):  # a link or a FIFO is refused by read_log_rows, never skipped
         return []
     return [row for _, row in read_log_rows(metrics_file) if "provenance" in row]
 
 
 def append_metrics_record(metrics_file: Path, step: int, record: dict[str, Any]) -> None:
+    from rlite.run_files import open_run_file
+
     metrics_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(metrics_file, "a") as handle:
+    with open_run_file(metrics_file, "a") as handle:
         handle.write(json.dumps({"step": step, "provenance": record}, sort_keys=True) + "\n")
 
 

@@ -92,8 +92,10 @@ class SampleWriter:
     def write(self, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
+        from rlite.run_files import open_run_file
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as handle:
+        with open_run_file(self.path, "a") as handle:  # never through a link (rlite.run_files)
             for row in rows:
                 handle.write(json.dumps(row, default=str) + "\n")
         for logger in self.loggers:

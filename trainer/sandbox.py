@@ -8,7 +8,8 @@ what the machine offers (``docs/code_rewards.md`` says which hold where):
   processes; when the run ends its init exits and the kernel kills every process left in it), a new
   mount namespace (a fresh ``/proc``; ``/tmp``, ``/var/tmp`` and ``/dev/shm`` replaced by one
   size-limited tmpfs that holds the working directory; every other mount read-only; the trainer's
-  working folder, ``/run`` (Unix sockets) and ``hidden_paths`` covered by an empty, unreadable tmpfs);
+  working folder, ``/run`` (Unix sockets), the run's own folder, data files and offload folder
+  (:func:`hidden_from_programs`) and ``hidden_paths`` covered by an empty, unreadable tmpfs);
 * **an unprivileged uid** when the trainer is root (a fresh uid per run, so ``RLIMIT_NPROC``, which
   root ignores, binds it and it owns no file outside its tmpfs), with ``no_new_privs``; without root,
   a user namespace (the program keeps the user's uid, mapped to root inside);
@@ -27,6 +28,7 @@ unless ``limits.allow_unisolated`` is set, and then warns once, loudly, per proc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -40,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,10 @@ UID_SPAN = 1_000_000
 ALWAYS_HIDDEN = ("/run",)
 """Hidden in every run besides the trainer's working folder: the home of the machine's Unix sockets,
 which a network namespace does not cover and a read-only mount does not stop (connecting is allowed)."""
+RUN_PATHS_ENV = "RLITE_SANDBOX_HIDDEN_PATHS"
+"""The environment variable holding (JSON) the paths a running run hides from every program besides
+``hidden_paths``: its run folder, data files and offload folder (:func:`hidden_from_programs`). An environment
+variable, so that reward worker processes started during the run inherit it."""
 KILL_WAIT_S = 5.0
 """How long to wait for the killed sandbox's processes to go (SIGKILL takes microseconds)."""
 
@@ -280,9 +286,34 @@ def run_untrusted(
     return _run_unisolated(interpreter, stdin, files, limits)
 
 
+def run_hidden_paths() -> list[str]:
+    """The paths the current run hides from every program (:func:`hidden_from_programs`)."""
+    try:
+        paths = json.loads(os.environ.get(RUN_PATHS_ENV) or "[]")
+    except ValueError:
+        return []
+    return [path for path in paths if isinstance(path, str)] if isinstance(paths, list) else []
+
+
+@contextlib.contextmanager
+def hidden_from_programs(paths: list[str]) -> Iterator[None]:
+    """Hide ``paths`` (folders or files) from every program :func:`run_untrusted` runs while the block lasts,
+    besides each call's ``hidden_paths``: a run hides its run folder (config, checkpoints, metrics), its data
+    files (the answers) and its optimizer offload folder, wherever they live, without anyone listing them."""
+    previous = os.environ.get(RUN_PATHS_ENV)
+    os.environ[RUN_PATHS_ENV] = json.dumps(sorted({*run_hidden_paths(), *map(str, paths)}))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RUN_PATHS_ENV, None)
+        else:
+            os.environ[RUN_PATHS_ENV] = previous
+
+
 def _hidden_paths(limits: SandboxLimits, interpreter: str) -> list[str]:
     hidden = []
-    for path in (os.getcwd(), *ALWAYS_HIDDEN, *limits.hidden_paths):
+    for path in dict.fromkeys((os.getcwd(), *ALWAYS_HIDDEN, *limits.hidden_paths, *run_hidden_paths())):
         path = os.path.realpath(path)
         if path == "/":
             continue

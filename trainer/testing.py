@@ -406,3 +406,69 @@ class HostSyncRecorder:
     def __exit__(self, *exc) -> None:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+
+
+# -- damaged and tampered checkpoints (tests/faults, benchmarks/fault_campaign.py) ------------------
+
+MALFORMED_TRAINER_STATES = ("view_out_of_bounds", "nested_200000_deep", "int_as_state")
+"""Trainer states that unpickle with ``weights_only=True`` (nothing to refuse as code) but are no state rlite
+wrote: a tensor view past the end of its storage, a list nested 200,000 levels deep in place of the sampler's
+state, and an int as the whole state."""
+
+
+class _ViewPastItsStorage:
+    """Pickles as a 1,000,000-element view of a 4-byte storage (``torch._utils._rebuild_tensor_v2``, which a
+    weights-only load admits)."""
+
+    def __reduce__(self):
+        import collections
+
+        storage = torch.zeros(4, dtype=torch.uint8).untyped_storage()
+        return torch._utils._rebuild_tensor_v2, (storage, 0, (10**6,), (1,), False, collections.OrderedDict())
+
+
+def write_malformed_trainer_state(file: str | Path, kind: str) -> None:
+    """Replace the trainer state ``file`` (a ``torch.save`` zip) by the ``kind`` of
+    :data:`MALFORMED_TRAINER_STATES`, keeping everything else of it."""
+    import zipfile
+
+    file = Path(file)
+    if kind == "int_as_state":
+        torch.save(7, file)
+        return
+    state = torch.load(file, weights_only=False)  # the caller's own file
+    if kind == "view_out_of_bounds":
+        state["rng"]["torch"] = _ViewPastItsStorage()
+        torch.save(state, file)
+        return
+    if kind != "nested_200000_deep":
+        raise ValueError(f"kind: one of {', '.join(MALFORMED_TRAINER_STATES)}, got {kind!r}")
+    placeholder = "rlite-nested-placeholder"
+    state["sampler"] = placeholder
+    torch.save(state, file)
+    depth = 200_000
+    # the placeholder's opcode (BINUNICODE: 'X', 4-byte length, text) becomes `depth` EMPTY_LISTs, each
+    # appended into the one before: pickle's own writer would recurse that deep
+    with zipfile.ZipFile(file) as archive:
+        entries = [(info.filename, archive.read(info.filename)) for info in archive.infolist()]
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in entries:
+            if name.endswith("/data.pkl"):
+                at = data.index(placeholder.encode()) - 5
+                data = data[:at] + b"]" * depth + b"a" * (depth - 1) + data[at + 5 + len(placeholder):]
+            archive.writestr(name, data)
+
+
+def rewrite_manifest(checkpoint: str | Path) -> None:
+    """What whoever changes a checkpoint's files and then recomputes its manifest does: every file's checksum
+    made to match its bytes as they now are, in the manifest's own scheme (``format`` 2: bound to the step and
+    the name, :func:`rlite.run.checkpoint.manifest_digest`; without a format: the bytes alone)."""
+    import hashlib
+
+    checkpoint = Path(checkpoint)
+    manifest = json.loads((checkpoint / "MANIFEST.json").read_text())
+    for name in manifest["files"]:
+        data = (checkpoint / name).read_bytes()
+        prefix = f"rlite checkpoint step_{manifest['step']:08d}/{name}\n".encode() if manifest.get("format") == 2 else b""
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(prefix + data).hexdigest()}
+    (checkpoint / "MANIFEST.json").write_text(json.dumps(manifest))

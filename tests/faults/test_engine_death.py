@@ -103,3 +103,37 @@ def test_past_its_restarts_the_run_stops_with_a_checkpoint_that_resumes_bitwise(
     _run(model_dir, run_dir, None, "checkpoint.resume=auto")
     assert _same(undisturbed, load_file(run_dir / "hf_model" / "model.safetensors"))
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+class KilledDuringTheUpdate:
+    """SIGKILLs the engine once the policy update of ``step`` is done: its death shows at that step's weight
+    sync, after the policy moved, so the stop saves that step's checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.engine = step, None
+
+    @hookimpl
+    def after_weight_sync(self, step, engine):
+        self.engine = engine
+
+    @hookimpl
+    def after_optimizer_step(self, step, model, metrics):
+        if step == self.step:
+            os.kill(self.engine.pid, signal.SIGKILL)
+
+
+def test_a_death_past_the_restarts_after_the_update_logs_the_steps_row_before_its_checkpoint(
+    tmp_path, model_dir, undisturbed
+):
+    """Before, step 2's checkpoint was saved without step 2's metrics row, and the resume started at 3: the
+    metrics file never had a row for step 2."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(RunStopped) as stopped:
+        _run(model_dir, run_dir, KilledDuringTheUpdate(2), "rollout.engine_restarts=0")
+    assert f"saved the checkpoint of step 2 ({run_dir / 'checkpoints' / 'step_00000002'})" in str(stopped.value)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "reward/mean" in rows[-1] and "actor/pg_loss" in rows[-1]  # the step's rollout and update
+    _run(model_dir, run_dir, None, "checkpoint.resume=auto")
+    assert _same(undisturbed, load_file(run_dir / "hf_model" / "model.safetensors"))
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]

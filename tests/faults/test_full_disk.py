@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlite import hookimpl as rlite_hookimpl
 from rlite.cli import main
 from rlite.run.faults import EXIT_STOPPED
 from rlite.tokenizer import build_tiny_model_dir
@@ -162,3 +163,66 @@ def test_a_second_ctrl_c_that_interrupts_torch_save_stops_with_130_not_as_a_full
     monkeypatch.setattr(torch, "save", interrupted_save)
     assert main(["train", write_config(tmp_path, model_dir)]) == 130
     assert "Free disk space" not in capsys.readouterr().err
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 24 MiB file system (tmpfs), for writers whose errors on a full disk no injected OSError imitates."""
+    import subprocess
+
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"needs a small real file system, and mounting a tmpfs is not permitted here: "
+                    f"{(mounted.stderr or mounted.stdout).strip()}")  # fmt: skip
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+class FillsTheDiskAfterTheLastCheckpoint:
+    """Once the final checkpoint is written, fills its disk but for 64 KiB: the export comes next."""
+
+    def __init__(self, last_step: int, filler: Path) -> None:
+        self.last_step, self.filler = last_step, filler
+
+    @rlite_hookimpl
+    def on_checkpoint_save(self, step, path):
+        import shutil
+
+        if step == self.last_step:
+            free = shutil.disk_usage(self.filler.parent).free
+            with open(self.filler, "wb") as handle:
+                handle.write(b"\0" * (free - 64 * 1024))
+
+
+def test_a_real_full_disk_during_the_export_stops_with_exit_4_and_the_next_run_exports(tmp_path, model_dir, small_disk):
+    """safetensors reports a full disk as ``SafetensorError: ... No space left on device (os error 28)``, no
+    OSError: it ended in a traceback (exit 1) while the tests injected OSError(ENOSPC)."""
+    from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.faults import RunStopped
+    from rlite.testing import tiny_config
+
+    run_dir = small_disk / "run"
+    args = ("training.steps=2", "checkpoint.every=1", "checkpoint.save_final=true", "checkpoint.export_hf=true",
+            "checkpoint.resume=auto")  # fmt: skip
+    pm = build_plugin_manager(autoload=False)
+    pm.register(FillsTheDiskAfterTheLastCheckpoint(2, small_disk / "filler"), name="filler")
+    with pytest.raises(RunStopped) as stopped:
+        run_training(tiny_config(model_dir, run_dir, *args, pm=pm), pm)
+    message = str(stopped.value)
+    assert stopped.value.exit_code == EXIT_STOPPED
+    assert message.startswith(f"the exported model could not be written to {run_dir / 'hf_model'} (0.00 GiB free")
+    assert "No space left on device (os error 28)" in message  # safetensors' own words
+    assert_names_space_and_resume(message, run_dir / "hf_model",
+                                  f"the last good checkpoint is {run_dir / 'checkpoints' / 'step_00000002'}")
+    assert not (run_dir / "hf_model").exists() and not (run_dir / "hf_model.tmp").exists()
+
+    (small_disk / "filler").unlink()
+    pm = build_plugin_manager(autoload=False)
+    run_training(tiny_config(model_dir, run_dir, *args, pm=pm), pm)  # the final checkpoint: no step, the export
+    assert (run_dir / "hf_model" / "model.safetensors").is_file()

@@ -143,3 +143,48 @@ def test_sigterm_while_the_run_starts_stops_cleanly_before_the_first_step(tmp_pa
     done = subprocess.run(cmd, env=run_in_subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(steps + 1))
+
+
+PAUSE_IMPORT = """
+import os, sys, time
+
+
+class PauseImport:
+    '''Holds the first import of rlite.cli until the test says go: the moment a loaded node spends importing.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "rlite.cli" and not os.path.exists(os.environ["RLITE_TEST_READY"]):
+            open(os.environ["RLITE_TEST_READY"], "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.environ["RLITE_TEST_GO"]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return None
+
+
+sys.meta_path.insert(0, PauseImport())
+"""
+
+
+def test_sigterm_while_the_command_is_still_importing_exits_75(tmp_path, model_dir):
+    """``import rlite.cli`` took 1.9 s under load, and a SIGTERM 1.8 s after start exited 143: the handler
+    was installed by ``rlite train`` itself. ``rlite.entry`` records it first thing."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PAUSE_IMPORT)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    config = tmp_path / "run.yaml"
+    config.write_text("training:\n  seed: 0\n")
+    env = run_in_subprocess_env(PYTHONPATH=str(hook), RLITE_TEST_READY=str(ready), RLITE_TEST_GO=str(go))
+    cmd = [sys.executable, "-m", "rlite", "train", str(config), *_args(model_dir, tmp_path / "run", 2)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the command never got to importing rlite.cli"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    go.touch()
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "rlite train: stopped: SIGTERM received while rlite was starting" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "run").exists()  # nothing started
+

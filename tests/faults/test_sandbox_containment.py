@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rlite import hookimpl as hookimpl_rlite
 from rlite import sandbox
 from rlite.plugins import code_exec as plugin
 from rlite.plugins.code_exec import CodeExecConfig, code_exec
@@ -222,3 +223,119 @@ def test_children_left_behind_by_a_finished_program_die_with_the_run(trainer_chi
     result = sandbox.run_untrusted("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1000)\nprint('bye')\n")
     assert result.kind == "ok" and result.stdout == "bye\n"
     assert_contained(result, trainer_child)  # the namespace's init exited, and the kernel killed the child
+
+
+# -- a run's own files, wherever they live -----------------------------------------------------------
+
+LOOKS_AROUND = """
+import json, os, stat, sys
+seen = {}
+for name, path in json.loads(sys.stdin.read()).items():
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        seen[name] = "refused: " + type(exc).__name__
+        continue
+    if stat.S_ISCHR(mode):
+        seen[name] = "hidden: a character device"
+    elif stat.S_ISDIR(mode):
+        try:
+            seen[name] = "listed " + ",".join(sorted(os.listdir(path)))
+        except OSError as exc:
+            seen[name] = "hidden: " + type(exc).__name__ + " " + oct(stat.S_IMODE(mode))
+    else:
+        try:
+            with open(path, "rb") as handle:
+                seen[name] = "read " + repr(handle.read(40))
+        except OSError as exc:
+            seen[name] = "refused: " + type(exc).__name__
+print(json.dumps(seen))
+"""
+
+
+class LooksAround:
+    """A reward whose first call runs a program in the sandbox that reads the run's files: the program a
+    model could write. What it saw is kept in ``seen``."""
+
+    def __init__(self, targets: dict[str, str]) -> None:
+        self.targets, self.seen = targets, None
+
+    @hookimpl_rlite
+    def register_reward_functions(self, register):
+        def look_around(completion, sample, cfg):
+            if self.seen is None:
+                import json
+
+                result = sandbox.run_untrusted(LOOKS_AROUND, stdin=json.dumps(self.targets),
+                                               limits=sandbox.SandboxLimits(timeout_s=60, cpu_s=10))  # fmt: skip
+                self.seen = json.loads(result.stdout) if result.ok else {"failed": result.kind + result.stderr}
+            return 0.0
+
+        register("look_around", look_around)
+
+
+@pytest.fixture
+def elsewhere():
+    """A folder a sandboxed program could see: outside the working folder, and outside /tmp, /var/tmp and
+    /dev/shm, which the sandbox replaces with its own tmpfs."""
+    import shutil
+
+    for parent in ("/srv", "/var/lib", str(Path.home())):
+        if os.access(parent, os.W_OK) and not os.getcwd().startswith(parent):
+            folder = Path(tempfile.mkdtemp(prefix="rlite-sandbox-test-", dir=parent))
+            break
+    else:
+        pytest.skip("no writable folder outside the working folder and the temporary folders")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_sandboxed_program_sees_nothing_of_a_run_outside_the_working_folder(elsewhere):
+    """With logging.run_dir elsewhere (/srv/elsewhere/run), 31 of 32 programs read the run's config.yaml;
+    only the working folder, /run and hidden_paths were hidden, and run folders were world-readable."""
+    import json
+
+    tmp_path = elsewhere
+    tmp_path.chmod(0o755)  # others may pass: only hiding keeps the program out of what is below
+
+    from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.checkpoint import list_checkpoints
+    from rlite.tasks import make_task
+    from rlite.testing import tiny_config
+    from rlite.tokenizer import build_tiny_model_dir
+
+    assert not str(tmp_path).startswith(os.getcwd())  # the working folder is hidden anyway
+    model_dir = build_tiny_model_dir(tmp_path / "tiny")
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps(row) + "\n" for row in make_task("addition", 32, 0, 0)[0]))
+    run_dir, offload = tmp_path / "elsewhere" / "run", tmp_path / "offload"
+    common = (f"data.train_files={data}", "data.task=null", "checkpoint.every=1", "checkpoint.export_hf=false")
+    run_training(tiny_config(model_dir, run_dir, "training.steps=1", *common))  # a run folder to find
+    targets = {"config": str(run_dir / "config.yaml"), "checkpoints": str(run_dir / "checkpoints"),
+               "run folder": str(run_dir), "data": str(data), "offload": str(offload)}  # fmt: skip
+    peeker = LooksAround(targets)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(peeker, name="looks_around")
+    run_training(tiny_config(model_dir, run_dir, "training.steps=2", "checkpoint.resume=auto", "rewards=[look_around]",
+                             "training.optimizer_offload=disk", f"training.optimizer_offload_dir={offload}", *common,
+                             pm=pm), pm)  # fmt: skip
+    assert peeker.seen is not None and "failed" not in peeker.seen, peeker.seen
+    seen = peeker.seen
+    # an empty mode-000 tmpfs over each folder, /dev/null over each file; what is inside cannot be reached
+    assert seen["run folder"] == seen["offload"] == "hidden: PermissionError 0o0", seen
+    assert seen["data"] == "hidden: a character device", seen
+    assert seen["config"] == seen["checkpoints"] == "refused: PermissionError", seen
+    # and the files themselves are the owner's only: run folder 0700, checkpoint files 0600
+    assert stat_mode(run_dir) == 0o700
+    (checkpoint,) = list_checkpoints(run_dir / "checkpoints")[-1:]
+    assert {stat_mode(file) for file in checkpoint.iterdir()} == {0o600} and stat_mode(checkpoint) == 0o700
+
+
+def stat_mode(path: Path) -> int:
+    import stat
+
+    return stat.S_IMODE(path.stat().st_mode)

@@ -171,3 +171,96 @@ def test_a_bad_prompts_line_is_named(tmp_path, capsys):
     assert main(["generate", str(WARM_START), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 2
     assert "line 1 has no 'prompt' column (--prompt-key)" in capsys.readouterr().err
 
+
+
+# -- bounds: the model's context and the memory, checked before anything is allocated ---------------
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fails a test that loads a model's weights: a refusal must come before them."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before the refusal")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_max_new_tokens_past_the_context_is_refused_before_the_model_loads(no_model_loads, capsys, monkeypatch):
+    """``--max-new-tokens 1000000000`` allocated 256 GB and died after 152 s."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("1+1=\n"))
+    assert main(["chat", str(WARM_START), "--max-new-tokens", "1000000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 1000000000 + a prompt of 1 tokens" in err and "context of 256 positions" in err
+    assert "lower --max-new-tokens to at most 255" in err
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_model_loads(no_model_loads, tmp_path, capsys):
+    """A 600,000-token prompt to a 256-position model was still running after 300 s."""
+    prompts = tmp_path / "long.txt"
+    prompts.write_text("1" * 600_000 + "+1=\n")
+    assert main(["generate", str(WARM_START), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "exceed the model's context of 256 positions" in err and "shorten the prompt" in err
+    assert not (tmp_path / "o.jsonl").exists() and list(tmp_path.iterdir()) == [prompts]  # no half-written file
+
+
+def test_a_chat_turn_longer_than_the_context_is_refused(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("1+1=\n" + "2" * 300 + "+1=\n"))
+    assert main(["chat", str(WARM_START), "--raw", "--max-new-tokens", "3"]) == 2
+    printed = capsys.readouterr()
+    assert len(printed.out.splitlines()) == 1  # the first turn was answered
+    assert "--max-new-tokens 3 + a prompt of 303 tokens = 306 tokens exceed the model's context of 256" in printed.err
+
+
+def test_a_decode_bigger_than_the_memory_is_refused_before_the_model_loads(no_model_loads, held_out, tmp_path, capsys,
+                                                                          monkeypatch):  # fmt: skip
+    monkeypatch.setattr("rlite.run.limits.available_memory", lambda device: (2**20, "MemAvailable in /proc/meminfo"))
+    argv = ["generate", str(WARM_START), "--prompts", str(held_out), "--out", str(tmp_path / "o.jsonl")]
+    assert main([*argv, "--batch-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "memory: decoding 8 prompt(s) of up to" in err and "the weights and the KV cache" in err
+    assert "but 0.00 GiB are available (MemAvailable in /proc/meminfo): lower --max-new-tokens or --batch-size" in err
+
+
+# -- what chat and generate are given -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf"])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(capsys, monkeypatch, temperature):
+    monkeypatch.setattr("sys.stdin", io.StringIO("1+1=\n"))
+    assert main(["chat", str(WARM_START), "--temperature", temperature]) == 2
+    assert f"--temperature must be >= 0 and finite (0 is greedy), got {float(temperature)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("line", "message"), [(b"1+\xff1=\n", "stdin line 2 is not UTF-8 text (byte 3 of the line"),
+                                               (b"1+\x001=\n", "stdin line 2 holds a NUL character")])  # fmt: skip
+def test_chat_refuses_a_line_that_is_not_text_naming_it(capsys, monkeypatch, line, message):
+    stdin = io.TextIOWrapper(io.BytesIO(b"1+1=\n" + line), encoding="utf-8")  # as a pipe's: bytes underneath
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["chat", str(WARM_START), "--max-new-tokens", "2"]) == 2
+    printed = capsys.readouterr()
+    assert message in printed.err and len(printed.out.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("content", "message"), [(b"1+1=\n2+\xfe2=\n", "line 2 is not UTF-8 text"),
+                                                  (b"1+1=\n2+\x002=\n", "line 2 holds a NUL character")])  # fmt: skip
+def test_generate_refuses_a_prompt_file_that_is_not_text_naming_the_line(no_model_loads, tmp_path, capsys, content,
+                                                                         message):  # fmt: skip
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(content)
+    assert main(["generate", str(WARM_START), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert f"--prompts: {prompts} {message}" in capsys.readouterr().err
+
+
+def test_generate_refuses_an_output_it_cannot_write_before_generating(no_model_loads, held_out, tmp_path, capsys):
+    argv = ["generate", str(WARM_START), "--prompts", str(held_out), "--out"]
+    assert main([*argv, str(tmp_path)]) == 2  # a folder: it failed after generating every reply
+    assert f"--out: {str(tmp_path)!r} is a folder" in capsys.readouterr().err
+    assert main([*argv, str(tmp_path / "missing" / "o.jsonl")]) == 2
+    assert f"--out: the folder {str(tmp_path / 'missing')!r} does not exist" in capsys.readouterr().err
+    before = held_out.read_bytes()
+    assert main(["generate", str(WARM_START), "--prompts", str(held_out), "--out", str(held_out)]) == 2
+    assert "is the --prompts file; writing the replies would overwrite the prompts" in capsys.readouterr().err
+    assert held_out.read_bytes() == before

@@ -17,21 +17,34 @@ from rlite.tokenizer import build_tiny_model_dir
 
 
 def test_a_reader_during_the_write_sees_the_old_file_whole_then_the_new(tmp_path, monkeypatch):
+    import os
+
+    import rlite.run_files as run_files
+
     run_dir = tmp_path / "run"
     old_text, new_text = "model: {path: old}\n" * 200, "model: {path: new}\n" * 200
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(old_text)
     seen = []
-    write_text = Path.write_text
+    fdopen = os.fdopen
 
-    def slow_write(path, text, *args, **kwargs):  # a reader looks in the middle of the write
-        with open(path, "w") as handle:
-            handle.write(text[: len(text) // 2])
-            handle.flush()
+    class SlowWrite:  # a reader looks in the middle of the write
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def write(self, data):
+            self.handle.write(data[: len(data) // 2])
+            self.handle.flush()
             seen.append((run_dir / "config.yaml").read_text())
-        return write_text(path, text, *args, **kwargs)
+            return self.handle.write(data[len(data) // 2 :])
 
-    monkeypatch.setattr(Path, "write_text", slow_write)
+    monkeypatch.setattr(run_files.os, "fdopen", lambda *args, **kwargs: SlowWrite(fdopen(*args, **kwargs)))
     write_run_config(run_dir, new_text)
     assert seen == [old_text]
     assert (run_dir / "config.yaml").read_text() == new_text

@@ -288,10 +288,15 @@ parser.add_argument("--api-key")
 parser.add_argument("--config")
 args, _ = parser.parse_known_args()
 api_key = args.api_key
-if args.config:  # SGLang's --config: a YAML file of ServerArgs fields (rlite writes JSON, which is YAML)
-    api_key = json.load(open(args.config)).get("api-key", api_key)  # a key k becomes the flag --k
+# SGLang's --config: a YAML file of ServerArgs fields (rlite writes JSON, which is YAML)
+if args.config:
+    import yaml
+    config = yaml.safe_load(open(args.config))
+else:
+    config = {}
+api_key = config.get("api-key", api_key)  # a key k becomes the flag --k
 with open(log, "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:], "api_key": api_key}) + "\\n")
+    f.write(json.dumps({"argv": sys.argv[1:], "api_key": api_key, "config": config}) + "\\n")
 if mode == "exit":
     sys.exit(3)
 if mode == "hang":
@@ -454,6 +459,39 @@ def test_a_launched_server_takes_a_fresh_key_that_only_rlite_sends(fake_server):
     finally:
         for backend in backends:
             backend.shutdown()
+
+
+def test_a_users_config_file_is_merged_with_the_key_into_rlites_own_and_the_key_stays_off_the_command_line(
+    fake_server, tmp_path
+):
+    """With a ``config:`` argument of the user's, the key went on the server's command line (``ps`` shows it to
+    every user of the node): SGLang reads one --config file, so rlite now writes one holding both."""
+    from rlite.engines.sglang.launch import ServerBackend
+
+    user = tmp_path / "sglang.yaml"
+    user.write_text("# the user's server settings\nmem-fraction-static: 0.5\nchunked-prefill-size: 4096\n")
+    original = user.read_text()
+    backend = ServerBackend({"model_path": "/m", "config": str(user)}, start_timeout_s=60.0, timeout_s=30.0)
+    try:
+        (launch,) = [call for call in fake_server() if "argv" in call]
+        argv = launch["argv"]
+        assert "--api-key" not in argv and backend.api_key not in " ".join(argv)
+        used = argv[argv.index("--config") + 1]
+        assert used != str(user) and not os.path.exists(used)  # rlite's own 0600 file, removed once the server was up
+        assert launch["config"] == {"mem-fraction-static": 0.5, "chunked-prefill-size": 4096, "api-key": backend.api_key}
+        assert launch["api_key"] == backend.api_key and user.read_text() == original
+    finally:
+        backend.shutdown()
+
+
+def test_a_users_config_file_that_is_no_mapping_is_refused_naming_it(tmp_path):
+    from rlite.config import ConfigError
+    from rlite.engines.sglang.launch import ServerBackend
+
+    user = tmp_path / "sglang.yaml"
+    user.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match=f"rollout.engine.args.config: {user} must hold a mapping"):
+        ServerBackend({"model_path": "/m", "config": str(user)}, start_timeout_s=60.0, timeout_s=30.0)
 
 
 def test_the_auth_config_file_is_readable_by_its_owner_only():

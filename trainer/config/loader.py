@@ -366,6 +366,37 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), p
     return cfg
 
 
+def literal_strings(node: Any) -> Any:
+    """``node`` (plain data: dicts, lists, values) with every ``${`` escaped, so that omegaconf reads each
+    string as it is rather than as an interpolation to resolve."""
+    if isinstance(node, dict):
+        return {key: literal_strings(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [literal_strings(value) for value in node]
+    return node.replace("${", "\\${") if isinstance(node, str) else node
+
+
+def config_from_data(data: dict[str, Any], where: str) -> RunConfig:
+    """A :class:`RunConfig` from plain data (a parsed YAML mapping): every string literal (no interpolation is
+    resolved), the schema's types and ``__post_init__`` checks applied, and no named choice looked up in a
+    registry, so nothing is imported. For reading another run's settings as data (``rlite chat RUN_DIR``);
+    ``where`` names the source in messages."""
+    token = _SKIP_CHECKS.set(True)
+    try:
+        schema = OmegaConf.structured(RunConfig)
+    finally:
+        _SKIP_CHECKS.reset(token)
+    try:
+        merged = OmegaConf.merge(schema, _normalise_choices(literal_strings(data)))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        if isinstance(exc.__cause__, ConfigError):
+            raise ConfigError(f"{where}: {exc.__cause__}") from None
+        raise ConfigError(f"{where}: {_explain_omegaconf_error(exc)}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {str(exc).splitlines()[0]}") from None
+
+
 def config_to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 

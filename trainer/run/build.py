@@ -33,6 +33,7 @@ from rlite.run.checkpoint import find_resume_checkpoint
 from rlite.run.lifecycle import check_resume_config, maybe_resume
 from rlite.run.limits import check_run_fits
 from rlite.run.state import Run
+from rlite.run_files import link_in_folder, make_run_folder, refusal, refuse_link_or_special, replace_run_file
 from rlite.samples import SampleWriter
 from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import RolloutOptions, Rollouts
@@ -52,9 +53,22 @@ def write_run_config(run_dir: Path, text: str) -> None:
     """Replace ``<run_dir>/config.yaml`` in one step (a temporary file renamed over it): every other rank
     reads the old one in :func:`rlite.run.lifecycle.check_resume_config` while the main rank writes, and
     must see it whole, never a file cut short (which reads as another run's config)."""
-    tmp = run_dir / f".config.yaml.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, run_dir / "config.yaml")
+    replace_run_file(run_dir / "config.yaml", text)
+
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "eval.jsonl")
+"""The files a run reads and writes at the top of its folder (its loggers' own files are opened likewise)."""
+
+
+def check_run_folder(run_dir: Path) -> None:
+    """Refuse (:class:`~rlite.run_files.RunFolderError`, exit status 2) a run folder holding a link or a special
+    file where the run keeps one of its files, or a link in its exported ``hf_model/``: a resume would read or
+    overwrite whatever it points to (``docs/faults.md``, threat model). Checkpoints are checked when chosen."""
+    for name in RUN_FILES:
+        refuse_link_or_special(run_dir / name)
+    found = link_in_folder(run_dir / "hf_model")
+    if found:
+        raise refusal(*found)
 
 
 def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool = False) -> Run:
@@ -71,11 +85,18 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         keep_freed_memory()
     torch.manual_seed(cfg.training.seed)
     run_dir = Path(cfg.logging.run_dir)
+    check_run_folder(run_dir)  # a link where the run keeps a file: refused before anything is read or written
     # found (and its checksums verified) once; the config check, the load and the provenance use it
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume, verify=cfg.checkpoint.verify)
+    # (an evaluation describes the checkpoint it was pointed at: a damaged one is refused, not replaced)
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume, verify=cfg.checkpoint.verify,
+                                         fallback=not evaluation_only)
     check_resume_config(cfg, resume_from)  # before this run's config.yaml replaces the one the check reads
     if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            make_run_folder(run_dir)  # 0700: a sandboxed program's uid, or another user, reads nothing in it
+        except OSError as exc:  # /proc/x, a read-only mount, no permission
+            raise ConfigError(f"logging.run_dir: cannot create the run folder {str(run_dir)!r} ({exc.strerror or exc}); "
+                              "point it at a folder you can write") from None
     if ctx.is_main and not evaluation_only:
         write_run_config(run_dir, config_to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
@@ -299,6 +320,25 @@ def check_input_paths(cfg: RunConfig) -> None:
                     resolve_data_files(spec, f"data.{key}")
                 except (FileNotFoundError, ValueError) as exc:
                     raise ConfigError(str(exc).strip("'\"")) from None
+
+
+def sandbox_hidden_paths(cfg: RunConfig) -> list[str]:
+    """What every program a reward runs in the sandbox must not see of this run, wherever it lives: the run
+    folder (its config, checkpoints, metrics and samples), the data files (the answers) and the optimizer
+    offload folder, and a checkpoint resumed from another folder (:func:`rlite.sandbox.hidden_from_programs`)."""
+    import glob
+
+    from rlite.data import GLOB_CHARS
+    from rlite.training.optim_offload import optimizer_offload_dir
+
+    paths = [cfg.logging.run_dir, str(optimizer_offload_dir(cfg.training.optimizer_offload_dir, cfg.logging.run_dir, 0).parent)]
+    if cfg.checkpoint.resume not in ("auto", "never"):
+        paths.append(cfg.checkpoint.resume)
+    for spec in (cfg.data.train_files, cfg.data.eval_files):
+        for entry in [spec] if isinstance(spec, str) else list(spec or []):
+            text = os.path.expanduser(str(entry))
+            paths += sorted(glob.glob(text, recursive=True)) if any(ch in text for ch in GLOB_CHARS) else [text]
+    return [os.path.abspath(path) for path in paths]
 
 
 def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, resume_from: Path | None,

@@ -43,6 +43,7 @@ from rlite.run.safe_pickle import (
     read_dcp_metadata,
     unsafe_checkpoint_error,
 )
+from rlite.run_files import FILE_MODE, FOLDER_MODE, RunFolderError, link_in_folder, open_run_file, refusal
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
@@ -81,7 +82,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def _fsync_tree(path: Path) -> None:
     for file in path.rglob("*"):
         if file.is_file():
-            with open(file, "rb") as handle:
+            with open_run_file(file, "rb") as handle:
                 os.fsync(handle.fileno())
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -179,21 +180,40 @@ def _attempt(write) -> str:
     return ""
 
 
+MANIFEST_FORMAT = 2
+"""Manifests of this format hash each file together with its step and name (:func:`manifest_digest`); those
+written before (no ``format``) hash the bytes alone and are still read."""
+
+
 def _publish(tmp: Path, step: int) -> None:
-    """The manifest of every file written, then the marker; both on disk before the rename."""
+    """The manifest of every file written, then the marker; both on disk before the rename. Every file is
+    made readable by its owner only (a checkpoint is the run's weights, and a sandboxed program runs as
+    another uid)."""
+    for item in [tmp, *tmp.rglob("*")]:
+        item.chmod(FOLDER_MODE if item.is_dir() else FILE_MODE)
     manifest = {
-        str(file.relative_to(tmp)): {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        str(file.relative_to(tmp)): {"bytes": file.stat().st_size,
+                                     "sha256": manifest_digest(file, step, str(file.relative_to(tmp)))}
         for file in sorted(tmp.rglob("*"))
         if file.is_file()
-    }
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
-    (tmp / MARKER).write_text(f"step {step}\n")
+    }  # fmt: skip
+    for name, text in ((MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "step": step, "files": manifest}, indent=1)),
+                       (MARKER, f"step {step}\n")):  # fmt: skip
+        with open_run_file(tmp / name, "w") as handle:
+            handle.write(text)
     _fsync_tree(tmp)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:  # hashlib.file_digest is Python 3.11+
+def manifest_digest(file: Path, step: int, name: str) -> str:
+    """The SHA-256 a manifest gives ``file`` (``name`` in the checkpoint of ``step``): of the line
+    ``rlite checkpoint step_XXXXXXXX/NAME`` and then the file's bytes. Bound to the step and the name, a file
+    moved from another checkpoint (or to another name) no longer matches even when its bytes are intact."""
+    return _sha256(file, f"rlite checkpoint step_{step:08d}/{name}\n".encode())
+
+
+def _sha256(path: Path, prefix: bytes = b"") -> str:
+    digest = hashlib.sha256(prefix)
+    with open_run_file(path, "rb") as handle:  # hashlib.file_digest is Python 3.11+
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -232,17 +252,35 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 def verify_checkpoint(path: Path, *, checksums: bool = True) -> str:
     """Why the checkpoint at ``path`` is damaged ("" when it is intact).
 
-    ``checksums``: every file must match the size and SHA-256 its ``MANIFEST.json`` gives (a checkpoint
-    without one is reported as such); without, only what can be told without a manifest: the DCP
-    metadata reads, every shard it names is there and long enough, every trainer state opens. Both ways
-    every pickle is read inertly (:mod:`rlite.run.safe_pickle`): one that names anything rlite never
-    writes raises :class:`~rlite.run.safe_pickle.UnsafeCheckpointError` rather than counting as damage.
+    ``checksums``: every file must match the size and SHA-256 its ``MANIFEST.json`` gives, bound to the step
+    (:func:`manifest_digest`; a checkpoint without one is reported as such); without, only what can be told
+    without a manifest: the DCP metadata reads, every shard it names is there and long enough, every trainer
+    state loads and holds what rlite writes (:func:`trainer_state_damage`). Both ways every pickle is read
+    inertly (:mod:`rlite.run.safe_pickle`): one that names anything rlite never writes raises
+    :class:`~rlite.run.safe_pickle.UnsafeCheckpointError`, and a link anywhere in the folder raises
+    :class:`~rlite.run_files.RunFolderError`, rather than counting as damage (a tampered folder needs a look).
     """
+    refuse_links(path)
+    structure = _structure_damage(path)  # first: code or a link is refused whatever the manifest says
     if checksums:
         damage = _manifest_damage(path)
         if damage:
             return damage
-    return _structure_damage(path)
+    return structure
+
+
+def refuse_links(path: Path) -> None:
+    """Refuse (:class:`~rlite.run_files.RunFolderError`) a checkpoint folder that is a link or holds one (or a
+    special file): rlite writes neither, and a shard linked to a file elsewhere would be loaded as the run's."""
+    found = link_in_folder(path)
+    if found:
+        raise refusal(*found)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step a checkpoint folder's name says (None for another name)."""
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
 
 
 def _manifest_damage(path: Path) -> str:
@@ -250,28 +288,40 @@ def _manifest_damage(path: Path) -> str:
     if not manifest_file.is_file():
         return f"it has no {MANIFEST}"
     try:
-        files = json.loads(manifest_file.read_text())["files"]
+        with open_run_file(manifest_file, "rb") as handle:
+            manifest = json.loads(handle.read())
+        files, step, bound = manifest["files"], manifest["step"], manifest.get("format") == MANIFEST_FORMAT
+        if not isinstance(step, int) or not isinstance(files, dict):
+            raise TypeError("step or files")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"its {MANIFEST} is unreadable ({type(exc).__name__})"
+    if checkpoint_step(path) not in (None, step):
+        return f"its {MANIFEST} was written for step {step}, not for {path.name}"
     for name, expected in files.items():
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != expected["bytes"]:
             return f"{name} has {file.stat().st_size} bytes, {expected['bytes']} were written"
-        if _sha256(file) != expected["sha256"]:
+        digest = manifest_digest(file, step, name) if bound else _sha256(file)
+        if digest != expected["sha256"]:
             return f"{name} does not match the checksum written with it"
     return ""
 
 
 def _structure_damage(path: Path) -> str:
-    """What a torn or truncated write left that shows without checksums ("" if nothing)."""
+    """What a torn or truncated write (or a file from elsewhere) left that shows without checksums ("" if
+    nothing)."""
     try:
         metadata = read_dcp_metadata(path)
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, RunFolderError):
         raise
     except Exception as exc:  # noqa: BLE001 - a torn pickle raises many kinds
         return f".metadata is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+    step = checkpoint_step(path)
+    written_to = getattr(getattr(metadata, "storage_meta", None), "checkpoint_id", None)
+    if step is not None and written_to is not None and not Path(str(written_to)).name.startswith(f"step_{step:08d}"):
+        return f".metadata was written for {Path(str(written_to)).name}, not for {path.name}"
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -290,33 +340,143 @@ def _structure_damage(path: Path) -> str:
     states = sorted(path.glob("trainer_state_rank*.pt"))
     if not states:
         return "it has no trainer_state_rank*.pt"
-    for file in states:  # its pickle scanned, not loaded: every rank checks every rank's file
-        try:
-            forbidden = forbidden_trainer_state_globals(file)
-        except Exception as exc:  # noqa: BLE001 - a torn zip raises many kinds
-            return f"{file.name} is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
-        if forbidden:
-            raise unsafe_checkpoint_error(file, forbidden)
+    for file in states:  # every rank checks every rank's file, so all ranks choose the same checkpoint
+        damage = _trainer_state_file_damage(file, step)
+        if damage:
+            return f"{file.name} {damage}"
+    return ""
+
+
+def _trainer_state_file_damage(file: Path, step: int | None) -> str:
+    """What is wrong with a trainer state file ("" if nothing): :func:`load_checked_trainer_state`'s damage."""
+    return load_checked_trainer_state(file, step)[1]
+
+
+def load_checked_trainer_state(file: Path, step: int | None) -> tuple[Any, str]:
+    """A trainer state file loaded, and what is wrong with it ("" if nothing): its pickle is scanned first
+    (a call rlite never writes raises :class:`~rlite.run.safe_pickle.UnsafeCheckpointError`), then loaded as
+    data and its structure checked (:func:`trainer_state_damage`; ``step``: its folder's)."""
+    try:
+        forbidden = forbidden_trainer_state_globals(file)
+    except RunFolderError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a torn zip raises many kinds
+        return None, f"is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+    if forbidden:
+        raise unsafe_checkpoint_error(file, forbidden)
+    try:
+        state = load_trainer_state(file)
+    except (UnsafeCheckpointError, RunFolderError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a tensor view out of its storage, a torn pickle, a recursion, ...
+        return None, f"does not load ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
+    return state, trainer_state_damage(state, step)
+
+
+TRAINER_STATE_SECTIONS = {"scheduler": dict, "sampler": dict, "kl_controller": dict, "rng": dict, "step": int}
+"""What every trainer state rlite writes holds (beyond these: an async run's batches, a draft's state)."""
+MAX_STATE_DEPTH = 32
+"""Containers nested deeper than this are no state rlite writes (its deepest is about 6); a structure
+200,000 levels deep loads, then breaks whatever walks it recursively."""
+
+
+def trainer_state_damage(state: Any, step: int | None = None) -> str:
+    """Why a loaded trainer state is not one rlite wrote ("" when it is): not a dict, a section missing or of
+    another type, another step than ``step`` (its folder's), containers nested past :data:`MAX_STATE_DEPTH`,
+    or RNG states that the generators refuse."""
+    if not isinstance(state, dict):
+        return f"holds {type(state).__name__} {str(state)[:40]!r}, not a trainer state (a dict)"
+    for key, kind in TRAINER_STATE_SECTIONS.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"has {'no ' + repr(key) if key not in state else f'a {type(value).__name__} as {key!r}'} ({kind.__name__} expected)"
+    if step is not None and state["step"] != step:
+        return f"holds the state of step {state['step']}, not of step {step}"
+    if _nesting_depth(state, MAX_STATE_DEPTH) > MAX_STATE_DEPTH:
+        return f"nests containers more than {MAX_STATE_DEPTH} levels deep"
+    return rng_state_damage(state["rng"])
+
+
+def _nesting_depth(root: Any, limit: int) -> int:
+    """How deep ``root``'s containers (dicts, lists, tuples, sets, objects' attributes) nest, counted without
+    recursion and no further than ``limit + 1``."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = list(node.values())
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            children = list(node)
+        elif hasattr(node, "__dict__") and not isinstance(node, (torch.Tensor, type)):
+            children = list(vars(node).values())
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return depth
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def rng_state_damage(rng: dict[str, Any]) -> str:
+    """Why ``rng`` cannot be the RNG states :func:`rng_state` wrote ("" when it can): each is set on a fresh
+    generator of its kind, which checks it, so nothing of the process's own RNGs changes."""
+    try:
+        torch.Generator().set_state(rng["torch"])
+        version, internal, gauss = rng["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        name, key, *rest = rng["numpy"]
+        np.random.RandomState().set_state((name, np.asarray(key, dtype=np.uint32), *rest))
+        for state in rng.get("cuda", []):
+            if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1):
+                raise TypeError("a CUDA RNG state is not a 1-D uint8 tensor")
+    except Exception as exc:  # noqa: BLE001 - each generator refuses in its own way
+        return f"holds RNG states that do not load ({type(exc).__name__}: {str(exc)[:120]})"
     return ""
 
 
 def unsafe_content(path: Path) -> str:
-    """Why the checkpoint at ``path`` would be refused as holding code ("" if it holds none), read inertly
-    without a tensor (``rlite info``); damage is left to the resume (:func:`verify_checkpoint`)."""
+    """Why the checkpoint at ``path`` would be refused as holding code or links ("" if it holds neither), read
+    inertly without a tensor (``rlite info``); damage is :func:`checkpoint_damage`'s."""
     try:
+        refuse_links(path)
         _structure_damage(path)
-    except UnsafeCheckpointError as exc:
+    except (UnsafeCheckpointError, RunFolderError) as exc:
         return str(exc)
     return ""
 
 
-def find_resume_checkpoint(run_dir: str | Path, resume: str, *, verify: bool = True) -> Path | None:
+def checkpoint_damage(path: Path) -> str:
+    """What ``rlite info`` can tell of a checkpoint's damage without hashing its shards ("" if nothing): the
+    sizes its manifest gives, and :func:`verify_checkpoint`'s checks without checksums (the trainer states
+    loaded and checked). A refused checkpoint (:func:`unsafe_content`) reports nothing here."""
+    try:
+        refuse_links(path)
+        manifest_file = path / MANIFEST
+        if manifest_file.is_file():
+            with open_run_file(manifest_file, "rb") as handle:
+                files = json.loads(handle.read()).get("files", {})
+            for name, expected in files.items():
+                if not (path / name).is_file():
+                    return f"{name} is missing"
+                if (path / name).stat().st_size != expected.get("bytes"):
+                    return f"{name} has {(path / name).stat().st_size} bytes, {expected.get('bytes')} were written"
+        return _structure_damage(path)
+    except (UnsafeCheckpointError, RunFolderError):
+        return ""
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"its {MANIFEST} is unreadable ({type(exc).__name__})"
+
+
+def find_resume_checkpoint(run_dir: str | Path, resume: str, *, verify: bool = True, fallback: bool = True) -> Path | None:
     """``auto``: the newest intact checkpoint of the run, or None when there is none; ``never``: None;
     else that path (refused if incomplete or damaged). ``auto`` logs every newer checkpoint it skipped
-    and why; if every checkpoint is damaged it refuses rather than starting over. ``verify``
-    (``checkpoint.verify``): check the checksums of the manifest, refusing a checkpoint without one;
-    without, :func:`verify_checkpoint`'s checks that need none. A checkpoint whose pickles name
-    anything rlite never writes is refused, never skipped."""
+    and why; if every checkpoint is damaged it refuses rather than starting over. ``fallback=False``
+    (``rlite eval``, ``rlite chat``: they describe the run's latest model, which an older checkpoint is not)
+    refuses a damaged newest checkpoint instead, naming it and why. ``verify`` (``checkpoint.verify``):
+    check the checksums of the manifest, refusing a checkpoint without one; without, :func:`verify_checkpoint`'s
+    checks that need none. A checkpoint whose pickles name anything rlite never writes, or that holds a link,
+    is refused, never skipped."""
     from rlite.config import ConfigError
 
     if resume == "never":
@@ -329,6 +489,12 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str, *, verify: bool = T
             damage = verify_checkpoint(path, checksums=verify)
             if not damage:
                 return path
+            if not fallback:
+                raise ConfigError(
+                    f"the latest checkpoint {path} is damaged: {damage}. Refused rather than answered for by an older "
+                    "checkpoint, which holds another model than the run's latest (rlite train resumes from the newest "
+                    "intact one; rlite eval takes checkpoint.resume=PATH of another)"
+                )
             log.warning("checkpoint %s is damaged and skipped: %s", path.name, damage)
             skipped.append(f"{path.name}: {damage}")
         if skipped:
@@ -374,7 +540,13 @@ def load_checkpoint(path: Path, model_state: dict[str, Any], *, rank: int) -> di
             f"checkpoint.resume: {path} has no {state_file.name}: it was written with a different number of "
             "ranks; resume with the same world size, or start fresh with checkpoint.resume=never"
         )
-    trainer_state = load_trainer_state(state_file)  # first: it is refused before any weight is touched
+    # first: it is refused before any weight is touched
+    trainer_state, damage = load_checked_trainer_state(state_file, checkpoint_step(path))
+    if damage:
+        raise ConfigError(
+            f"checkpoint.resume: {state_file} {damage}: it is damaged or not a checkpoint rlite wrote. Point "
+            "checkpoint.resume at another checkpoint or start fresh with checkpoint.resume=never"
+        )
     refuse_another_model(path, read_dcp_metadata(path), model_state)
     try:
         dcp.load(model_state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))

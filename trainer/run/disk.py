@@ -14,9 +14,10 @@ DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 """A full disk, or a full quota (what a shared cluster's home and scratch folders usually run out of)."""
 
 DISK_FULL_TEXTS = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]", "No space left on device", "Disk quota exceeded",
-                   "unexpected pos", "file write failed")
-"""How a full disk reads once it has been turned into text or a RuntimeError: ``torch.save``'s zip writer reports
-ENOSPC as ``[enforce fail at inline_container.cc] unexpected pos`` or ``file write failed``, without the errno."""
+                   f"(os error {errno.ENOSPC})", f"(os error {errno.EDQUOT})", "unexpected pos", "file write failed")
+"""How a full disk reads once it has been turned into text or another exception: ``torch.save``'s zip writer reports
+ENOSPC as ``[enforce fail at inline_container.cc] unexpected pos`` or ``file write failed``, without the errno, and
+safetensors (Rust) as ``SafetensorError: ... No space left on device (os error 28)``, no OSError."""
 
 
 _STOP_NOW = False

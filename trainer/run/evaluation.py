@@ -11,8 +11,9 @@ from rlite.config import ConfigError, RunConfig
 from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.hf_models import quiet_transformers_progress
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
-from rlite.run.build import Run, build_run
+from rlite.run.build import Run, build_run, sandbox_hidden_paths
 from rlite.run.lifecycle import write_samples
+from rlite.sandbox import hidden_from_programs
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
@@ -41,19 +42,22 @@ def run_evaluation(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict
     ctx = init_distributed()
     finished = False
     try:
-        with quiet_transformers_progress():
-            run = build_run(cfg, pm if pm is not None else get_plugin_manager(), evaluation_only=True)
-        try:
-            if not run.eval_prompts:
-                raise ConfigError("rlite eval: no held-out prompts; set data.eval_files (or use a built-in data.task)")
-            with run.timer.phase("eval"):
-                metrics = evaluate(run, run.start_step)
-        finally:
-            run.engine.shutdown()
-            run.backend.close()
+        with hidden_from_programs(sandbox_hidden_paths(cfg)):  # what a reward's sandboxed program must not see
+            with quiet_transformers_progress():
+                run = build_run(cfg, pm if pm is not None else get_plugin_manager(), evaluation_only=True)
+            try:
+                if not run.eval_prompts:
+                    raise ConfigError("rlite eval: no held-out prompts; set data.eval_files (or use a built-in data.task)")
+                with run.timer.phase("eval"):
+                    metrics = evaluate(run, run.start_step)
+            finally:
+                run.engine.shutdown()
+                run.backend.close()
         result = {"step": run.start_step, "model": evaluated_model(cfg, run), **metrics}
         if ctx.is_main:
-            with open(run.run_dir / "eval.jsonl", "a") as handle:
+            from rlite.run_files import open_run_file
+
+            with open_run_file(run.run_dir / "eval.jsonl", "a") as handle:
                 handle.write(json.dumps(result) + "\n")
             for key, value in result.items():
                 print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}", flush=True)

@@ -59,6 +59,8 @@ def export_hf(
         model.config.use_cache = True
         model.generation_config = source_generation_config(source_model, model.config)
         tmp = out_dir.with_name(out_dir.name + ".tmp")
+        if tmp.is_symlink():  # never written through: a link planted there would take the export elsewhere
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier export's leftovers
         try:
             model.save_pretrained(tmp)

@@ -55,10 +55,14 @@ def disk_full_message(what: str, folder: str | Path, error: BaseException | str,
 @contextlib.contextmanager
 def stop_on_full_disk(what: str, folder: str | Path, run_dir: str | Path) -> Iterator[None]:
     """Turn a full disk while writing ``what`` into ``folder`` into a clean stop (:class:`RunStopped`, exit
-    status 4) naming the folder, its free space and the checkpoint to resume from; other errors pass."""
+    status 4) naming the folder, its free space and the checkpoint to resume from; other errors pass. Any
+    exception counts whose text says so (:func:`is_disk_full`): writers in other languages raise their own kinds
+    (safetensors' ``SafetensorError``)."""
     try:
         yield
-    except (OSError, RuntimeError) as exc:
+    except RunStopped:  # an inner write path's own stop, which names what it was writing
+        raise
+    except Exception as exc:
         if stop_now_requested():  # a second Ctrl-C interrupted the write: stop now (status 130)
             raise KeyboardInterrupt from None
         if not is_disk_full(exc):

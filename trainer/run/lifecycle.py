@@ -9,6 +9,7 @@ sampler's position, the KL controller and a trained speculative draft (weights a
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +82,23 @@ def check_resume_config(cfg: RunConfig, path: Path | None) -> None:
     (``<run_dir>/checkpoints/step_X`` -> ``<run_dir>/config.yaml``).
     """
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     if path is None:
         return
+    from rlite.run_files import read_run_file
+
     saved_file = path.parent.parent / "config.yaml"
-    if not saved_file.is_file():
+    if not os.path.lexists(saved_file):
         log.warning("resuming %s: its run folder has no config.yaml to check the model and algorithm against", path)
         return
-    saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=False) or {}
+    try:  # data: read without following a link, no interpolation resolved
+        saved = OmegaConf.to_container(OmegaConf.create(read_run_file(saved_file).decode("utf-8")), resolve=False) or {}
+    except (UnicodeDecodeError, ValueError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"checkpoint.resume: {saved_file} is not the YAML config rlite writes ({type(exc).__name__}); "
+                          "resume from another run folder, or start afresh") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"checkpoint.resume: {saved_file} is not the config rlite writes (a mapping of sections)")
     current = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False)
     differ = [d for section in RESUME_CHECKED_SECTIONS for d in _differences(saved.get(section), current[section], section)]
     if not differ:
@@ -145,6 +155,9 @@ def stop_after_engine_failure(run: Run, failure: Exception):
     step, at_start = run.in_progress
     if at_start is not None:
         step -= 1
+    elif run.unlogged_metrics is not None:  # the policy moved: this step's checkpoint comes with its row
+        log_metrics(run, step, {**run.unlogged_metrics, **run.timer.step_metrics()})
+        run.unlogged_metrics = None
     if step == 0:
         saved = "no step had finished, so a re-run starts from the beginning"
     else:
@@ -177,13 +190,20 @@ def maybe_resume(
     backend.load_checkpoint_state(state)
     if critic is not None:
         critic.load_checkpoint_state(state)
-    backend.load_lr_scheduler_state(trainer_state["scheduler"])
-    sampler.load_state_dict(trainer_state["sampler"])
-    kl_controller.load_state_dict(trainer_state["kl_controller"])
-    if draft is not None and trainer_state.get("draft"):  # a run that had no draft before starts it afresh
-        draft.load_state_dict(trainer_state["draft"])
-    if rollouts_ahead is not None:
-        rollouts_ahead.update(trainer_state.get("rollouts_ahead") or {})
+    try:  # its sections were checked to be of the right types; what they hold is checked by applying them
+        backend.load_lr_scheduler_state(trainer_state["scheduler"])
+        sampler.load_state_dict(trainer_state["sampler"])
+        kl_controller.load_state_dict(trainer_state["kl_controller"])
+        if draft is not None and trainer_state.get("draft"):  # a run that had no draft before starts it afresh
+            draft.load_state_dict(trainer_state["draft"])
+        if rollouts_ahead is not None:
+            rollouts_ahead.update(trainer_state.get("rollouts_ahead") or {})
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise ConfigError(
+            f"checkpoint.resume: the trainer state of {path} does not fit this run ({type(exc).__name__}: {exc}); it is "
+            "damaged or not a checkpoint rlite wrote. Point checkpoint.resume at another checkpoint or start fresh "
+            "with checkpoint.resume=never"
+        ) from None
     step = int(trainer_state["step"])
     if ctx.is_main:
         log.info("resumed from %s (step %d)", path, step)

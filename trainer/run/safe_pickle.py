@@ -85,22 +85,34 @@ def trainer_state_globals() -> list[Any]:
     ]  # fmt: skip
 
 
+def _file_bytes(file: Path | io.BytesIO) -> io.BytesIO:
+    """A checkpoint file's bytes, read without following a link (:mod:`rlite.run_files`)."""
+    if isinstance(file, io.BytesIO):
+        file.seek(0)
+        return file
+    from rlite.run_files import read_run_file
+
+    return io.BytesIO(read_run_file(file))
+
+
 def forbidden_trainer_state_globals(file: Path | io.BytesIO) -> list[str]:
     """The globals a ``torch.save`` file names that :func:`load_trainer_state` would refuse, found by
     reading its pickle's opcodes (nothing is called)."""
     with torch.serialization.safe_globals(trainer_state_globals()):
-        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(_file_bytes(file)))
 
 
-def load_trainer_state(file: Path) -> dict[str, Any]:
+def load_trainer_state(file: Path) -> Any:
     """``torch.load`` of a trainer state admitting only what rlite writes; :class:`UnsafeCheckpointError`
-    (naming the file and the globals) for anything else."""
-    forbidden = forbidden_trainer_state_globals(file)
+    (naming the file and the globals) for anything else. What it loads is data of any shape:
+    :func:`rlite.run.checkpoint.trainer_state_damage` says whether it is a trainer state."""
+    data = _file_bytes(file)
+    forbidden = forbidden_trainer_state_globals(data)
     if forbidden:
         raise unsafe_checkpoint_error(file, forbidden)
     with torch.serialization.safe_globals(trainer_state_globals()):
         try:
-            return torch.load(file, map_location="cpu", weights_only=True)
+            return torch.load(_file_bytes(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:  # a call the scan could not see (pushed by another opcode)
             raise unsafe_checkpoint_error(file, str(exc).strip().splitlines()[-1]) from None
 
@@ -162,8 +174,10 @@ class MetadataUnpickler(pickle._Unpickler):
 
 def read_dcp_metadata(path: Path) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint folder ``path``, through :class:`MetadataUnpickler`."""
+    from rlite.run_files import open_run_file
+
     file = Path(path) / ".metadata"
-    with open(file, "rb") as handle:
+    with open_run_file(file, "rb") as handle:
         metadata = MetadataUnpickler(handle, file).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"{file} holds a {type(metadata).__name__}, not DCP metadata")

@@ -70,6 +70,9 @@ class Run:
     in_progress: tuple[int, dict | None] = (0, None)
     """The step under way and, until its policy update, the state it started from
     (:func:`rlite.run.lifecycle.step_start_state`); ``None`` once the policy has moved."""
+    unlogged_metrics: dict | None = None
+    """The metrics of the step in progress once its policy has moved, until its row is logged: a stop before
+    then (an engine dead past its restarts) logs them before it saves that step's checkpoint."""
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
     """The preemption signals' flag (:func:`rlite.loop.run_training` installs its handlers)."""
     provenance: dict = field(default_factory=dict)

@@ -48,8 +48,10 @@ def planned_steps(run_dir: Path) -> int | None:
     """``training.steps`` of the run's ``config.yaml`` (None when there is none or it has no such key)."""
     from omegaconf import OmegaConf
 
-    try:
-        steps = OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "training.steps")
+    from rlite.run_files import read_run_file
+
+    try:  # through the run-folder reader: a link or a FIFO in place of config.yaml is refused, never followed
+        steps = OmegaConf.select(OmegaConf.create(read_run_file(run_dir / "config.yaml").decode()), "training.steps")
     except Exception:  # noqa: BLE001 - a missing or unreadable config: the status just lacks the plan
         return None
     return int(steps) if isinstance(steps, int) else None

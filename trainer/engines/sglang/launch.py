@@ -202,15 +202,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_auth_config(api_key: str) -> Path:
-    """A YAML file only this user can read, holding ``api_key`` for SGLang's ``--config``, so the key never
-    shows in the server's command line (``ps`` shows that to every user of the node). The key is spelled as
-    the flag, ``api-key``: SGLang 0.5.23 turns each key ``k`` into ``--k`` verbatim, and ``--api_key`` is
-    not a flag it knows."""
+def write_auth_config(api_key: str, settings: dict[str, Any] | None = None) -> Path:
+    """A YAML file only this user can read, holding ``api_key`` (and ``settings``, the user's own ``--config``
+    file's) for SGLang's ``--config``, so the key never shows in the server's command line (``ps`` shows that
+    to every user of the node). The key is spelled as the flag, ``api-key``: SGLang 0.5.23 turns each key
+    ``k`` into ``--k`` verbatim, and ``--api_key`` is not a flag it knows."""
     fd, name = tempfile.mkstemp(prefix="rlite-sglang-auth-", suffix=".yaml")  # created 0600
     with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps({"api-key": api_key}) + "\n")  # JSON is YAML
+        handle.write(json.dumps({**(settings or {}), "api-key": api_key}) + "\n")  # JSON is YAML
     return Path(name)
+
+
+def read_user_config(path: str) -> dict[str, Any]:
+    """The user's SGLang ``--config`` file (``rollout.engine.args.config``): a YAML mapping of server flags."""
+    import yaml
+
+    from rlite.config import ConfigError  # not at module level: the SGLang compat venv has no omegaconf
+
+    try:
+        with open(path) as handle:
+            settings = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"rollout.engine.args.config: cannot read {path} as YAML ({exc})") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"rollout.engine.args.config: {path} must hold a mapping of SGLang server flags "
+                          f"(as sglang.launch_server --config reads it), got {type(settings).__name__}")
+    return settings
 
 
 class ServerBackend:
@@ -233,13 +250,13 @@ class ServerBackend:
         self.tp_size = int(server_args.get("tp_size") or 1)
         """One serialized copy of a LoRA adapter per tensor-parallel rank (each rank reads its own)."""
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
-        self.api_key: str | None = server_args.pop("api_key", None) or secrets.token_urlsafe(32)
-        self._auth_config: Path | None = None
-        if "config" in server_args:  # SGLang reads one --config file: the user's, so the key goes on the command line
-            server_args["api_key"] = self.api_key
-        else:
-            self._auth_config = write_auth_config(self.api_key)
-            server_args["config"] = str(self._auth_config)
+        # SGLang reads one --config file: a user's own is merged into rlite's 0600 one with the key, which
+        # never goes on the command line; a key the user's file holds is the one used
+        settings = read_user_config(str(server_args.pop("config"))) if "config" in server_args else {}
+        given = settings.pop("api-key", None) or settings.pop("api_key", None)
+        self.api_key: str | None = server_args.pop("api_key", None) or given or secrets.token_urlsafe(32)
+        self._auth_config: Path | None = write_auth_config(self.api_key, settings)
+        server_args["config"] = str(self._auth_config)
         fd, log_name = tempfile.mkstemp(prefix="rlite-sglang-", suffix=".log")
         os.close(fd)
         self.log_path = Path(log_name)
