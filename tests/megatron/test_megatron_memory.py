@@ -250,6 +250,7 @@ class SyncAuditor:
 
     def __init__(self):
         self.backend, self.previous, self.checked = None, None, []
+        self.engine_dtype = torch.float32
 
     @hookimpl
     def after_weight_sync(self, step, weight_version, engine):
@@ -260,23 +261,27 @@ class SyncAuditor:
         engine_weights = dict(engine.named_weights())
         assert engine_weights and engine_weights.keys() <= trainer.keys()
         for name, tensor in engine_weights.items():
-            assert torch.equal(tensor, trainer[name]), f"step {step}: engine weight {name} differs"
+            assert tensor.dtype == self.engine_dtype, name
+            assert torch.equal(tensor, trainer[name].to(tensor.dtype)), f"step {step}: engine weight {name} differs"
         self.checked.append(weight_version)
 
 
-def test_bf16_trains_through_the_loop_with_the_engine_on_the_masters(tmp_path, model_dir):
-    """Three steps through the loop under param_dtype=bfloat16 with the in-process engine sharing the
-    trainer's weights: after every sync the engine holds bitwise the masters the backend serves."""
+@pytest.mark.parametrize("engine_dtype", ["auto", "float32"])
+def test_bf16_trains_through_the_loop_with_the_engine_on_the_masters(tmp_path, model_dir, engine_dtype):
+    """Three steps through the loop under param_dtype=bfloat16: after every sync the in-process engine holds
+    bitwise the masters the backend serves, rounded to the dtype it samples in (``auto``: the trainer's compute
+    dtype, bf16, a copy; ``float32``: the masters themselves, shared)."""
     from rlite.distributed import shutdown_distributed
     from rlite.loop import train
     from rlite.run.build import build_run
 
     pm = plugins()
     auditor = SyncAuditor()
+    auditor.engine_dtype = torch.bfloat16 if engine_dtype == "auto" else torch.float32
     pm.register(auditor, name="sync-auditor")
     run = build_run(tiny_config(model_dir, tmp_path / "run", "parallelism.backend=megatron", *BF16,
                                 "rewards=[even_chars]", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6",
-                                "training.steps=3", pm=pm), pm)
+                                "training.steps=3", f"rollout.engine.args.dtype={engine_dtype}", pm=pm), pm)
     auditor.backend = run.backend
     try:
         train(run)
