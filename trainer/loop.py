@@ -133,6 +133,7 @@ def train(run: Run) -> dict[str, Any]:
         metrics.update(timer.step_metrics())
         metrics["perf/tokens_per_s"] = tokens.generated / max(time.perf_counter() - step_start, 1e-9)
         metrics.update(perf.step_metrics(tokens.sequences, metrics, pi_old_recomputed=prepared.mismatch_measured))
+        metrics["perf/wall_s"] = time.perf_counter() - run.started  # since this command began building the run
         log_metrics(run, step, metrics)
         run.unlogged_metrics = None
         log_samples(run, step, batch)

@@ -67,13 +67,28 @@ def test_info_says_where_the_run_stands(finished_run, capsys):
     assert out[0] == "steps done: 2 (finished)"
     assert out[1] == f"last reward (reward/mean of step 2): {metrics[2]['reward/mean']:.4f}"
     assert out[2].startswith(f"held-out accuracy at step 2: greedy {metrics[2]['eval/greedy_accuracy']:.4f}, sampled ")
-    assert out[3].startswith("time in training steps: 0:00:")
-    assert out[4].startswith(f"model: {run_dir / 'hf_model'} (a Hugging Face folder")
-    assert out[5] == f"latest checkpoint: {run_dir / 'checkpoints' / 'step_00000002'}"
+    assert out[3].startswith("wall time: 0:00:") and out[3].endswith("(start-up to the last step logged, 1 run of rlite train)")
+    assert out[4].startswith("time in training steps: 0:00:")
+    assert out[5].startswith(f"model: {run_dir / 'hf_model'} (a Hugging Face folder")
+    assert out[6] == f"latest checkpoint: {run_dir / 'checkpoints' / 'step_00000002'}"
     assert main(["info", str(run_dir), "--json"]) == 0
     status = json.loads(capsys.readouterr().out)["status"]
     assert status["steps_done"] == status["steps_planned"] == 2
     assert status["time_in_steps_s"] == pytest.approx(metrics[1]["time/step"] + metrics[2]["time/step"])
+    # the wall time counts from the command's start: its start-up and the step-0 evaluation too
+    assert status["wall_s"] == metrics[2]["perf/wall_s"] > status["time_in_steps_s"] and status["runs"] == 1
+
+
+def test_info_adds_up_the_wall_time_of_every_command_that_trained(tmp_path):
+    """A run resumed once was trained by two commands: each one's rows start with a provenance row and count
+    their perf/wall_s from that command's start, so the wall time is the sum of each command's last row."""
+    from rlite.run.status import wall_time
+
+    rows = [{"provenance": {}, "step": 0}, {"step": 0, "perf/wall_s": 2.0}, {"step": 1, "perf/wall_s": 5.0},
+            {"provenance": {}, "step": 1}, {"step": 2, "perf/wall_s": 4.0},
+            {"provenance": {}, "step": 2}]  # a third command that logged nothing (stopped at start-up)
+    assert wall_time(rows) == {"wall_s": 9.0, "runs": 2}
+    assert wall_time([{"provenance": {}, "step": 0}, {"step": 1, "time/step": 1.0}]) == {"wall_s": None, "runs": 0}
 
 
 def test_running_a_finished_run_again_says_nothing_ran(finished_run, capsys):

@@ -22,11 +22,12 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
     ``eval_sampled_accuracy`` with ``eval_step`` (the last evaluation), ``time_in_steps_s`` (the sum of
     every step's ``time/step``: generation to checkpoint, without start-up and the step-0 evaluation),
     ``exported_model`` (``hf_model/`` when it exists) and ``latest_checkpoint``."""
-    from rlite.metrics import read_metrics
+    from rlite.metrics import read_log_rows
     from rlite.run.checkpoint import checkpoint_root, list_checkpoints
 
     run_dir = Path(run_dir)
-    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    logged = [row for _, row in read_log_rows(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").is_file() else []
+    rows = [row for row in logged if "provenance" not in row]
     by_step = {int(row["step"]): row for row in rows if isinstance(row.get("step"), (int, float))}
     trained = [row for step, row in sorted(by_step.items()) if step > 0]
     evals = [row for _, row in sorted(by_step.items()) if row.get("eval/greedy_accuracy") is not None]
@@ -39,9 +40,25 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
         "eval_greedy_accuracy": evals[-1].get("eval/greedy_accuracy") if evals else None,
         "eval_sampled_accuracy": evals[-1].get("eval/sampled_accuracy") if evals else None,
         "time_in_steps_s": sum(float(row.get("time/step", 0.0)) for row in trained) if trained else None,
+        **wall_time(logged),
         "exported_model": str(run_dir / "hf_model") if (run_dir / "hf_model" / "config.json").is_file() else None,
         "latest_checkpoint": str(checkpoints[-1]) if checkpoints else None,
     }
+
+
+def wall_time(logged: list[dict[str, Any]]) -> dict[str, Any]:
+    """``wall_s``: the wall time of the commands that trained the run, start-up included, up to the last step
+    each one logged (every ``rlite train`` that ran begins its rows with a provenance row; a row's
+    ``perf/wall_s`` counts from when its command began); ``runs``: how many commands trained. None where the
+    rows carry no ``perf/wall_s`` (written before rlite recorded it)."""
+    segments: list[float | None] = []
+    for row in logged:
+        if "provenance" in row:
+            segments.append(None)
+        elif segments and "perf/wall_s" in row:
+            segments[-1] = float(row["perf/wall_s"])
+    walls = [wall for wall in segments if wall is not None]
+    return {"wall_s": sum(walls) if walls else None, "runs": len(walls)}
 
 
 def planned_steps(run_dir: Path) -> int | None:
@@ -71,6 +88,10 @@ def describe_status(status: dict[str, Any]) -> list[str]:
         sampled = status["eval_sampled_accuracy"]
         lines.append(f"held-out accuracy at step {status['eval_step']}: greedy {status['eval_greedy_accuracy']:.4f}"
                      + (f", sampled {sampled:.4f}" if sampled is not None else ""))
+    if status.get("wall_s") is not None:
+        runs = status["runs"]
+        lines.append(f"wall time: {format_duration(status['wall_s'])} (start-up to the last step logged, "
+                     f"{runs} run{'s' if runs != 1 else ''} of rlite train)")
     if status["time_in_steps_s"] is not None:
         lines.append(f"time in training steps: {format_duration(status['time_in_steps_s'])} "
                      "(the steps' time/step summed; start-up and the step-0 evaluation not counted)")
