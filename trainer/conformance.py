@@ -125,10 +125,14 @@ def _resolve(kind: str, plugin: Any) -> _Plugin:
     return _Plugin(f"{name!r} (unregistered)", plugin, None, {})
 
 
-def _options(found: _Plugin, options: Any) -> Any:
-    if options is not None:
+def _options(found: _Plugin, options: Any, kind: str) -> Any:
+    """``options``, or the plugin's defaults built as a run builds them (nested choices' options included)."""
+    if options is not None or found.config_cls is None:
         return options
-    return found.config_cls() if found.config_cls is not None else None
+    from rlite.config.options import build_options
+    from rlite.plugin_manager import get_plugin_manager
+
+    return build_options(found, {}, kind=kind, key=f"{found.name} options", registries=get_plugin_manager().registries)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,7 +214,7 @@ def check_estimator(estimator: Any, options: Any = None, *, reference: Callable 
     config instance; default: its config class's defaults) against its registered float64 ``reference``
     (or the one given), within ``atol`` (an estimator that computes in float32 on float64 input needs ~1e-6)."""
     found = _resolve("advantage_estimator", estimator)
-    cfg = _options(found, options)
+    cfg = _options(found, options, "advantage_estimator")
     check = _Checker(found.name, "advantage_estimator")
     reference = _reference_of(found, reference, check)
     batch = edge_case_advantage_input()
@@ -236,7 +240,7 @@ def check_policy_loss(loss: Any, options: Any = None, *, reference: Callable | N
     response_mask, cfg)``) with ``options`` against its registered float64 ``reference`` (or the one given),
     within ``atol``."""
     found = _resolve("policy_loss", loss)
-    cfg = _options(found, options)
+    cfg = _options(found, options, "policy_loss")
     check = _Checker(found.name, "policy_loss")
     reference = _reference_of(found, reference, check)
     logprobs, old, advantages, mask = edge_case_loss_inputs()
@@ -351,7 +355,7 @@ def _setting_up(kind: str, plugin: Any, options: Any, overrides: tuple[str, ...]
                 workdir: str | Path | None) -> Iterator[tuple[_Plugin, Any, _Checker, _Bench]]:
     """The plugin resolved, its options, a checker, and the bench, inside the check's folder and a process group."""
     found = _resolve(kind, plugin)
-    cfg = _options(found, options)
+    cfg = _options(found, options, kind)
     check = _Checker(found.name, kind)
     torch.manual_seed(0)
     with _workdir(workdir) as root, _process_group():

@@ -263,12 +263,12 @@ def compose_corrections(
 
 def build_corrections(choices: Sequence[Any], registry: Any) -> list[Correction]:
     """Resolve ``algorithm.corrections`` (validated :class:`rlite.config.Choice` items) against the
-    ``mismatch_correction`` registry into ``(name, fn, cfg)`` triples, building each config instance."""
+    ``mismatch_correction`` registry into ``(name, fn, cfg)`` triples, building each config instance as the
+    config loader checked it (the registry's ``resolve``, :meth:`rlite.plugin_manager.Registry.resolve`)."""
     built = []
-    for choice in choices:
-        entry = registry.get(choice.name)
-        cfg = entry.config_cls(**dict(choice.args)) if entry.config_cls is not None else None
-        built.append((choice.name, entry.implementation, cfg))
+    for index, choice in enumerate(choices):
+        fn, cfg = registry.resolve(choice, key=f"{registry.config_key}[{index}]")
+        built.append((choice.name, fn, cfg))
     return built
 
 

@@ -24,6 +24,7 @@ import pluggy
 from rlite import hookspecs
 from rlite.config import RunConfig, load_config
 from rlite.config.choices import REGISTRY_KINDS
+from rlite.config.options import build_options
 from rlite.config.schema import UnknownChoiceError
 
 DEFAULT_PLUGINS: list[str] = [
@@ -66,6 +67,9 @@ class Registry:
     kind: str
     config_key: str
     entries: dict[str, Registered] = field(default_factory=dict)
+    registries: dict[str, Registry] = field(default_factory=dict, repr=False, compare=False)
+    """Every registry of the same manager (this one included), by kind: where a nested choice of an
+    implementation's options (``metadata={"choice_of": kind}``) is looked up."""
 
     def add(self, name: str, implementation: Any, config_cls: type | None, plugin: str, **metadata: Any) -> None:
         if not isinstance(name, str) or not name:
@@ -87,6 +91,16 @@ class Registry:
         if name not in self.entries:
             raise UnknownChoiceError(unknown_choice_message(self.config_key, name, self.names(), self.kind))
         return self.entries[name]
+
+    def resolve(self, choice, key: str | None = None) -> tuple[Any, Any]:
+        """The implementation a config ``Choice`` names and its options built as the config loader checked
+        them (:func:`rlite.config.options.build_options`: nested dataclasses and nested choices' options
+        arrive as config instances; None for an implementation without a config class). ``key``: where the
+        choice sits in the config, for messages (default: this kind's key)."""
+        entry = self.get(choice.name)
+        options = build_options(entry, choice.args, kind=self.kind, key=f"{key or self.config_key}.args",
+                                registries=self.registries)
+        return entry.implementation, options
 
 
 def unknown_choice_message(key: str, value: Any, choices: list[str], what: str = "value") -> str:
@@ -142,6 +156,8 @@ class RlitePluginManager(pluggy.PluginManager):
 
                 impl.function(register=register)
             registries[kind] = registry
+        for registry in registries.values():
+            registry.registries = registries
         return registries
 
     def invalidate(self) -> None:
@@ -247,10 +263,8 @@ def set_plugin_manager(pm: RlitePluginManager | None) -> None:
 
 
 def resolve_choice(registry: Registry, choice) -> tuple[Any, Any]:
-    """The implementation named by a config ``Choice`` and an instance of its config (or None)."""
-    entry = registry.get(choice.name)
-    cfg = entry.config_cls(**choice.args) if entry.config_cls is not None else None
-    return entry.implementation, cfg
+    """The implementation named by a config ``Choice`` and its options (:meth:`Registry.resolve`)."""
+    return registry.resolve(choice)
 
 
 @contextlib.contextmanager

@@ -8,16 +8,16 @@ The loader takes the registries it validates against as an argument (anything wi
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from rlite.config.choices import CHOICE_KEYS, REGISTRY_KINDS
 from rlite.config.compat import check_compatibility
+from rlite.config.options import build_options, explain_omegaconf_error, options_as_args
 from rlite.config.schema import (
     _SKIP_CHECKS,
     Choice,
@@ -146,62 +146,16 @@ def apply_override(cfg: DictConfig, item: str) -> None:
         raise ConfigError(f"override {item!r}: cannot set {key}: {exc}") from None
 
 
-def _schema_keys(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
 def _explain_omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
-    key = getattr(exc, "full_key", None) or "?"
-    msg = str(exc).split("\n")[0]
-    text = f"{key}: {msg}"
-    if isinstance(exc, MissingMandatoryValue):
-        text = f"{key}: missing value; set it in the YAML file or with {key}=..."
-    parent_cls = None
-    obj_type = getattr(exc, "object_type", None)
-    if "not in" in msg and obj_type is not None and dataclasses.is_dataclass(obj_type):
-        parent_cls = obj_type
-    if parent_cls is not None:
-        valid = _schema_keys(parent_cls)
-        bad = key.split(".")[-1]
-        text = f"{key}: unknown key {bad!r}. Valid keys here: {', '.join(valid)}."
-        close = difflib.get_close_matches(bad, valid, n=1)
-        if close:
-            text += f" Did you mean {close[0]!r}?"
-    return ConfigError(text)
+    return ConfigError(explain_omegaconf_error(exc))
 
 
 def _validate_choice_args(key: str, choice: Choice, registry, registries=None) -> Choice:
-    """``choice.args`` against the entry's config dataclass. A field that names another registered choice
-    (declared ``field(metadata={"choice_of": "rollout_engine"})``, its options in the sibling field
-    ``<name>_args``: a wrapper's inner engine) is validated the same way, recursively."""
+    """``choice.args`` built into the entry's config dataclass and back (:mod:`rlite.config.options`): the
+    defaults filled in, nested dataclasses and nested choices checked, errors naming the full key."""
     entry = registry.get(choice.name)
-    if entry.config_cls is None:
-        if choice.args:
-            raise ConfigError(
-                f"{key}.args: {registry.kind} {choice.name!r} takes no options, got {sorted(choice.args)}"
-            )
-        return choice
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(entry.config_cls), choice.args)
-        obj = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        inner = _explain_omegaconf_error(exc)
-        raise ConfigError(f"{key}.args.{str(inner)}") from None
-    except (ValueError, TypeError) as exc:  # a plugin's own __post_init__ check (ConfigError included)
-        raise ConfigError(f"{key}.args: {exc}") from None
-    for option in dataclasses.fields(obj):
-        kind = option.metadata.get("choice_of")
-        if kind is None or registries is None:
-            continue
-        args_name = f"{option.name}_args"
-        inner = Choice(getattr(obj, option.name), dict(getattr(obj, args_name, None) or {}))
-        try:
-            checked = _validate_choice_args(f"{key}.args.{args_name}", inner, registries[kind], registries)
-        except UnknownChoiceError as exc:
-            raise ConfigError(str(exc).replace(registries[kind].config_key, f"{key}.args.{option.name}", 1)) from None
-        if hasattr(obj, args_name):
-            setattr(obj, args_name, checked.args)
-    return Choice(choice.name, dataclasses.asdict(obj))
+    options = build_options(entry, choice.args, kind=registry.kind, key=f"{key}.args", registries=registries)
+    return Choice(choice.name, options_as_args(options, entry.config_cls))
 
 
 def validate_choices(cfg: RunConfig, pm) -> None:

@@ -17,8 +17,8 @@ from rlite_thirdparty_kit.engines import COUNTS
 class ThirdPartyBackendConfig:
     inner: str = field(default="fsdp2", metadata={"choice_of": "training_backend"})
     """The registered backend to wrap."""
-    inner_args: dict = field(default_factory=dict)
-    """The wrapped backend's options."""
+    inner_args: Any = None
+    """The wrapped backend's options (a mapping in YAML); they arrive as its config instance."""
 
 
 class CountingBackend:
@@ -42,5 +42,4 @@ class CountingBackend:
 
 def make_thirdparty_backend(config, cfg: ThirdPartyBackendConfig, device, total_optimizer_steps):
     inner = registered("training_backend", cfg.inner)
-    inner_cfg = inner.config_cls(**cfg.inner_args) if inner.config_cls is not None else None
-    return CountingBackend(inner.implementation(config, inner_cfg, device, total_optimizer_steps))
+    return CountingBackend(inner.implementation(config, cfg.inner_args, device, total_optimizer_steps))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlite.api import EngineWrapper, registered
 
@@ -17,8 +18,9 @@ COUNTS: Counter[str] = Counter()
 class CountingEngineConfig:
     inner: str = field(default="transformers", metadata={"choice_of": "rollout_engine"})
     """The registered engine to wrap."""
-    inner_args: dict = field(default_factory=dict)
-    """The wrapped engine's options (checked against its config class when the config loads)."""
+    inner_args: Any = None
+    """The wrapped engine's options (a mapping in YAML, checked against its config class when the config loads);
+    they arrive built, as that engine's config instance."""
 
 
 class CountingEngine(EngineWrapper):
@@ -33,5 +35,4 @@ class CountingEngine(EngineWrapper):
 
 def make_counting_engine(model_config, tokenizer, rollout_config, cfg: CountingEngineConfig, context):
     inner = registered("rollout_engine", cfg.inner)  # the running rlite's registry: plugins.enable respected
-    inner_cfg = inner.config_cls(**cfg.inner_args) if inner.config_cls is not None else None
-    return CountingEngine(inner.implementation(model_config, tokenizer, rollout_config, inner_cfg, context))
+    return CountingEngine(inner.implementation(model_config, tokenizer, rollout_config, cfg.inner_args, context))
