@@ -491,6 +491,7 @@ def check_formulas(cfg: RunConfig, pm) -> list[Check]:
 
 def run_audit(config_path: str | None, overrides: list[str], pm, workdir: Path | None = None) -> tuple[list[Check], str]:
     """All checks of the module docstring; returns them and the replica's note."""
+    from rlite.config.advantage import advantage_choice
     from rlite.plugin_manager import resolve_choice
 
     base = load_config(config_path, overrides, pm=pm)
@@ -520,7 +521,7 @@ def run_audit(config_path: str | None, overrides: list[str], pm, workdir: Path |
 
     spec = UpdateSpec(
         cfg=straight_cfg,
-        estimator=resolve_choice(pm.registry("advantage_estimator"), algo.advantage),
+        estimator=advantage_choice(algo, pm.registries).resolved,
         policy_loss=resolve_choice(pm.registry("policy_loss"), algo.policy_loss),
         kl=(pm.registry("kl_estimator").get(algo.kl.estimator).implementation,
             0.0 if algo.kl.in_reward else algo.kl.coef),

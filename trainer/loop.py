@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from rlite.config import RunConfig
+from rlite.config.advantage import advantage_choice
 from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.engines.supervisor import EngineGaveUp
 from rlite.hf_models import quiet_transformers_progress
@@ -177,8 +178,7 @@ def group_relative(run: Run) -> bool:
     """The advantage estimator's baseline comes from the other samples of a prompt (registered with
     ``needs_group``): a group whose rewards are all equal then gets zero advantages. A critic's or a
     greedy baseline's advantages do not vanish that way, so only these runs are watched for it."""
-    estimator = run.pm.registry("advantage_estimator").get(run.config.algorithm.advantage.name)
-    return bool(estimator.metadata.get("needs_group"))
+    return advantage_choice(run.config.algorithm, run.pm.registries).group_baseline
 
 
 def update_critic(run: Run, batch) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlite.config.advantage import AdvantageChoice, advantage_choice, default_options, needs_group
 from rlite.config.choices import CHOICE_KEYS, REGISTRY_KINDS
 from rlite.config.compat import check_compatibility
 from rlite.config.options import build_options, explain_omegaconf_error, options_as_args
@@ -178,12 +179,12 @@ def validate_choices(cfg: RunConfig, pm) -> None:
                 msg = str(exc).replace(registry.config_key, path, 1)
                 raise ConfigError(msg) from None
         setattr(owner, attr, validated if isinstance(value, list) else validated[0])
-    estimator = pm.registry("advantage_estimator").get(cfg.algorithm.advantage.name)
-    if estimator.metadata.get("needs_critic") and not cfg.algorithm.critic.enabled:
+    advantage = advantage_choice(cfg.algorithm, pm.registries)
+    if advantage.needs_critic and not cfg.algorithm.critic.enabled:
         raise ConfigError(
-            f"algorithm.advantage={estimator.name} needs a critic: set algorithm.critic.enabled=true"
+            f"algorithm.advantage={advantage.name} needs a critic: set algorithm.critic.enabled=true"
         )
-    check_group_size(cfg, pm.registry("advantage_estimator"))
+    check_group_size(cfg, advantage, pm.registries)
     check_draft_runs_on_engine(cfg, pm)
     check_bypass_corrections(cfg, pm)
     kl_names = pm.registry("kl_estimator").names()
@@ -191,32 +192,17 @@ def validate_choices(cfg: RunConfig, pm) -> None:
         _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
 
 
-def _needs_group(entry, args: dict[str, Any] | None) -> bool:
-    """An estimator's ``needs_group`` declaration for these options (None: its defaults)."""
-    declared = entry.metadata.get("needs_group", False)
-    if not callable(declared):
-        return bool(declared)
-    options = None
-    if entry.config_cls is not None:
-        options = entry.config_cls(**(args or {}))
-    return bool(declared(options))
-
-
-def check_group_size(cfg: RunConfig, estimators) -> None:
+def check_group_size(cfg: RunConfig, advantage: AdvantageChoice, registries) -> None:
     """A group-relative estimator (registered with ``needs_group``) needs ``samples_per_prompt >= 2``:
     with one sample per prompt its baseline is the sample itself and every advantage is 0."""
-    if cfg.rollout.samples_per_prompt > 1:
+    if cfg.rollout.samples_per_prompt > 1 or not advantage.needs_group:
         return
-    choice = cfg.algorithm.advantage
-    entry = estimators.get(choice.name)
-    if not _needs_group(entry, choice.args):
-        return
-    able = [e.name for e in estimators.entries.values() if not _needs_group(e, None)]
-    options = f" (or algorithm.advantage.args under which {choice.name} needs no group: for the built-ins singleton=raw, " \
-        "which gives a lone sample its raw reward)" if callable(
-        entry.metadata.get("needs_group")) else ""  # fmt: skip
+    estimators = registries["advantage_estimator"]
+    able = [e.name for e in estimators.entries.values() if not needs_group(e, default_options(e, registries))]
+    options = f" (or algorithm.advantage.args under which {advantage.name} needs no group: for the built-ins singleton=raw, " \
+        "which gives a lone sample its raw reward)" if advantage.group_need_is_optional else ""  # fmt: skip
     raise ConfigError(
-        f"rollout.samples_per_prompt=1: algorithm.advantage={choice.name} compares each sample with the other "
+        f"rollout.samples_per_prompt=1: algorithm.advantage={advantage.name} compares each sample with the other "
         f"samples of its prompt, so with one sample per prompt every advantage is 0 and nothing is learned. "
         f"Sample several per prompt (rollout.samples_per_prompt=2 or more) or use an estimator that works with "
         f"one sample: {', '.join(sorted(able)) or '(none installed)'}{options}"

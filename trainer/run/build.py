@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from rlite.config import ConfigError, RunConfig, config_to_yaml
+from rlite.config.advantage import advantage_choice
 from rlite.data import PromptSampler, load_prompt_splits
 from rlite.distributed import DataLayout, DistContext, init_distributed, new_side_group
 from rlite.drafts import DraftContext, SpeculativeDraft
@@ -137,8 +138,9 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         loss_time_corrections=corrections if loss_time else [],
     )
     forward = forward_spec(cfg, ctx.device.type, backend.capabilities)
+    advantage = advantage_choice(algo, pm.registries)
     targets = TargetsSpec(
-        advantage=resolve_choice(pm.registry("advantage_estimator"), algo.advantage),
+        advantage=advantage.resolved,
         old_logprob_mode=algo.old_logprob_mode,
         minibatches=algo.minibatches_per_step,
         epochs=algo.epochs_per_step,
@@ -192,7 +194,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
         routing = routing_setup(cfg, backend, engine, layout)
         forward = dataclasses.replace(forward, routing=replay_plan(routing))
-        options = rollout_options(cfg, pm, engine, layout, draft=draft, record_routing=routing is not None, turns=turns)
+        options = rollout_options(cfg, engine, layout, draft=draft, record_routing=routing is not None, turns=turns,
+                                  greedy_baseline=advantage.needs_greedy_baseline)
         scoring = RolloutScoring(rewards, layout, cfg.training.accuracy_threshold)
         rollouts = build_rollouts(cfg, engine, sampler, scoring, tokenizer, layout, pm.hook, timer, options)
         rollouts.resume_ahead(rollouts_ahead, start_step)
@@ -352,23 +355,22 @@ def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, res
     return record
 
 
-def rollout_options(cfg: RunConfig, pm: RlitePluginManager, engine: RolloutEngine, layout: DataLayout, *,
-                    draft: SpeculativeDraft | None, record_routing: bool, turns: TurnRunner | None) -> RolloutOptions:
-    """How the run samples: the rollout config and what the advantage estimator, the draft, MoE routing
-    and the workflow ask of the rollouts; a draft is checked against the engine that must run it."""
+def rollout_options(cfg: RunConfig, engine: RolloutEngine, layout: DataLayout, *, draft: SpeculativeDraft | None,
+                    record_routing: bool, turns: TurnRunner | None, greedy_baseline: bool) -> RolloutOptions:
+    """How the run samples: the rollout config and what the advantage estimator (``greedy_baseline``: its
+    declared needs, :mod:`rlite.config.advantage`), the draft, MoE routing and the workflow ask of the
+    rollouts; a draft is checked against the engine that must run it."""
     if draft is not None and layout.leader and draft.spec.method not in engine.capabilities.draft_methods:
         raise ConfigError(
             f"rollout.draft: the {cfg.rollout.engine.name!r} engine cannot run a {draft.spec.method!r} draft "
             f"(it runs: {', '.join(engine.capabilities.draft_methods) or 'no drafts'}); set rollout.draft=none"
         )
-    # an estimator's declared needs (its registration's metadata), never its name
-    estimator = pm.registry("advantage_estimator").get(cfg.algorithm.advantage.name)
     return RolloutOptions(
         rollout=cfg.rollout,
         seed=cfg.training.seed,
         dynamic_sampling=cfg.algorithm.dynamic_sampling,
         dynamic_sampling_max_rounds=cfg.algorithm.dynamic_sampling_max_rounds,
-        greedy_baseline=bool(estimator.metadata.get("needs_greedy_baseline")),
+        greedy_baseline=greedy_baseline,
         record_routing=record_routing,
         speculating=draft is not None,
         top_logprobs=0 if draft is None else int(draft.rollout_top_logprobs),
