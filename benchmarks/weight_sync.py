@@ -83,7 +83,7 @@ def bench_shared_memory(
         pad_token_id=0,
         eos_token_ids=[],
         timeout_s=600.0,
-        bucket_mb=bucket_mb,
+        bucket_bytes=bucket_mb << 20,
         verify_checksums=verify,
         engine_factory=make_holder,
         factory_kwargs={"shapes": shapes},

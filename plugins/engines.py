@@ -129,7 +129,7 @@ def make_transformers_engine(model_config, tokenizer, rollout_config, cfg: Trans
             dtype=DTYPES[dtype],
             attn_implementation=cfg.attn_implementation,
             gguf_file=model_config.gguf_file,
-            bucket_mb=rollout_config.sync_bucket_mb,
+            bucket_bytes=rollout_config.bucket_bytes,
             weights_from_sync=True,
             device=device,
             **common,
@@ -219,7 +219,7 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
     plans = plan_engines(
         context.engine_ranks, tp_size=cfg.tp_size, mem_fraction=cfg.mem_fraction_static,
         runtime_reserve_bytes=None if cfg.runtime_reserve_gb is None else int(cfg.runtime_reserve_gb * 2**30),
-        sync_bucket_bytes=rollout_config.sync_bucket_mb << 20,
+        bucket_bytes=rollout_config.bucket_bytes,
         weight_bytes=engine_weight_bytes(model_config.path, weight_dtype, quantized=quantization_config is not None)
         if measured and cfg.mem_fraction_static is None else 0,
     )  # fmt: skip
@@ -233,7 +233,7 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
                                           weight_dtype=weight_dtype, reacquires_device_memory=True,
                                           quantized_layout=quantization_config is not None,
                                           draft_methods=("model", "ngram", "eagle"))  # fmt: skip
-        return SGLangGroupMember(group, capabilities, bucket_bytes=rollout_config.sync_bucket_mb << 20, device=device,
+        return SGLangGroupMember(group, capabilities, bucket_bytes=rollout_config.bucket_bytes, device=device,
                                  metadata_cls=sglang_metadata_cls(), draft=draft)  # fmt: skip
     engine_kwargs = dict(cfg.engine_kwargs)
     load_format = "dummy"  # weights arrive with the first sync
@@ -250,7 +250,7 @@ def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngin
         timeout_s=rollout_config.timeout_s,
         start_timeout_s=cfg.start_timeout_s,
         true_on_policy=rollout_config.true_on_policy,
-        bucket_mb=rollout_config.sync_bucket_mb,
+        bucket_bytes=rollout_config.bucket_bytes,
         tp_size=plan.tp_size,
         base_gpu_id=plan.base_gpu_id,
         launch=cfg.launch,

@@ -83,7 +83,7 @@ def test_synced_engine_logprobs_match_a_teacher_forced_forward(model_dir, launch
         launch=launch,
         dtype="bfloat16",
         mem_fraction_static=0.3,
-        bucket_mb=1,  # several buckets even for a tiny model
+        bucket_bytes=1 << 20,  # several buckets even for a tiny model
         engine_kwargs={"disable_cuda_graph": True, "random_seed": 0},
     )
     try:

@@ -73,13 +73,13 @@ def test_tp_size_must_divide_the_engine_ranks_of_a_machine():
 def test_memory_fraction_leaves_room_for_the_trainers_optimizer_states_and_sglangs_runtime():
     ranks = gpu_ranks(1, 2, free_gib=60.0, total_gib=80.0, to_come_gib=12.0)
     ranks[1] = RankDevice(**{**vars(ranks[1]), "free_bytes": 50 * GIB, "bytes_to_come": 14 * GIB})
-    (plan,) = plan_engines(ranks, tp_size=2, sync_bucket_bytes=512 << 20, weight_bytes=15 * GIB)
+    (plan,) = plan_engines(ranks, tp_size=2, bucket_bytes=512 << 20, weight_bytes=15 * GIB)
     # SGLang takes the fraction of the least free memory of its GPUs (50 GiB) and keeps the rest as slack:
     # the larger optimizer states (14 GiB), its runtime (80 GiB / 8) and twice a bucket must fit in it
     assert plan.mem_fraction_static == pytest.approx(1 - (14 + 10 + 1) / 50, abs=1e-3)
     assert plan.mem_fraction_static <= 1 - (14 + 10 + 1) / 50  # rounded down, never into the slack
     (plain,) = plan_engines(gpu_ranks(1, 1, free_gib=60.0), tp_size=1, runtime_reserve_bytes=4 * GIB,
-                            sync_bucket_bytes=0, weight_bytes=GIB)  # fmt: skip
+                            bucket_bytes=0, weight_bytes=GIB)  # fmt: skip
     assert plain.mem_fraction_static == pytest.approx(1 - 4 / 60, abs=1e-3)
 
 

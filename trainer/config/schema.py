@@ -262,7 +262,7 @@ class RolloutConfig:
     """Speculative-decoding draft for the engine (``draft_model``: a small LM trained online; ``ngram``: prompt
     lookup); the samples keep the policy's distribution exactly (``docs/speculative.md``)."""
     sync_bucket_mb: int = 512
-    """Size of the flattened weight buckets sent to the engine, in MB."""
+    """Size of the flattened weight buckets sent to the engine, in MB (code reads :attr:`bucket_bytes`)."""
     timeout_s: float = 600.0
     """Timeout of any single engine call (generate, weight update); a hung engine fails loudly."""
     engine_restarts: int = 2
@@ -297,6 +297,12 @@ class RolloutConfig:
     and let a waiting weight sync in between two segments; the rest of an unfinished sequence then samples with
     the new weights from its exact tokens, each token recording its version (a partial rollout within a turn).
     0: an engine call is never interrupted (a multi-turn rollout still lets a sync in between turns)."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``sync_bucket_mb`` in bytes: the one conversion, what every ``bucket_bytes`` argument takes (engines,
+        :class:`rlite.sync.SharedBucketSender`, :func:`rlite.sync.iter_buckets`)."""
+        return int(self.sync_bucket_mb) << 20
 
     def __post_init__(self) -> None:
         for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "sync_bucket_mb", "max_turns",

@@ -110,7 +110,7 @@ class SGLangEngine:
         timeout_s: float = 600.0,
         start_timeout_s: float | None = None,
         true_on_policy: bool = False,
-        bucket_mb: int = 512,
+        bucket_bytes: int = 512 << 20,
         tp_size: int = 1,
         launch: str = "engine",
         load_format: str = "dummy",
@@ -151,7 +151,7 @@ class SGLangEngine:
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.pad_token_id = pad_token_id
         self.timeout_s = float(timeout_s)
-        self.bucket_bytes = int(bucket_mb) << 20
+        self.bucket_bytes = int(bucket_bytes)
         self.tp_size = int(tp_size)
         self.true_on_policy = true_on_policy
         self.group = group

@@ -105,7 +105,7 @@ def check_consecutive_gpus(group: Sequence[RankDevice]) -> int:
 
 
 def mem_fraction_static(
-    group: Sequence[RankDevice], *, runtime_reserve_bytes: int | None, sync_bucket_bytes: int, weight_bytes: int,
+    group: Sequence[RankDevice], *, runtime_reserve_bytes: int | None, bucket_bytes: int, weight_bytes: int,
     tp_size: int,
 ) -> float | None:
     """The ``mem_fraction_static`` of an engine on ``group``'s GPUs (see the module docstring), or None
@@ -116,7 +116,7 @@ def mem_fraction_static(
     free = min(r.free_bytes for r in measured)
     total = min(r.total_bytes or r.free_bytes for r in measured)
     reserve = runtime_reserve_bytes if runtime_reserve_bytes is not None else max(2 * GIB, total // 8)
-    keep = max(r.bytes_to_come for r in group) + reserve + 2 * sync_bucket_bytes
+    keep = max(r.bytes_to_come for r in group) + reserve + 2 * bucket_bytes  # the sync's buckets
     fraction = math.floor((1.0 - keep / free) * 1000) / 1000  # SGLang keeps three decimals
     static = fraction * free
     per_gpu_weights = weight_bytes / tp_size
@@ -135,7 +135,7 @@ def mem_fraction_static(
 
 def plan_engines(
     engine_ranks: Sequence[RankDevice], *, tp_size: int, mem_fraction: float | None = None,
-    runtime_reserve_bytes: int | None = None, sync_bucket_bytes: int = 512 << 20, weight_bytes: int = 0,
+    runtime_reserve_bytes: int | None = None, bucket_bytes: int = 512 << 20, weight_bytes: int = 0,
 ) -> list[EnginePlan]:
     """Every SGLang engine of the run (the same answer on every rank).
 
@@ -148,7 +148,7 @@ def plan_engines(
         fraction = mem_fraction
         if fraction is None:
             fraction = mem_fraction_static(
-                group, runtime_reserve_bytes=runtime_reserve_bytes, sync_bucket_bytes=sync_bucket_bytes,
+                group, runtime_reserve_bytes=runtime_reserve_bytes, bucket_bytes=bucket_bytes,
                 weight_bytes=weight_bytes, tp_size=tp_size,
             )  # fmt: skip
         plans.append(EnginePlan(tuple(r.rank for r in group), tp_size, base, fraction))

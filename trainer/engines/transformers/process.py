@@ -161,7 +161,7 @@ class ProcessEngine:
         dtype: torch.dtype = torch.float32,
         attn_implementation: str = "sdpa",
         gguf_file: str | None = None,
-        bucket_mb: int = 512,
+        bucket_bytes: int = 512 << 20,
         start_timeout_s: float | None = None,
         num_threads: int = 1,
         verify_checksums: bool = True,
@@ -176,9 +176,10 @@ class ProcessEngine:
     ) -> None:
         """Start the engine process and wait (``start_timeout_s``, default ``timeout_s``) until it is ready.
 
-        ``bucket_mb`` sizes the shared buckets. All of them stay allocated (the engine's weights live
-        in them), so the size does not change memory; each bucket costs a message and an ack (about
-        0.5 ms on a loaded 2-core machine), so the default 512 MB keeps the handoff flat in model size
+        ``bucket_bytes`` sizes the shared buckets (``RolloutConfig.bucket_bytes``: ``rollout.sync_bucket_mb``).
+        All of them stay allocated (the engine's weights live in them), so the size does not change memory;
+        each bucket costs a message and an ack (about 0.5 ms on a loaded 2-core machine), so the default
+        512 MB keeps the handoff flat in model size
         (``benchmarks/RESULTS.md``), while smaller buckets hold fewer tensors during the first sync.
         ``engine_factory(**factory_kwargs)`` replaces the transformers engine built from ``model_dir``
         in the child (for tests and benchmarks); it must be a module-level function and return an object
@@ -243,7 +244,7 @@ class ProcessEngine:
         self._channel = _PipeChannel(parent_conn, self._process)
         # buckets where the engine samples: CPU shared memory, or the GPU's memory behind CUDA-IPC handles
         self._sender = SharedBucketSender(
-            self._channel, bucket_bytes=int(bucket_mb) << 20, device=device, timeout_s=self.timeout_s
+            self._channel, bucket_bytes=int(bucket_bytes), device=device, timeout_s=self.timeout_s
         )
         try:
             status, detail = self._channel.recv(

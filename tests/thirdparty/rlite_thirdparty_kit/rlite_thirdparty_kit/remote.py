@@ -182,5 +182,5 @@ class RemoteEngine:
 
 def make_remote_engine(model_config, tokenizer, rollout_config, cfg: RemoteEngineConfig, context):
     eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    return RemoteEngine(model_config.path, model_config.dtype, eos, bucket_bytes=rollout_config.sync_bucket_mb << 20,
+    return RemoteEngine(model_config.path, model_config.dtype, eos, bucket_bytes=rollout_config.bucket_bytes,
                         timeout_s=rollout_config.timeout_s, start_timeout_s=cfg.start_timeout_s)
