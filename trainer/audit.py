@@ -324,8 +324,8 @@ def replica_run(cfg: RunConfig, pm, probe: Probe | None = None) -> list[dict[str
     """Train the replica (in this process); its metric rows."""
     from rlite.distributed import init_distributed, shutdown_distributed
     from rlite.loop import train
+    from rlite.metrics import read_metrics
     from rlite.run.build import build_run
-    from rlite.testing import read_jsonl
 
     ctx = init_distributed()
     finished = False
@@ -344,7 +344,7 @@ def replica_run(cfg: RunConfig, pm, probe: Probe | None = None) -> list[dict[str
         finished = True
     finally:
         shutdown_distributed(ctx, finished=finished)
-    return read_jsonl(Path(cfg.logging.run_dir) / "metrics.jsonl")
+    return read_metrics(Path(cfg.logging.run_dir) / "metrics.jsonl")
 
 
 def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

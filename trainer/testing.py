@@ -116,9 +116,11 @@ def run_in_subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The metric rows of a ``metrics.jsonl`` (its provenance rows skipped: :mod:`rlite.provenance`)."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [row for row in rows if "provenance" not in row]
+    """The rows of a run's log (``metrics.jsonl``, ``samples.jsonl``, ``eval.jsonl``), read by rlite's one
+    reader of them, :func:`rlite.metrics.read_metrics` (provenance rows skipped, a torn last line dropped)."""
+    from rlite.metrics import read_metrics
+
+    return read_metrics(path)
 
 
 def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, run_dir: str, out_dir: str,

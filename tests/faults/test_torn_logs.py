@@ -10,7 +10,7 @@ import pytest
 
 from rlite.config import ConfigError
 from rlite.loop import run_training
-from rlite.metrics import read_log_rows
+from rlite.metrics import read_log_rows, read_metrics
 from rlite.provenance import metrics_records
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
@@ -33,6 +33,8 @@ def test_a_torn_last_line_is_dropped_with_a_warning_naming_file_and_line(tmp_pat
     assert ("line 3, cut short" in warnings) == (not whole and tail.startswith('{"step": 2, "re'))
     assert ("NUL bytes" in warnings) == ("\0" in tail)
     assert [row["step"] for row in metrics_records(path)] == [0]  # rlite info reads it too
+    # one reader of run logs: the tests' and the audit's go through it (the provenance row skipped)
+    assert read_jsonl(path) == read_metrics(path) == [row for row in rows if "provenance" not in row]
 
 
 def test_a_damaged_line_before_the_last_is_refused_naming_file_and_line(tmp_path):
