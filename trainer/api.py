@@ -13,7 +13,9 @@ Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendC
 :class:`DraftSpec` and :class:`SpeculationStats`) and :class:`SpeculativeDraft` (with
 :class:`DraftContext`; built on :class:`ModelDraft` or :class:`FixedDraft`). Rewards that run a
 model's code: :func:`run_untrusted` (with :class:`SandboxLimits`, :class:`SandboxResult`), and a reward
-may return a :class:`RewardOutcome` to report counts. Feeding an engine of your own: the weight-sync kit
+may return a :class:`RewardOutcome` to report counts. Components report metrics for the step's row through a
+:class:`MetricsSink` (an engine's ``EngineContext.metrics``, a backend's ``metrics``); loggers implement
+:class:`Logger`. Feeding an engine of your own: the weight-sync kit
 (:class:`SharedBucketSender`, :class:`SyncServer`, ..., also :mod:`rlite.sync`). Hook specs:
 :mod:`rlite.hookspecs`; writing plugins: ``docs/plugins.md``.
 """
@@ -41,6 +43,7 @@ from rlite.engines.base import (
 )
 from rlite.engines.placement import EngineContext, RankDevice
 from rlite.hookspecs import Register, hookimpl
+from rlite.metrics import Logger, MetricsSink
 from rlite.mismatch import (
     CorrectionOutput,
     fraction,
@@ -134,6 +137,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "RunConfig",
     "ConfigError",
     "require_optional_package",
+    "MetricsSink",
     # Advantages, losses, KL and corrections
     "AdvantageInput",
     "masked_mean",
@@ -219,6 +223,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "Action",
     "SingleTurn",
     # Loggers
+    "Logger",
     "samples_markdown",
     "open_run_file",
     # Models

@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from rlite.metrics import drained, reported_values
+
 LOGPROB_ATOL = 1e-4
 """Default tolerance of log-probs against a plain float32 transformers forward (reordered float32 sums of
 a tiny model stay below 1e-5; a bf16 or fused-kernel plugin may pass its own)."""
@@ -72,6 +74,9 @@ class ConformanceReport:
     plugin: str
     kind: str
     passed: list[tuple[str, str]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the plugin reported through its :class:`~rlite.metrics.MetricsSink` during the check (an engine's
+    ``EngineContext.metrics``, a backend's ``metrics``), reduced as a step's row would show it."""
 
     def invariants(self) -> list[str]:
         return [name for name, _ in self.passed]
@@ -422,6 +427,7 @@ def check_backend(backend: Any, options: Any = None, *, overrides: tuple[str, ..
             next_batch = fixed_batch(num_prompts=2, samples=3, prompt_len=6, max_len=7, vocab=hf.config.vocab_size, seed=1)
             _check_backend_resume(check, first, build, next_batch, spec, root / "checkpoint")
         finally:
+            check.report.metrics = reported_values(drained(first))
             first.close()
     return check.report
 
@@ -558,7 +564,8 @@ def check_engine(engine: Any, options: Any = None, *, overrides: tuple[str, ...]
     with _setting_up("rollout_engine", engine, options, overrides, workdir) as (found, cfg, check, bench):
         config, hf = bench.config, bench.hf
         tokenizer = AutoTokenizer.from_pretrained(bench.model_dir)
-        built = found.implementation(config.model, tokenizer, config.rollout, cfg, EngineContext.single_process())
+        context = EngineContext.single_process()
+        built = found.implementation(config.model, tokenizer, config.rollout, cfg, context)
         try:
             with check.raising("update_weights drains the stream and sets weight_version"):
                 sent, consumed = _sync(built, _served(hf), 1)
@@ -596,6 +603,7 @@ def check_engine(engine: Any, options: Any = None, *, overrides: tuple[str, ...]
                           f"max |engine - forward of the previous weights| = {stale:.2e} (must exceed {100 * logprob_atol:.0e})")
         finally:
             built.shutdown()
+            check.report.metrics = reported_values(context.metrics.drain())
     return check.report
 
 

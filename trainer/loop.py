@@ -18,7 +18,7 @@ from rlite.config.advantage import advantage_choice
 from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.engines.supervisor import EngineGaveUp
 from rlite.hf_models import quiet_transformers_progress
-from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler
+from rlite.metrics import LearningSignalWatch, ProgressBar, StepProfiler, drained, merge_reported
 from rlite.perf import PerfMeter
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager, plugin_manager_in_use
 from rlite.run.build import Run, build_run, sandbox_hidden_paths
@@ -116,6 +116,7 @@ def train(run: Run) -> dict[str, Any]:
         metrics, tokens = step_metrics(
             batch, train_logprobs, reward_stats, measure_mismatch=not prepared.mismatch_measured,
             dp_group=run.layout.group, speculation=run.rollouts.speculation,
+            reported=merge_reported([run.rollouts.engine_report, drained(run.backend), drained(run.critic)]),
         )
         metrics.update(prepared.metrics)
         metrics.update(train_metrics)

@@ -1,16 +1,20 @@
-"""Step timing, the live progress bar, the warning when nothing can learn, the final plot and the
-one-screen summary (rank 0)."""
+"""Step timing, the channel through which components report metrics (:class:`MetricsSink`), the logger
+interface (:class:`Logger`), the live progress bar, the warning when nothing can learn, the final plot and
+the one-screen summary (rank 0)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import numbers
 import sys
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)  # "rlite.metrics", under "rlite"
 
@@ -41,6 +45,124 @@ class StepTimer:
         out["time/step"] = sum(v for k, v in self.current.items() if "/" not in k)
         self.current = defaultdict(float)
         return out
+
+
+Reported = dict[str, tuple[str, float, int]]
+"""What a :class:`MetricsSink` held when drained, as plain data (picklable: it crosses processes and ranks):
+``name -> (reduce, total, reports)``."""
+
+REDUCES = ("mean", "sum")
+
+
+class MetricsSink:
+    """Where a component (a rollout engine, a training backend, the process behind an engine) reports numbers
+    for the metrics row of the step it works in. Thread-safe; ``docs/plugins.md``, "Reporting metrics".
+
+    ``report({"myengine/cache_hit_rate": 0.8})`` averages a name over every report of the step, on every rank
+    (``reduce="mean"``); ``report({"myengine/n_evictions": 3}, reduce="sum")`` adds them up (counts, totals).
+    The stage that calls the component drains its sink (:meth:`drain`) into the step's row: an engine's after
+    the step's rollout (what it reported since the previous rollout, the weight sync between them included;
+    during an evaluation, into ``eval/<name>``), a backend's after the update. Name your metrics under a
+    prefix of your own.
+
+    **Metrics must equal after a resume**: a run resumed from a checkpoint of step ``k`` must log for the steps
+    after ``k`` exactly the rows of the uninterrupted run (``rlite audit`` checks it; ``time/`` and ``perf/``
+    names are exempt). Report what the step's own work measured (calls, tokens, hits), never a running total
+    since the process started, which restarts from 0 in a resumed run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Reported = {}
+
+    def report(self, values: Mapping[str, float], *, reduce: Literal["mean", "sum"] = "mean") -> None:
+        """Add ``values`` (name -> real number) to the step's metrics; ``reduce``: how reports of one name
+        combine over calls and ranks. A name is reported with one ``reduce`` only."""
+        if reduce not in REDUCES:
+            raise ValueError(f"MetricsSink.report: reduce must be one of {', '.join(REDUCES)}, got {reduce!r}")
+        checked = {}
+        for name, value in values.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"MetricsSink.report: a metric name must be a non-empty string, got {name!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"MetricsSink.report: metric {name!r} must be a real number, got {value!r:.80}")
+            checked[name] = float(value)
+        with self._lock:
+            for name, value in checked.items():
+                self._add(name, reduce, value, 1)
+
+    def merge(self, reported: Reported) -> None:
+        """Add what another sink drained (another process's, received over :mod:`rlite.sync`)."""
+        with self._lock:
+            for name, (reduce, total, reports) in reported.items():
+                self._add(name, reduce, float(total), int(reports))
+
+    def drain(self) -> Reported:
+        """Everything reported since the last drain, and forget it."""
+        with self._lock:
+            drained, self._pending = self._pending, {}
+        return drained
+
+    def _add(self, name: str, reduce: str, total: float, reports: int) -> None:
+        held = self._pending.get(name)
+        if held is not None and held[0] != reduce:
+            raise ValueError(f"metric {name!r} is reported with reduce={reduce!r} and with reduce={held[0]!r}; "
+                             "give each name one")
+        self._pending[name] = (reduce, total + (held[1] if held else 0.0), reports + (held[2] if held else 0))
+
+
+def drained(component: Any) -> Reported:
+    """What ``component`` reported through its ``metrics`` attribute (a :class:`MetricsSink`), drained; ``{}``
+    for a component without one."""
+    sink = getattr(component, "metrics", None)
+    return sink.drain() if isinstance(sink, MetricsSink) else {}
+
+
+def merge_reported(parts: Iterable[Reported]) -> Reported:
+    """Several drained reports (of ranks, of calls) as one."""
+    sink = MetricsSink()
+    for part in parts:
+        sink.merge(part)
+    return sink.drain()
+
+
+def reported_values(reported: Reported) -> dict[str, float]:
+    """The row's values of a (merged) report: each ``sum`` name's total, each ``mean`` name's mean over its
+    reports."""
+    return {name: total if reduce == "sum" else total / max(reports, 1)
+            for name, (reduce, total, reports) in sorted(reported.items())}
+
+
+# --------------------------------------------------------------------------------------------------
+# loggers
+# --------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """What a logger (``register_loggers``, listed in ``logging.loggers``) is: its factory
+    ``factory(run_dir, config, cfg)`` returns one (or None when it cannot run, say its package is missing:
+    the run goes on without it and says so). Loggers are built on rank 0 only and called there.
+
+    ``log`` and ``close`` are required; ``log_samples`` and ``resume`` are optional, and the defaults below
+    (do nothing) are what a logger without them gets. rlite's own loggers (``jsonl``, ``tensorboard``,
+    ``wandb``; ``rlite.plugins.loggers``) implement this class."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """The metrics row of ``step``: flat ``name -> value`` (``reward/mean``, ``actor/pg_loss``; a value may
+        be NaN or infinite). Step 0 is a fresh run's baseline evaluation. Called once per step, in step order,
+        after the step's evaluation and before its checkpoint is saved."""
+
+    def close(self) -> None:
+        """Flush and release what the logger holds; called once at the end of the run, also when it stops on
+        an error."""
+
+    def log_samples(self, step: int, kind: str, rows: list[dict]) -> None:
+        """Some of the step's rollouts: ``kind`` is ``train`` or ``eval``, ``rows`` as in ``samples.jsonl``
+        (:mod:`rlite.samples`: prompt, completion, reward, ...). Every ``logging.samples_every`` steps."""
+
+    def resume(self, step: int) -> None:
+        """The run resumes from a checkpoint of ``step``: called once, before anything is logged. Forget (or
+        hide) what an interrupted run logged after ``step``, so that each step shows once."""
 
 
 class ProgressBar:

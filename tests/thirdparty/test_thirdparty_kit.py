@@ -48,13 +48,9 @@ def kit_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def kit(kit_site: Path, monkeypatch: pytest.MonkeyPatch, clean_plugin_env):
-    """The installed package visible in this process for one test: ``(plugin manager, its COUNTS)``."""
+    """The installed package visible in this process for one test: its plugin manager."""
     monkeypatch.syspath_prepend(str(kit_site))
-    pm = build_plugin_manager(only=["thirdparty"])
-    from rlite_thirdparty_kit.engines import COUNTS
-
-    COUNTS.clear()
-    yield pm, COUNTS
+    yield build_plugin_manager(only=["thirdparty"])
     for module in [m for m in sys.modules if m == "rlite_thirdparty_kit" or m.startswith("rlite_thirdparty_kit.")]:
         del sys.modules[module]
 
@@ -71,31 +67,38 @@ def test_the_package_imports_nothing_of_rlite_but_its_public_api() -> None:
 
 def test_the_engines_pass_the_conformance_kit(kit, tmp_path) -> None:
     """Both engines, by their registered names (resolved through rlite.api.registered in the kit's
-    manager): the wrapper around the built-in transformers engine, and the engine in its own process."""
+    manager): the wrapper around the built-in transformers engine, and the engine in its own process. What
+    each reported through the metrics channel during the check is what it did there."""
+    from transformers import AutoModelForCausalLM
+
     from rlite.conformance import check_engine
 
-    pm, counts = kit
-    with plugin_manager_in_use(pm):
+    with plugin_manager_in_use(kit):
         wrapper = check_engine("thirdparty_counting", workdir=tmp_path / "counting")
-        assert counts["generate_calls"] > 0 and counts["remote_generate_calls"] == 0  # it wrapped transformers
         remote = check_engine("thirdparty_remote", workdir=tmp_path / "remote")
-        assert counts["remote_generate_calls"] > 0
     for report, name in ((wrapper, "thirdparty_counting"), (remote, "thirdparty_remote")):
         assert report.plugin == f"'{name}' (plugin thirdparty)", report
         assert len(report.passed) == 12, report
         assert "samples with the new weights, not the old" in report.invariants(), report
+    # the check generates 3 times, 3 completions for each of 2 prompts; the wrapper wrapped transformers
+    assert wrapper.metrics == {"thirdparty/n_completions": 18.0, "thirdparty/n_generate_calls": 3.0}
+    # the engine process: every forward of its 18 completions (at most 6 tokens each), and the tensors of
+    # the two syncs (over the generate replies and the protocol's ("metrics",) message)
+    tensors = len(dict(AutoModelForCausalLM.from_pretrained(tmp_path / "remote" / "model").named_parameters()))
+    assert remote.metrics["thirdparty/remote/n_tensors_loaded"] == 2 * tensors
+    assert 18 <= remote.metrics["thirdparty/remote/n_forwards"] <= 18 * 6
 
 
 def test_the_backend_and_estimator_pass_the_conformance_kit(kit, tmp_path) -> None:
     from rlite.conformance import check_backend, check_estimator
 
-    pm, counts = kit
-    with plugin_manager_in_use(pm):
+    with plugin_manager_in_use(kit):
         backend = check_backend("thirdparty_fsdp2", workdir=tmp_path / "backend")
         estimator = check_estimator("range_baseline")
     assert backend.plugin == "'thirdparty_fsdp2' (plugin thirdparty)" and len(backend.passed) == 9, backend
     assert "resume: the step after a checkpoint load is bitwise equal" in backend.invariants(), backend
-    assert counts["backend_steps"] > 0 and counts["backend_skipped_steps"] == 2  # the kit's NaN loss and gradient
+    # the check's steps on the backend it keeps: the NaN loss and the NaN gradient skipped, then two finite ones
+    assert backend.metrics == {"thirdparty/n_backend_skipped_steps": 2.0, "thirdparty/n_backend_steps": 4.0}
     assert estimator.plugin == "'range_baseline' (plugin thirdparty)", estimator
     assert "equals its float64 reference" in estimator.invariants(), estimator
 
@@ -105,7 +108,7 @@ def test_the_audit_checks_the_estimator_against_its_reference(kit) -> None:
     implementation that drifts from the registered reference by 1e-6."""
     from rlite.audit import FAIL, PASS, check_formulas, formula_check
 
-    pm, _ = kit
+    pm = kit
     overrides = ["model.path=unused", "data.task=addition", "algorithm.advantage=range_baseline",
                  "algorithm.advantage.args.scale=0.5"]
     config = load_config(None, overrides, pm=pm)
@@ -143,15 +146,23 @@ def test_the_quickstart_trains_3_steps_with_the_third_party_plugins(kit_site, ru
     assert resolved["algorithm"]["advantage"]["name"] == "range_baseline"
 
     rows = [row for row in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in row]
+    max_new_tokens = resolved["rollout"]["max_new_tokens"]
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "mismatch/k3_kl"):
             assert math.isfinite(row[key]), (row["step"], key, row[key])
-        assert row["thirdparty/backend_steps"] == row["step"]  # every optimizer step went through the wrapper
-        assert row["thirdparty/backend_skipped_steps"] == 0
+        # the step's own numbers, through the metrics channel: one optimizer step through the wrapper, one
+        # rollout call of 16 completions, and the engine process's forwards for them
+        assert row["thirdparty/n_backend_steps"] == 1 and row["thirdparty/n_backend_skipped_steps"] == 0
+        assert row["thirdparty/n_generate_calls"] == 1 and row["thirdparty/n_completions"] == 16
+        assert 16 <= row["thirdparty/remote/n_forwards"] <= 16 * max_new_tokens
         assert row["mismatch/k3_kl"] < 1e-6  # the engine process sampled with the synced weights
-    # every rollout went through the wrapper and then the engine process (the evaluation's calls too)
-    calls = [row["thirdparty/generate_calls"] for row in rows]
-    assert calls == [row["thirdparty/remote_generate_calls"] for row in rows]
-    assert calls[0] >= 1 and calls[0] < calls[1] < calls[2]
+    # what the engine process loaded in the sync before each rollout (the first: the build's), every tensor
+    tensors = {row["thirdparty/remote/n_tensors_loaded"] for row in rows}
+    assert len(tensors) == 1 and tensors.pop() > 0
+    # the evaluations' calls (steps 0 and 3: greedy and sampled over 8 prompts) land under eval/
+    evals = [row for row in read_jsonl(run_dir / "metrics.jsonl") if "eval/greedy_accuracy" in row]
+    assert [row["step"] for row in evals] == [0, 3]
+    assert all(row["eval/thirdparty/n_generate_calls"] == 2 and row["eval/thirdparty/n_completions"] == 16
+               for row in evals)  # fmt: skip
     assert any(row["actor/grad_norm"] > 0 for row in rows)

@@ -9,10 +9,12 @@ lay itself out and size its memory without collectives of its own.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from rlite.metrics import MetricsSink
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class EngineContext:
     compute_dtype: str | None = None
     """The dtype the trainer's forward computes in (``parallelism.param_dtype``: bfloat16 under mixed
     precision with float32 master weights); None where not known (tests, scripts)."""
+    metrics: MetricsSink = field(default_factory=MetricsSink, compare=False)
+    """Where the engine reports numbers for the step's metrics row (``metrics.report({...})``): the rollout
+    stage drains it after each step's rollout, an evaluation into ``eval/<name>``. Shared by every engine the
+    run builds from this context (a wrapper and the engine it wraps, an engine restarted after a crash)."""
 
     @property
     def this(self) -> RankDevice:

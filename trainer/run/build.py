@@ -25,7 +25,7 @@ from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
 from rlite.engines.supervisor import SupervisedEngine
 from rlite.kl_control import build_kl_controller
-from rlite.metrics import StepTimer, trim_metrics_file
+from rlite.metrics import MetricsSink, StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.provenance import append_metrics_record
@@ -197,7 +197,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         options = rollout_options(cfg, engine, layout, draft=draft, record_routing=routing is not None, turns=turns,
                                   greedy_baseline=advantage.needs_greedy_baseline)
         scoring = RolloutScoring(rewards, layout, cfg.training.accuracy_threshold)
-        rollouts = build_rollouts(cfg, engine, sampler, scoring, tokenizer, layout, pm.hook, timer, options)
+        rollouts = build_rollouts(cfg, engine, sampler, scoring, tokenizer, layout, pm.hook, timer, options,
+                                  engine_metrics=context.metrics)
         rollouts.resume_ahead(rollouts_ahead, start_step)
     except BaseException:
         engine.shutdown()
@@ -214,7 +215,8 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
         layout=layout,
         rollouts=rollouts,
         evaluation=Evaluation(engine, tokenizer, scoring, options, layout,
-                              sample_count=cfg.logging.samples_per_step if samples is not None else 0),
+                              sample_count=cfg.logging.samples_per_step if samples is not None else 0,
+                              engine_metrics=context.metrics),
         backend=backend,
         reference=reference,
         critic=critic,
@@ -379,9 +381,10 @@ def rollout_options(cfg: RunConfig, engine: RolloutEngine, layout: DataLayout, *
 
 
 def build_rollouts(cfg: RunConfig, engine, sampler, scoring: RolloutScoring, tokenizer, layout: DataLayout,
-                   hooks, timer: StepTimer, options: RolloutOptions) -> Rollouts:
-    """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``)."""
-    args = (engine, sampler, scoring, tokenizer, options, layout, hooks, timer)
+                   hooks, timer: StepTimer, options: RolloutOptions, engine_metrics: MetricsSink | None = None) -> Rollouts:
+    """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``); ``engine_metrics``:
+    where the engine reports (its context's sink), drained with each batch."""
+    args = (engine, sampler, scoring, tokenizer, options, layout, hooks, timer, engine_metrics)
     mode = cfg.rollout.mode
     if mode == "sync":
         return Rollouts(*args)

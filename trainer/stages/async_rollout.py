@@ -208,6 +208,7 @@ class AsyncRollouts(Rollouts):
                 speculation = None
                 if restored is not None:  # every rank's checkpoint kept its batch: no rank samples it
                     batch, stats = copy.copy(restored[0]), dict(restored[1])
+                    report = dict(restored[2]) if len(restored) > 2 else {}
                 else:
                     oldest = self._oldest_version(step)
                     # one_step_off: exactly version step - 2, so a sync to step - 1 waits for this batch
@@ -221,16 +222,16 @@ class AsyncRollouts(Rollouts):
                         return
                     with self.engine_lock:
                         batch, stats = self.sample(step)
-                        speculation = self.sampling_speculation
+                        speculation, report = self.sampling_speculation, self.sampling_report
                     stats.update({f"rollout/producer_{k}": v for k, v in self.timer.step_metrics().items()})
                 with self.versions:  # the trainer attaches its targets to its own copy, never to this one
-                    self.ready[step] = (copy.copy(batch), dict(stats))
-                self.batches.put((step, batch, stats, speculation))
+                    self.ready[step] = (copy.copy(batch), dict(stats), dict(report))  # what the engine reported travels too
+                self.batches.put((step, batch, stats, speculation, report))
                 with self.versions:
                     self.produced = step
                     self.versions.notify_all()
         except BaseException as exc:  # the trainer re-raises it at its next collect
-            self.batches.put((self.producing, exc, None, None))
+            self.batches.put((self.producing, exc, None, None, None))
         finally:
             with self.versions:
                 self.finished = True
@@ -242,7 +243,7 @@ class AsyncRollouts(Rollouts):
             self.thread.start()
         with self.main_timer.phase("rollout_wait"):
             try:
-                produced, batch, stats, speculation = self.batches.get(timeout=self.wait_timeout_s)
+                produced, batch, stats, speculation, report = self.batches.get(timeout=self.wait_timeout_s)
             except queue.Empty:
                 raise RuntimeError(
                     f"step {step}: no rollout batch after {self.wait_timeout_s:g}s (rollout.timeout_s); "
@@ -252,7 +253,8 @@ class AsyncRollouts(Rollouts):
             raise batch
         if produced != step:
             raise RuntimeError(f"step {step}: the producer delivered the batch of step {produced}")
-        self.speculation = speculation  # the producer is drawing the next batch: its stats travel with each batch
+        # the producer is drawing the next batch: its stats and the engine's reports travel with each batch
+        self.speculation, self.engine_report = speculation, report
         with self.versions:  # a checkpoint from now on is of step - 1 or later
             for done in [k for k in self.ready if k < step]:
                 del self.ready[done]

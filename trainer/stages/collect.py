@@ -24,7 +24,7 @@ from rlite.config import ConfigError, RolloutConfig
 from rlite.data import PromptSampler
 from rlite.distributed import DataLayout, all_reduce_sum, from_replica_leader
 from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
-from rlite.metrics import StepTimer
+from rlite.metrics import MetricsSink, Reported, StepTimer
 from rlite.rewards import is_count_stat, reward_samples
 from rlite.rollout import EnvResults, RolloutBatch, build_rollout_batch, concat_batches
 from rlite.stages.partial import SegmentedGeneration
@@ -113,9 +113,12 @@ class Rollouts:
     ``rollout.partial_segment_tokens``); ``None``: each engine call is sampled whole."""
 
     def __init__(self, engine: RolloutEngine, sampler: PromptSampler, scoring: RolloutScoring, tokenizer,
-                 options: RolloutOptions, layout: DataLayout, hooks, timer: StepTimer) -> None:
+                 options: RolloutOptions, layout: DataLayout, hooks, timer: StepTimer,
+                 engine_metrics: MetricsSink | None = None) -> None:
         self.engine, self.sampler, self.scoring, self.tokenizer = engine, sampler, scoring, tokenizer
         self.options, self.layout, self.hooks, self.timer = options, layout, hooks, timer
+        self.engine_metrics = engine_metrics
+        """Where the engine reports metrics (its ``EngineContext.metrics``); drained after each batch."""
         self.sample_group = layout.group
         """The process group of :meth:`sample`'s collectives: the data-parallel group, or, when a producer
         thread samples (asynchronous rollouts), a group of its own beside the trainer's."""
@@ -126,6 +129,11 @@ class Rollouts:
         self.sampling_speculation: SpeculationStats | None = None
         """What speculative decoding has done so far in the batch :meth:`sample` is drawing (with
         asynchronous rollouts, a step ahead of :attr:`speculation`)."""
+        self.engine_report: Reported = {}
+        """What the engine reported (:attr:`engine_metrics`) up to the end of the batch :meth:`collect` returned
+        last, since the batch before it: its rollout, and the weight sync before it."""
+        self.sampling_report: Reported = {}
+        """The same for the batch :meth:`sample` drew last (with asynchronous rollouts, a step ahead)."""
 
     @property
     def rollout(self) -> RolloutConfig:
@@ -164,11 +172,18 @@ class Rollouts:
         """This rank's batch of the step (:meth:`sample`), then the engine releases its memory: the
         log-probs and the update that follow get it, and the weight sync takes it back."""
         batch, stats = self.sample(step)
-        self.speculation = self.sampling_speculation
+        self.speculation, self.engine_report = self.sampling_speculation, self.sampling_report
         self.engine.release_memory()
         return batch, stats
 
     def sample(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """:meth:`draw` the step's batch, then take what the engine reported meanwhile
+        (:attr:`sampling_report`)."""
+        batch, stats = self.draw(step)
+        self.sampling_report = self.engine_metrics.drain() if self.engine_metrics is not None else {}
+        return batch, stats
+
+    def draw(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate, score, and with dynamic sampling (DAPO) drop groups whose rewards are all equal
         and draw more prompts until every rank has its quota.
 

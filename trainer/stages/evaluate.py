@@ -10,6 +10,7 @@ import torch
 
 from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, from_replica_leader
 from rlite.engines.base import RolloutEngine
+from rlite.metrics import MetricsSink, merge_reported, reported_values
 from rlite.rewards import RewardScores, reward_samples
 from rlite.rollout import EnvResults
 from rlite.samples import eval_sample_rows
@@ -46,14 +47,30 @@ class Evaluation:
     nobody writes them)."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, scoring: RolloutScoring, options: RolloutOptions,
-                 layout: DataLayout, sample_count: int = 0) -> None:  # fmt: skip
+                 layout: DataLayout, sample_count: int = 0, engine_metrics: MetricsSink | None = None) -> None:  # fmt: skip
         self.engine, self.tokenizer, self.scoring = engine, tokenizer, scoring
         self.options, self.layout, self.sample_count = options, layout, sample_count
+        self.engine_metrics = engine_metrics
+        """Where the engine reports metrics: what it reports during the evaluation goes to ``eval/<name>``."""
 
     @torch.no_grad()
     def evaluate(self, eval_prompts, step: int, max_prompts: int) -> EvalResult:
         if not eval_prompts:
             return EvalResult()
+        # what the engine reported before (the weight sync) belongs to the next rollout's row, not here
+        pending = self.engine_metrics.drain() if self.engine_metrics is not None else {}
+        try:
+            result = self._evaluate(eval_prompts, step, max_prompts)
+        finally:
+            reported = self.engine_metrics.drain() if self.engine_metrics is not None else {}
+            if self.engine_metrics is not None:
+                self.engine_metrics.merge(pending)
+        if self.engine_metrics is not None:  # every rank has a sink (the engine context), so every rank gathers
+            merged = merge_reported(all_gather_objects(reported, self.layout.group))
+            result.metrics.update({f"eval/{name}": value for name, value in reported_values(merged).items()})
+        return result
+
+    def _evaluate(self, eval_prompts, step: int, max_prompts: int) -> EvalResult:
         layout, options = self.layout, self.options
         items = list(eval_prompts)[:max_prompts][layout.rank :: layout.size]
         out, kept = {}, []

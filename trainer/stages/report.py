@@ -33,6 +33,7 @@ import torch
 
 from rlite.distributed import all_gather_objects
 from rlite.engines.base import SpeculationStats
+from rlite.metrics import Reported, merge_reported, reported_values
 from rlite.mismatch import mismatch_metrics
 from rlite.perf import SequenceSums, perf_summary, sequence_sums
 from rlite.rewards import is_count_stat
@@ -54,11 +55,13 @@ class StepTokens(NamedTuple):
 
 def step_metrics(
     batch: RolloutBatch, first_pass_logprobs: torch.Tensor, reward_stats: dict[str, float], *, measure_mismatch: bool,
-    dp_group: Any = None, speculation: SpeculationStats | None = None,
+    dp_group: Any = None, speculation: SpeculationStats | None = None, reported: Reported | None = None,
 ) -> tuple[dict[str, float], StepTokens]:
     """Reward and length metrics of the global batch, and with ``measure_mismatch`` (the trainer did
-    not recompute pi_old) the mismatch between the first training forward and the engine, and with
-    ``speculation`` the speculative-decoding metrics; returns them and the global token counts."""
+    not recompute pi_old) the mismatch between the first training forward and the engine, with
+    ``speculation`` the speculative-decoding metrics, and what the components reported this step through
+    their :class:`~rlite.metrics.MetricsSink` (``reported``, this rank's; reduced over ranks as each name
+    asks); returns them and the global token counts."""
     mask = batch.response_mask
     lengths = sequence_sums(batch.prompt_mask.sum(-1) + batch.response_present.sum(-1))
     local = torch.tensor([
@@ -71,7 +74,7 @@ def step_metrics(
         lengths.causal_pairs,
     ], dtype=torch.float64)
     mismatch_parts = (first_pass_logprobs, batch.rollout_logprobs, mask) if measure_mismatch else None
-    parts = all_gather_objects((local, mismatch_parts, reward_stats, speculation), dp_group)
+    parts = all_gather_objects((local, mismatch_parts, reward_stats, speculation, reported or {}), dp_group)
     reward_sum, correct, tokens, truncated, count, sequence_tokens, pairs = torch.stack([p[0] for p in parts]).sum(0).tolist()
     metrics = {
         "reward/mean": reward_sum / count,
@@ -88,6 +91,12 @@ def step_metrics(
         metrics[key] = sum(values) if key in COUNTS or is_count_stat(key) else sum(values) / len(values)
     if speculation is not None:
         metrics.update(speculation_metrics([p[3] for p in parts]))
+    components = reported_values(merge_reported(p[4] for p in parts))
+    clash = sorted(set(components) & set(metrics))
+    if clash:
+        raise ValueError(f"a component reported metrics that rlite logs itself: {clash}; report them under a prefix "
+                         "of your own (docs/plugins.md, Reporting metrics)")
+    metrics.update(components)
     return metrics, StepTokens(tokens, SequenceSums(sequence_tokens, pairs))
 
 

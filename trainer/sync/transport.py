@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from rlite.errors import EngineError
+from rlite.metrics import MetricsSink, Reported
 from rlite.sync.buckets import (
     ALIGNMENT,
     BucketMeta,
@@ -98,6 +99,9 @@ class SharedBucketSender:
       checksum instead of after it, and adds nothing to the sync where a core is free for it.
     * ``("end_sync", version, n_buckets)`` -> ``("ack", "end_sync", version, ok, error)``
     * ``("abort_sync", version)`` after a failure -> ``("ack", "abort_sync", version, True, "")``
+    * ``("metrics",)`` between syncs (:meth:`fetch_metrics`) -> ``("metrics", reported)``: what the engine's
+      process reported into the :class:`~rlite.metrics.MetricsSink` its :class:`SyncServer` was given, drained
+      (plain data, ``MetricsSink.drain()``'s form)
 
     The first sync allocates one buffer per bucket (shared memory on CPU, device memory on GPU); later
     syncs must stream the same names, shapes and dtypes in the same order and only copy into the
@@ -143,6 +147,21 @@ class SharedBucketSender:
     def reset(self) -> None:
         """Forget the layout and buffers (the next sync allocates and sends new handles)."""
         self.slots = []
+
+    def fetch_metrics(self, into: MetricsSink | None = None) -> Reported:
+        """Ask the engine's process for what it reported since the last time (``("metrics",)``, answered by
+        :class:`SyncServer` from the sink it was given) and add it to ``into`` (the engine's
+        ``EngineContext.metrics``), so that it reaches the step's metrics row. Call it between syncs, from
+        the thread that syncs; it returns what came."""
+        if self._pending:
+            raise EngineError("fetch_metrics: a weight sync is in progress on this channel")
+        self.channel.send((METRICS_REQUEST,))
+        reply = self.channel.recv(self.timeout_s)
+        if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == METRICS_REQUEST and isinstance(reply[1], dict)):
+            raise EngineError(f"fetch_metrics: expected (\"metrics\", {{...}}), got {str(reply)[:200]}")
+        if into is not None:
+            into.merge(reply[1])
+        return reply[1]
 
     # -- internals ----------------------------------------------------------------------------
     def _abort(self, stats: SyncStats) -> None:
@@ -355,7 +374,9 @@ class SharedBucketReceiver:
 # --------------------------------------------------------------------------------------------------
 
 SYNC_MESSAGES = ("begin_sync", "bucket", "bucket_checksum", "end_sync", "abort_sync")
-"""The first element of every message :class:`SharedBucketSender` sends."""
+"""The first element of every message of a weight sync."""
+METRICS_REQUEST = "metrics"
+"""The message (``("metrics",)``) that asks the engine's process for its reported metrics, and its answer's tag."""
 
 
 class ConnectionChannel:
@@ -391,7 +412,9 @@ class SyncServer:
     ``load(views)`` gets a bucket's ``(name, tensor)`` pairs as views into the shared buffer (no copy):
     copy them into your model, or make them its storage (``param.data = view``: the buffers stay
     mapped and later syncs write into them). ``check_complete(version)``, if given, runs at the end of
-    every sync and raises if the model is not fully covered. Between a ``begin_sync`` and its successful
+    every sync and raises if the model is not fully covered. ``metrics``, if given, is the engine process's
+    :class:`~rlite.metrics.MetricsSink`: report into it anywhere in the process, and the trainer's
+    :meth:`SharedBucketSender.fetch_metrics` collects it (``("metrics",)``). Between a ``begin_sync`` and its successful
     ``end_sync`` (or after a failed sync) :attr:`weights_valid` is False: an engine must not generate
     then. :attr:`weight_version` is the version of the last complete sync (None before the first).
 
@@ -415,9 +438,11 @@ class SyncServer:
         check_complete: Callable[[int], None] | None = None,
         verify_checksums: bool = True,
         verify_threads: int | None = None,
+        metrics: MetricsSink | None = None,
     ) -> None:
         self.load = load
         self.check_complete = check_complete
+        self.metrics = metrics
         self.receiver = SharedBucketReceiver(verify_checksums=verify_checksums, verify_threads=verify_threads)
         self.weight_version: int | None = None
         self.weights_valid = False
@@ -427,12 +452,15 @@ class SyncServer:
     @staticmethod
     def handles(message: Any) -> bool:
         """Whether ``message`` belongs to the weight-sync protocol (the rest is the engine's own)."""
-        return isinstance(message, tuple) and bool(message) and message[0] in SYNC_MESSAGES
+        return isinstance(message, tuple) and bool(message) and message[0] in (*SYNC_MESSAGES, METRICS_REQUEST)
 
     def handle(self, message: tuple) -> tuple | None:
         """The ack to send back for ``message``, or None when a later message answers for it."""
         op, *args = message
         return getattr(self, f"_{op}")(*args)
+
+    def _metrics(self) -> tuple:
+        return (METRICS_REQUEST, self.metrics.drain() if self.metrics is not None else {})
 
     def _begin_sync(self, version: int) -> tuple:
         self.receiver.begin(version)

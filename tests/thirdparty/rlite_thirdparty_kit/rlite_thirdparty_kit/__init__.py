@@ -2,15 +2,17 @@
 
 Registers a wrapper engine (``thirdparty_counting``), an out-of-process engine (``thirdparty_remote``), a
 wrapper of the fsdp2 backend (``thirdparty_fsdp2``) and an advantage estimator (``range_baseline``) with its
-float64 reference. Heavy imports (transformers, the engine process) happen in the factories, not here:
-every ``rlite`` command imports every plugin.
+float64 reference. The wrappers and the engine process report what they did through rlite's metrics channel
+(``rlite.api.MetricsSink``), so each step's row in ``metrics.jsonl`` shows they were used. Heavy imports
+(transformers, the engine process) happen in the factories, not here: every ``rlite`` command imports every
+plugin.
 """
 
 from __future__ import annotations
 
 from rlite.api import hookimpl
 from rlite_thirdparty_kit.backend import ThirdPartyBackendConfig, make_thirdparty_backend
-from rlite_thirdparty_kit.engines import COUNTS, CountingEngineConfig, make_counting_engine
+from rlite_thirdparty_kit.engines import CountingEngineConfig, make_counting_engine
 from rlite_thirdparty_kit.estimator import RangeBaselineConfig, range_baseline, range_baseline_reference
 from rlite_thirdparty_kit.remote import RemoteEngineConfig, make_remote_engine
 
@@ -29,11 +31,3 @@ def register_training_backends(register):
 @hookimpl
 def register_advantage_estimators(register):
     register("range_baseline", range_baseline, RangeBaselineConfig, reference=range_baseline_reference)
-
-
-@hookimpl
-def after_optimizer_step(step, metrics):
-    """Each step's metrics say how much of the run went through this package's wrappers (so far, in this
-    process): the proof, in ``metrics.jsonl``, that they were used."""
-    for name, count in COUNTS.items():
-        metrics[f"thirdparty/{name}"] = float(count)

@@ -1,17 +1,17 @@
 """``thirdparty_counting``: a registered engine (``transformers`` unless ``args.inner`` says otherwise),
-wrapped with ``rlite.api.EngineWrapper``; it counts what it generates and changes nothing else."""
+wrapped with ``rlite.api.EngineWrapper``; it counts what it generates and changes nothing else.
+
+The counts go to the step's metrics row through the engine's metrics channel (``context.metrics``, an
+``rlite.api.MetricsSink`` shared with the engine it wraps): ``thirdparty/n_generate_calls`` and
+``thirdparty/n_completions``, this step's, summed over the calls (never totals since the process started,
+which a resumed run would restart from 0)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlite.api import EngineWrapper, registered
-
-COUNTS: Counter[str] = Counter()
-"""What this package's plugins did in this process: ``generate_calls`` and ``completions`` (the wrapper engine),
-``remote_generate_calls`` (the out-of-process engine), ``backend_steps`` and ``backend_skipped_steps``."""
+from rlite.api import EngineWrapper, MetricsSink, registered
 
 
 @dataclass
@@ -26,13 +26,18 @@ class CountingEngineConfig:
 class CountingEngine(EngineWrapper):
     """Counts ``generate`` calls and the completions they return; everything else is the inner engine's."""
 
+    def __init__(self, inner, metrics: MetricsSink) -> None:
+        super().__init__(inner)
+        self.metrics = metrics
+
     def generate(self, prompts, params):
         completions = self.inner.generate(prompts, params)
-        COUNTS["generate_calls"] += 1
-        COUNTS["completions"] += len(completions)
+        self.metrics.report({"thirdparty/n_generate_calls": 1, "thirdparty/n_completions": len(completions)},
+                            reduce="sum")
         return completions
 
 
 def make_counting_engine(model_config, tokenizer, rollout_config, cfg: CountingEngineConfig, context):
     inner = registered("rollout_engine", cfg.inner)  # the running rlite's registry: plugins.enable respected
-    return CountingEngine(inner.implementation(model_config, tokenizer, rollout_config, cfg.inner_args, context))
+    engine = inner.implementation(model_config, tokenizer, rollout_config, cfg.inner_args, context)
+    return CountingEngine(engine, context.metrics)

@@ -11,6 +11,12 @@ Two halves (the pattern of ``examples/own_engine`` and ``docs/weight_sync.md``, 
 * :class:`RemoteEngine` is the trainer's handle, an ``rlite.api.RolloutEngine``: it starts the process
   (``spawn``), sends every weight sync with ``rlite.api.SharedBucketSender`` (shared-memory buckets,
   each checked by its checksum) and asks for completions over the same pipe.
+
+Metrics cross the pipe both ways the metrics channel offers (``docs/plugins.md``, "Reporting metrics"): the
+engine process reports into its own ``rlite.api.MetricsSink``; a ``generate`` reply carries what it reported
+while sampling (``thirdparty/remote/n_forwards``: the model forwards it ran), and after every weight sync the
+handle asks with the protocol's ``("metrics",)`` message (``SharedBucketSender.fetch_metrics``, answered by the
+``SyncServer``: ``thirdparty/remote/n_tensors_loaded``). Both land in ``context.metrics``, the step's row.
 """
 
 from __future__ import annotations
@@ -26,10 +32,10 @@ from rlite.api import (
     EngineCapabilities,
     EngineDied,
     EngineError,
+    MetricsSink,
     SharedBucketSender,
     SyncServer,
 )
-from rlite_thirdparty_kit.engines import COUNTS
 
 
 @dataclass
@@ -52,6 +58,7 @@ def serve(conn, model_path: str, dtype: str, eos_token_ids: list[int]) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
     params = dict(model.named_parameters())  # tied weights listed once, as the trainer sends them
     seen: set[str] = set()
+    metrics = MetricsSink()  # this process's reports; the trainer's handle collects them
 
     @torch.no_grad()
     def load(views):
@@ -60,6 +67,7 @@ def serve(conn, model_path: str, dtype: str, eos_token_ids: list[int]) -> None:
                 raise KeyError(f"the engine's model has no parameter {name!r}")
             params[name].copy_(view)
             seen.add(name)
+        metrics.report({"thirdparty/remote/n_tensors_loaded": len(views)}, reduce="sum")
 
     def check_complete(version: int) -> None:
         missing = sorted(set(params) - seen)
@@ -67,7 +75,7 @@ def serve(conn, model_path: str, dtype: str, eos_token_ids: list[int]) -> None:
         if missing:
             raise RuntimeError(f"sync v{version} left {len(missing)} parameters stale, e.g. {missing[:3]}")
 
-    server = SyncServer(load, check_complete=check_complete)
+    server = SyncServer(load, check_complete=check_complete, metrics=metrics)  # answers ("metrics",) too
     conn.send(("ready",))
     while True:
         try:
@@ -86,7 +94,10 @@ def serve(conn, model_path: str, dtype: str, eos_token_ids: list[int]) -> None:
             conn.send(("error", f"refusing to generate: {server.invalid_reason}"))
         elif op == "generate":
             try:
-                conn.send(("ok", server.weight_version, sample(model, *args, eos_token_ids=eos_token_ids)))
+                completions, forwards = sample(model, *args, eos_token_ids=eos_token_ids)
+                metrics.report({"thirdparty/remote/n_forwards": forwards}, reduce="sum")
+                # the reply carries what this call reported (a message of the engine's own protocol)
+                conn.send(("ok", server.weight_version, completions, metrics.drain()))
             except Exception as exc:  # the trainer gets the error, the process lives on
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
         else:
@@ -94,18 +105,20 @@ def serve(conn, model_path: str, dtype: str, eos_token_ids: list[int]) -> None:
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], params, *, eos_token_ids: list[int]) -> list[tuple]:
-    """``params.n`` completions per prompt, grouped in order: ``(prompt_index, tokens, logprobs, finish)``."""
+def sample(model, prompts: list[list[int]], params, *, eos_token_ids: list[int]) -> tuple[list[tuple], int]:
+    """``params.n`` completions per prompt, grouped in order: ``(prompt_index, tokens, logprobs, finish)``; and
+    the number of model forwards that took."""
     if params.top_p < 1.0 or params.top_k > 0:
         raise ValueError("this engine samples from the whole distribution: top_p must be 1 and top_k 0")
     generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
     stops = set(eos_token_ids) | set(params.stop_token_ids)
-    out = []
+    out, forwards = [], 0
     for index, prompt in enumerate(prompts):
         for _ in range(params.n):
             tokens, logprobs, finish = [], [], "length"
             for _ in range(params.max_new_tokens):
                 logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, -1].float()
+                forwards += 1
                 logp = torch.log_softmax(logits / (1.0 if params.greedy else params.temperature), dim=-1)
                 if params.greedy:
                     token = int(logp.argmax())
@@ -117,7 +130,7 @@ def sample(model, prompts: list[list[int]], params, *, eos_token_ids: list[int])
                     finish = "stop"
                     break
             out.append((index, tokens, logprobs, finish))
-    return out
+    return out, forwards
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,7 +144,7 @@ class RemoteEngine:
     capabilities = EngineCapabilities()  # its own copy of the weights; no LoRA, routing or drafts
 
     def __init__(self, model_path: str, dtype: str, eos_token_ids: list[int], *, bucket_bytes: int,
-                 timeout_s: float, start_timeout_s: float) -> None:
+                 timeout_s: float, start_timeout_s: float, metrics: MetricsSink) -> None:
         ctx = mp.get_context("spawn")  # the engine must be a multiprocessing child: it maps the trainer's buffers
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=serve, args=(child_conn, str(model_path), dtype, list(eos_token_ids)),
@@ -139,6 +152,7 @@ class RemoteEngine:
         self.process.start()
         child_conn.close()
         self.timeout_s = timeout_s
+        self.metrics = metrics  # the run's sink for this engine (context.metrics): what the process reports goes there
         self.weight_version = 0
         self.channel = ConnectionChannel(self.conn)
         if self.channel.recv(start_timeout_s) != ("ready",):
@@ -150,13 +164,14 @@ class RemoteEngine:
         reply = self.channel.recv(self.timeout_s)
         if reply[0] != "ok":
             raise EngineError(f"thirdparty_remote: {reply[1]}")
-        _, version, completions = reply
-        COUNTS["remote_generate_calls"] += 1
+        _, version, completions, reported = reply
+        self.metrics.merge(reported)
         return [Completion(index, tokens, logprobs, finish, version) for index, tokens, logprobs, finish in completions]
 
     def update_weights(self, named_tensors, version):
         self.sender.sync(named_tensors if named_tensors is not None else (), version)
         self.weight_version = version
+        self.sender.fetch_metrics(into=self.metrics)  # what the process reported while loading
 
     def release_memory(self):
         pass  # on CPU there is nothing to hand back
@@ -183,4 +198,4 @@ class RemoteEngine:
 def make_remote_engine(model_config, tokenizer, rollout_config, cfg: RemoteEngineConfig, context):
     eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
     return RemoteEngine(model_config.path, model_config.dtype, eos, bucket_bytes=rollout_config.bucket_bytes,
-                        timeout_s=rollout_config.timeout_s, start_timeout_s=cfg.start_timeout_s)
+                        timeout_s=rollout_config.timeout_s, start_timeout_s=cfg.start_timeout_s, metrics=context.metrics)
