@@ -1,10 +1,9 @@
 """Built-in metric loggers: ``jsonl`` (always works), ``tensorboard`` and ``wandb`` (when installed).
 
-A logger factory is ``factory(run_dir, config, cfg) -> logger`` with ``log(step, metrics)`` and
-``close()``; it returns None when its package is missing, which the loop reports once and skips.
-A logger may also show rollouts (``log_samples(step, kind, rows)``, rows as in ``samples.jsonl``;
-``rlite.samples``) and forget what an interrupted run logged after the checkpoint a run resumes from
-(``resume(step)``).
+A logger factory is ``factory(run_dir, config, cfg) -> logger``; the logger implements ``rlite.api.Logger``
+(``log(step, metrics)`` and ``close()``, and where it can, ``log_samples(step, kind, rows)``, rows as in
+``samples.jsonl``, and ``resume(step)``: forget what an interrupted run logged after the checkpoint a run resumes
+from). A factory returns None when its package is missing, which the loop reports once and skips.
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlite.api import hookimpl, open_run_file
+from rlite.api import Logger, hookimpl, open_run_file
 
 log = logging.getLogger(__name__)
 
 
-class JsonlLogger:
+class JsonlLogger(Logger):
     """One JSON object per step in ``<run_dir>/metrics.jsonl``; appends when a run resumes."""
 
     def __init__(self, path: Path) -> None:
@@ -48,7 +47,7 @@ def make_jsonl(run_dir, config, cfg: JsonlConfig):
     return JsonlLogger(Path(run_dir) / cfg.filename)
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(Logger):
     """Scalars per step under ``<run_dir>/tensorboard``, and rollouts as text tables.
 
     Each run starts its events with a session start (TensorBoard's ``SessionLog.START``), which
@@ -119,7 +118,7 @@ class WandbConfig:
     """W&B tags."""
 
 
-class WandbLogger:
+class WandbLogger(Logger):
     """Metrics and sample tables in one W&B run per rlite run: the W&B run's id is kept in
     ``<run_dir>/wandb/rlite_run_id``, and a resumed rlite run continues that W&B run
     (``resume="allow"``) instead of starting a second one. W&B keeps steps increasing, so the steps an

@@ -217,11 +217,12 @@ def register_loggers(register: Register) -> None:
     """Register metric loggers, listed in ``logging.loggers``.
 
     :param register: call ``register(name, factory, config_cls)``. ``factory(run_dir, config, cfg)``
-        returns an object with ``log(step: int, metrics: dict[str, float])`` and ``close()``, and
-        optionally ``log_samples(step: int, kind: str, rows: list[dict])``, which receives rollouts
-        (``kind`` train or eval; rows as in ``samples.jsonl``, ``rlite.samples``), and ``resume(step)``,
-        called once before anything is logged when the run resumes from a checkpoint of ``step``:
-        forget what an interrupted run logged after it. Loggers are built on rank 0 only.
+        returns an :class:`rlite.api.Logger` (or None when it cannot run): ``log(step: int, metrics:
+        dict[str, float])`` and ``close()``, and optionally ``log_samples(step: int, kind: str, rows:
+        list[dict])``, which receives rollouts (``kind`` train or eval; rows as in ``samples.jsonl``,
+        ``rlite.samples``), and ``resume(step)``, called once before anything is logged when the run resumes
+        from a checkpoint of ``step``: forget what an interrupted run logged after it. Loggers are built on
+        rank 0 only.
     """
 
 

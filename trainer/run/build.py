@@ -25,7 +25,7 @@ from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
 from rlite.engines.supervisor import SupervisedEngine
 from rlite.kl_control import build_kl_controller
-from rlite.metrics import MetricsSink, StepTimer, trim_metrics_file
+from rlite.metrics import Logger, MetricsSink, StepTimer, trim_metrics_file
 from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.provenance import append_metrics_record
@@ -542,12 +542,22 @@ def load_tokenizer(cfg: RunConfig):
     return tokenizer
 
 
-def build_loggers(cfg: RunConfig, run_dir: Path, pm: RlitePluginManager) -> list:
+def build_loggers(cfg: RunConfig, run_dir: Path, pm: RlitePluginManager) -> list[Logger]:
+    """``logging.loggers``, each built by its factory (None: it cannot run here, and is left out); an object
+    that is no :class:`~rlite.metrics.Logger` (no ``log`` or ``close``) is refused, naming the plugin."""
     loggers = []
     registry = pm.registry("logger")
     for choice in cfg.logging.loggers:
         factory, logger_cfg = resolve_choice(registry, choice)
         logger = factory(run_dir, cfg, logger_cfg)
-        if logger is not None:
-            loggers.append(logger)
+        if logger is None:
+            continue
+        missing = [name for name in ("log", "close") if not callable(getattr(logger, name, None))]
+        if missing:
+            entry = registry.get(choice.name)
+            raise ConfigError(
+                f"logging.loggers: the {choice.name!r} logger of plugin {entry.plugin!r} built a "
+                f"{type(logger).__name__} without {' and '.join(missing)}(): a logger implements rlite.api.Logger"
+            )
+        loggers.append(logger)
     return loggers
