@@ -545,12 +545,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 1 if report["errors"] else 0
 
 
-def print_plugin_tables(report: dict[str, Any]) -> None:
+def print_plugin_tables(report: dict[str, Any], console=None) -> None:
+    """The tables of ``rlite plugins`` on ``console`` (a rich Console; default: stdout)."""
     from rich.console import Console
     from rich.table import Table
 
-    # Piped output is not cut at rich's default of 80 columns (COLUMNS still wins).
-    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
+    if console is None:  # piped output is not cut at rich's default of 80 columns (COLUMNS still wins)
+        console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
     loaded = [p for p in report["plugins"] if p["error"] is None]
     failed = [p for p in report["plugins"] if p["error"] is not None]
 

@@ -15,7 +15,9 @@ Two kinds of hooks:
 
   ``config_cls`` is an optional dataclass of options for that implementation; the YAML's ``args``
   for the choice are validated against it when the config loads, and the implementation receives
-  an instance of it. Names must be unique across all plugins of a kind. ``metadata`` declares what
+  an instance of it, nested options built too (a field holding a dataclass; a nested choice declared
+  ``field(metadata={"choice_of": kind})``, whose ``<name>_args`` arrive as that implementation's config
+  instance: :mod:`rlite.config.options`). Names must be unique across all plugins of a kind. ``metadata`` declares what
   the implementation needs, where a kind's hook lists such keys (``needs_critic``, ``needs_group`` and
   ``needs_greedy_baseline`` for advantage estimators); the config loader and the run builder read it,
   so no rlite code tests implementation names.
@@ -154,7 +156,9 @@ def register_training_backends(register: Register) -> None:
         :class:`rlite.api.TrainingBackend`: log-probs of a batch, ``backward`` and ``step``, the full
         weights as (Hugging Face name, tensor) pairs for weight sync and export, checkpoint state,
         the LoRA adapter where it trains one, reference model and critic, ``close()``. The loop,
-        weight sync, export and checkpointing use nothing else. Optional ``trainer_memory=fn``:
+        weight sync, export and checkpointing use nothing else; a backend that reports numbers for the
+        step's metrics row holds an :class:`rlite.api.MetricsSink` as its ``metrics`` attribute (drained
+        after the update). Optional ``trainer_memory=fn``:
         ``fn(config, cfg, parameters, world_size)`` returns the bytes one rank holds by part
         (``{"weights": ..., "gradients": ..., "AdamW moments": ...}``) for the memory check a run makes
         before it allocates (docs/memory.md); without it the backend is estimated as FSDP2's shards.
@@ -169,7 +173,8 @@ def register_rollout_engines(register: Register) -> None:
         tokenizer, rollout_config, cfg, context)`` receives the ``model`` and ``rollout`` config
         sections, the tokenizer, the engine's own config instance and an
         :class:`rlite.api.EngineContext` (every rank's host, GPU, free device memory and what its
-        trainer will still allocate, the rollout quantizer, and the speculative draft), and returns a
+        trainer will still allocate, the rollout quantizer, the speculative draft, and ``metrics``: the
+        :class:`rlite.api.MetricsSink` where the engine reports numbers for the step's row), and returns a
         :class:`rlite.api.RolloutEngine` (its weights are overwritten by the first sync) whose
         ``capabilities`` (:class:`rlite.api.EngineCapabilities`) say whether it shares the trainer's
         weights, serves LoRA adapters, wants its weights in another dtype or pre-quantized. It is

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlite import hookimpl as hookimpl_
 from rlite.run.faults import EXIT_STOPPED, NonFiniteGuard, RunStopped
 from rlite.stages.sync import refuse_nonfinite
 from rlite.testing import fixed_batch, run_in_subprocess_env
@@ -166,3 +167,57 @@ def test_a_huge_learning_rate_ends_with_a_clear_message_not_a_sampler_traceback(
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0]
     assert sum(r["train/skipped_nonfinite"] for r in rows) == 1  # the stopping step logs no row
     assert all(r.get("actor/grad_norm", 0.0) == r.get("actor/grad_norm", 0.0) for r in rows)  # no NaN logged
+
+
+class _NanRewards:
+    """The two roads of a NaN reward (docs/faults.md, "NaN rewards"): a reward function that returns NaN on one
+    call of step 2 (``nan_once``), and a hook that writes NaN into the first score of step 2's batch."""
+
+    def __init__(self, hook: bool) -> None:
+        self.hook, self.step, self.returned_nan = hook, 0, False
+
+    @hookimpl_
+    def register_reward_functions(self, register):
+        def nan_once(completion, sample, cfg):
+            if self.step == 2 and not self.hook and not self.returned_nan:
+                self.returned_nan = True
+                return float("nan")
+            return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+        register("nan_once", nan_once, isolation="inline")
+
+    @hookimpl_
+    def after_rollout(self, step):
+        self.step = step  # the step's rewards are scored next (the evaluations' are not in a step)
+
+    @hookimpl_
+    def after_rewards(self, step, batch):
+        if self.hook and step == 2:
+            batch.scores[0] = float("nan")
+
+
+@pytest.mark.parametrize("road", ["reward function", "hook"])
+def test_a_nan_reward_costs_at_most_the_updates_it_reaches(tmp_path, road):
+    """From a reward function: a counted failure scored 0, so the batch never holds it and nothing is skipped.
+    Written into the batch: the mini-batch holding it (its group's advantages are NaN) is skipped, the other
+    one of the step updates, ``reward/mean`` is logged as null, and the run goes on."""
+    from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
+    from rlite.testing import read_jsonl, tiny_config
+    from rlite.tokenizer import build_tiny_model_dir
+
+    model_dir = build_tiny_model_dir(tmp_path / "tiny")
+    pm = build_plugin_manager(autoload=False)
+    pm.register(_NanRewards(hook=road == "hook"), name="nan-rewards")
+    cfg = tiny_config(model_dir, tmp_path / "run", "rewards=[nan_once]", "training.steps=3", "rollout.temperature=1.0",
+                      "algorithm.minibatches_per_step=2", "reward_max_failure_fraction=1.0", pm=pm)  # fmt: skip
+    run_training(cfg, pm)
+    rows = {r["step"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/failures" in r}
+    assert sorted(rows) == [1, 2, 3]
+    if road == "reward function":
+        assert [rows[s]["reward/failures"] for s in (1, 2, 3)] == [0, 1, 0]
+        assert all(rows[s]["reward/mean"] is not None and rows[s]["train/skipped_nonfinite"] == 0 for s in rows)
+    else:
+        assert [rows[s]["train/skipped_nonfinite"] for s in (1, 2, 3)] == [0, 1, 0]  # one of step 2's two updates
+        assert rows[2]["reward/mean"] is None and rows[2]["actor/pg_loss"] is not None  # the other one applied
+        assert all(rows[s]["reward/failures"] == 0 for s in rows)

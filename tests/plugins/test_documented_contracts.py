@@ -58,6 +58,8 @@ def test_documented_backend_trains_resumes_and_exports(tmp_path, model_dir, monk
     summary = run_training(tiny_config(model_dir, tmp_path / "run", *overrides, pm=pm), pm)
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    # its metrics channel: 2 prompts x 8 samples in micro-batches of 8 -> 2 backward passes a step
+    assert [r["single_device/n_backward"] for r in rows] == [2, 2]
     assert all(r["actor/grad_norm"] > 0 for r in rows)
     # resume from the step-2 checkpoint and train a third step
     resumed = tiny_config(model_dir, tmp_path / "run", *overrides, "training.steps=3", "checkpoint.resume=auto", pm=pm)
@@ -131,12 +133,20 @@ def test_documented_wrapper_engine_composes_the_registered_transformers_engine(t
     pm.register(docs, name="docs-wrapper")
     made = []
     original = docs.CountingEngine.__init__
-    monkeypatch.setattr(docs.CountingEngine, "__init__", lambda self, inner: (made.append(self), original(self, inner))[1])
-    run_training(tiny_config(model_dir, tmp_path / "run", "rollout.engine=counting", pm=pm), pm)
-    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    monkeypatch.setattr(docs.CountingEngine, "__init__",
+                        lambda self, inner, metrics: (made.append(self), original(self, inner, metrics))[1])
+    run_training(tiny_config(model_dir, tmp_path / "run", "rollout.engine=counting", "training.eval_every=2",
+                             "rollout.engine.args.inner_args.dtype=float32", pm=pm), pm)  # fmt: skip
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
     (engine,) = made
-    assert engine.prompts_generated > 0
+    assert type(engine.inner).__name__ == "TransformersEngine"  # its nested options arrived as its config
+    assert engine.inner.model.dtype == torch.float32
+    # the metrics channel: each step's rollout, 2 prompts; the evaluations' calls (8 prompts, greedy and
+    # sampled) under eval/
+    assert [r["counting/n_prompts"] for r in steps] == [2, 2]
+    assert [r["eval/counting/n_prompts"] for r in rows if "eval/greedy_accuracy" in r] == [16, 16]
     with pytest.raises(Exception, match="counting"):  # the run's manager was in use only while building
         registered("rollout_engine", "counting")
 
