@@ -133,16 +133,16 @@ def test_documented_wrapper_engine_composes_the_registered_transformers_engine(t
     pm.register(docs, name="docs-wrapper")
     made = []
     original = docs.CountingEngine.__init__
-    monkeypatch.setattr(docs.CountingEngine, "__init__",
-                        lambda self, inner, metrics: (made.append(self), original(self, inner, metrics))[1])
+    monkeypatch.setattr(docs.CountingEngine, "__init__", lambda self, inner, metrics: (
+        made.append((self, inner.model.config._attn_implementation)), original(self, inner, metrics))[1])
     run_training(tiny_config(model_dir, tmp_path / "run", "rollout.engine=counting", "training.eval_every=2",
-                             "rollout.engine.args.inner_args.dtype=float32", pm=pm), pm)  # fmt: skip
+                             "rollout.engine.args.inner_args.attn_implementation=eager", pm=pm), pm)  # fmt: skip
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    (engine,) = made
-    assert type(engine.inner).__name__ == "TransformersEngine"  # its nested options arrived as its config
-    assert engine.inner.model.dtype == torch.float32
+    ((engine, attention),) = made
+    assert type(engine.inner).__name__ == "TransformersEngine"
+    assert attention == "eager"  # the wrapper's nested options reached the inner engine as its config
     # the metrics channel: each step's rollout, 2 prompts; the evaluations' calls (8 prompts, greedy and
     # sampled) under eval/
     assert [r["counting/n_prompts"] for r in steps] == [2, 2]
