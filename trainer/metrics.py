@@ -53,6 +53,11 @@ Reported = dict[str, tuple[str, float, int]]
 
 REDUCES = ("mean", "sum")
 
+RLITE_PREFIXES = ("actor", "advantage", "batching", "correction", "critic", "draft", "dynamic_sampling", "eval",
+                  "mismatch", "perf", "response", "reward", "rollout", "routing", "spec", "train")
+"""The first segments of the names rlite's own metrics use: a component's name may not start with one (``time/``
+is open, for a component's timings under ``time/<its prefix>/...``)."""
+
 
 class MetricsSink:
     """Where a component (a rollout engine, a training backend, the process behind an engine) reports numbers
@@ -62,8 +67,9 @@ class MetricsSink:
     (``reduce="mean"``); ``report({"myengine/n_evictions": 3}, reduce="sum")`` adds them up (counts, totals).
     The stage that calls the component drains its sink (:meth:`drain`) into the step's row: an engine's after
     the step's rollout (what it reported since the previous rollout, the weight sync between them included;
-    during an evaluation, into ``eval/<name>``), a backend's after the update. Name your metrics under a
-    prefix of your own.
+    during an evaluation, into ``eval/<name>``), a backend's after the update. A name is ``<prefix>/<name>``
+    under a prefix of your own: rlite's (:data:`RLITE_PREFIXES`) are refused; timings go under
+    ``time/<prefix>/...``, which the resume comparison leaves out as it does rlite's own.
 
     **Metrics must equal after a resume**: a run resumed from a checkpoint of step ``k`` must log for the steps
     after ``k`` exactly the rows of the uninterrupted run (``rlite audit`` checks it; ``time/`` and ``perf/``
@@ -81,8 +87,11 @@ class MetricsSink:
             raise ValueError(f"MetricsSink.report: reduce must be one of {', '.join(REDUCES)}, got {reduce!r}")
         checked = {}
         for name, value in values.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"MetricsSink.report: a metric name must be a non-empty string, got {name!r}")
+            if not isinstance(name, str) or "/" not in name.strip("/"):
+                raise TypeError(f"MetricsSink.report: a metric name is '<your prefix>/<name>', got {name!r}")
+            if name.split("/")[0] in RLITE_PREFIXES:
+                raise ValueError(f"MetricsSink.report: {name!r} is under {name.split('/')[0]}/, a prefix of rlite's "
+                                 "own metrics; report it under a prefix of your own ('myengine/...')")
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"MetricsSink.report: metric {name!r} must be a real number, got {value!r:.80}")
             checked[name] = float(value)

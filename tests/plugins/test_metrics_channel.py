@@ -52,7 +52,10 @@ def test_reports_of_ranks_merge_as_one_mean_over_every_report() -> None:
 @pytest.mark.parametrize(("call", "error", "match"), [
     (lambda s: s.report({"x/v": "1"}), TypeError, "'x/v' must be a real number"),
     (lambda s: s.report({"x/v": True}), TypeError, "'x/v' must be a real number"),
-    (lambda s: s.report({"": 1.0}), TypeError, "non-empty string"),
+    (lambda s: s.report({"": 1.0}), TypeError, "'<your prefix>/<name>'"),
+    (lambda s: s.report({"hits": 1.0}), TypeError, "'<your prefix>/<name>', got 'hits'"),
+    (lambda s: s.report({"reward/mean": 1.0}), ValueError, "'reward/mean' is under reward/, a prefix of rlite's own"),
+    (lambda s: s.report({"eval/x": 1.0}), ValueError, "under eval/"),
     (lambda s: s.report({"x/v": 1.0}, reduce="max"), ValueError, "reduce must be one of mean, sum"),
     (lambda s: (s.report({"x/v": 1.0}), s.report({"x/v": 1.0}, reduce="sum")), ValueError, "reported with reduce='sum' and with reduce='mean'"),
 ])  # fmt: skip
