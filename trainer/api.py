@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
 from rlite.config import ConfigError, RunConfig, require_optional_package
+from rlite.config.capabilities import Unsupported
 from rlite.distributed import DataLayout
 from rlite.drafts import DraftContext, FixedDraft, ModelDraft, SpeculativeDraft, check_draft_vocabulary
 from rlite.engines.base import (
@@ -134,6 +135,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "RunConfig",
     "ConfigError",
     "require_optional_package",
+    "Unsupported",
     # Advantages, losses, KL and corrections
     "AdvantageInput",
     "masked_mean",

@@ -560,13 +560,6 @@ class MegatronBackend(BackendBase):
         return BackendCapabilities(lora=False, critic=False, weight_views=whole, routing_replay=True)
 
     def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
-        if config.model.lora.enabled:
-            raise ConfigError("model.lora.enabled: the megatron backend trains full weights; use parallelism.backend=fsdp2 for LoRA")
-        if config.training.pack_sequences:
-            raise ConfigError(
-                "training.pack_sequences=true with parallelism.backend=megatron: the megatron backend does not run "
-                "packed (THD) sequences yet; set training.pack_sequences=false (training.max_tokens_per_micro_batch works)"
-            )
         self.config, self.cfg, self.device = config, cfg, device
         self.cpu_shims = apply_cpu_shims()  # before megatron-core's first import (its JIT fuser, on a CPU)
         from megatron.core import parallel_state
@@ -582,12 +575,6 @@ class MegatronBackend(BackendBase):
             raise ConfigError(
                 "parallelism.backend.args.tensor_parallel > 1 with a Mixture-of-Experts model needs sequence "
                 "parallelism, which needs Transformer Engine's norms: use expert_parallel instead"
-            )
-        if self.shape.is_moe and config.parallelism.activation_checkpointing and config.algorithm.routing_replay != "none":
-            raise ConfigError(
-                "parallelism.activation_checkpointing=true with algorithm.routing_replay: megatron recomputes each "
-                "layer in backward, where rlite's replay of the engine's routing is no longer installed (the "
-                "recomputed routers would route naturally); set one of them off"
             )
         if self.shape.is_moe and self.shape.num_experts % cfg.expert_parallel:
             raise ConfigError(
