@@ -103,6 +103,16 @@ def shares_weights(cfg: TransformersEngineConfig, rollout_config) -> bool:
     return not overlaps
 
 
+def check_transformers_config(config, cfg: TransformersEngineConfig) -> None:
+    """Refused when the config loads: what this engine cannot serve. (What needs the device, such as
+    ``decode: graph`` on a CPU, is decided when the engine is built.)"""
+    if config.rollout.lora_sync == "adapter":
+        raise ConfigError(
+            "rollout.lora_sync=adapter: the 'transformers' engine cannot serve adapters; use rollout.lora_sync=merged "
+            "or an engine that can (sglang)"
+        )
+
+
 def _eos_ids(tokenizer) -> list[int]:
     ids = set()
     if tokenizer.eos_token_id is not None:
@@ -206,6 +216,11 @@ def check_sglang_config(config, cfg: SGLangEngineConfig) -> None:
         raise ConfigError(
             "rollout.draft: SGLang's true on-policy mode (rollout.true_on_policy) is not verified with speculative "
             "decoding; set rollout.draft=none, or use rollout.engine=transformers, which keeps it bitwise with a draft"
+        )
+    if config.rollout.quantization.name != "none" and config.rollout.lora_sync == "adapter":
+        raise ConfigError(
+            "rollout.lora_sync=adapter: the 'sglang' engine runs rollout.quantization on weights it is sent, and an "
+            "adapter sync sends none; use rollout.lora_sync=merged"
         )
 
 
@@ -320,7 +335,7 @@ def transformers_engine_memory(config, cfg: TransformersEngineConfig, shape, tok
 @hookimpl
 def register_rollout_engines(register):
     register("transformers", make_transformers_engine, TransformersEngineConfig, draft_methods=("model", "ngram"),
-             memory=transformers_engine_memory,
+             memory=transformers_engine_memory, check_config=check_transformers_config,
              # in process unless spawned; an explicit share_weights binds the trainer's tensors (auto does not
              # when the rollouts overlap the update)
              samples_in_process=lambda cfg: () if cfg.process else ("process",),

@@ -83,7 +83,7 @@ CAPABILITIES: tuple[Capability, ...] = (
                "refuses a config this implementation cannot honour: raise `ConfigError` naming the key; called "
                "when the config loads, after validation, with the `RunConfig` and the choice's config instance",
                "config loader", callable),
-    Capability("training_backend", "unsupported", "`{feature: Unsupported(why, instead)}`", "every feature",
+    Capability("training_backend", "unsupported", "`{feature: Unsupported(why, instead)}`", "supports every feature",
                "features it does not implement (`cpu_offload`, `fused_logprobs`, `compile`, `lora`, `critic`, "
                "`packed_sequences`, `true_on_policy`): a config asking for one is refused when it loads",
                "compatibility rules, `docs/compatibility.md`", _unsupported),
@@ -105,8 +105,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                "compatibility rules", _flag, per_options=True),
     Capability("rollout_engine", "draft_methods", "tuple of `DraftSpec.method`s", "`()`",
                "the speculative drafts it runs", "config loader", _names),
-    Capability("rollout_engine", "available", "`fn() -> str | None`", "always available",
-               "None where it can start on this machine, else what it needs", "audit (another engine in the "
+    Capability("rollout_engine", "available", "`fn()`", "always available",
+               "returns None where it can start on this machine, else what it needs (a short phrase)", "audit (another engine in the "
                "replica)", callable),
     Capability("rollout_workflow", "single_turn", "bool", "False",
                "every environment stops after one turn with no reward: sampled as a plain rollout",
@@ -160,3 +160,13 @@ def declared(entry: Any, key: str, options: Any = None) -> Any:
     ``per_options``), evaluated for ``options`` (the choice's config instance); None when absent."""
     value = entry.metadata.get(key)
     return value(options) if callable(value) else value
+
+
+def capabilities_markdown() -> str:
+    """The table as ``docs/plugins.md`` shows it (a test keeps the two equal)."""
+    lines = ["| kind | key | value | without it | what it declares | read by |", "|---|---|---|---|---|---|"]
+    for row in CAPABILITIES:
+        value = f"{row.value}, or a function of the options" if row.per_options and "function" not in row.value \
+            else row.value  # fmt: skip
+        lines.append(f"| {row.kind} | `{row.key}` | {value} | {row.absent} | {row.meaning} | {row.read_by} |")
+    return "\n".join(lines) + "\n"
