@@ -189,6 +189,8 @@ class SGLangEngineConfig:
     report every token's experts (routing replay and its metrics; costs a host buffer of routing)."""
 
     def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.launch not in ("engine", "server"):
             raise ValueError(f"launch must be 'engine' or 'server', got {self.launch!r}")
         for key in ("tp_size", "mem_fraction_static", "dtype"):  # rlite needs to know these

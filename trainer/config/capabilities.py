@@ -66,7 +66,7 @@ class Capability:
 
 
 def _names(value: Any) -> bool:
-    return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    return isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)
 
 
 def _flag(value: Any) -> bool:

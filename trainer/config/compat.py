@@ -255,7 +255,7 @@ def _engine_by(values: Mapping[str, Any], derived: str, what: str) -> str:
     """``rollout.engine=NAME`` and the engine options its registration says make it so (``what``)."""
     named = values[derived]
     options = ", ".join(f"rollout.engine.args.{name}={_yaml(values.get(f'rollout.engine.args.{name}'))}"
-                        for name in (named if isinstance(named, tuple) else ()))  # fmt: skip
+                        for name in (named if isinstance(named, (tuple, list)) else ()))  # fmt: skip
     return f"rollout.engine={values['rollout.engine']}" + (f" with {options}" if options else "") + f" ({what})"
 
 
