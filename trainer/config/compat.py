@@ -149,6 +149,7 @@ RULES: tuple[Rule, ...] = (
     Rule(equals("training.pack_sequences", True), TRUE_ON_POLICY,
          "true on-policy mode scores the engine's own padded layout so that the log-probs are bitwise the engine's, "
          "and a packed forward computes them in another layout", "set one of them to false"),
+    # -- rollouts ---------------------------------------------------------------------------------
     Rule(TRUE_ON_POLICY, differs("rollout.quantization", "none", "rollout.quantization=fp8_blockwise"),
          "the engine samples with quantized weights, so its log-probs cannot equal the full-precision trainer's "
          "bitwise", "set rollout.quantization=none, or rollout.true_on_policy=false (a correction such as "
@@ -183,7 +184,7 @@ RULES: tuple[Rule, ...] = (
          "named), or rollout.mode=sync"),
     Rule(OVERLAPS, SHARES_WEIGHTS,
          "the engine samples while the trainer updates, so it needs its own copy of the weights",
-         "leave the rollout.engine.args named out (the transformers engine's default keeps its own copy in these "
+         "leave the rollout.engine.args named out (the built-in engine's default keeps its own copy in these "
          "modes), set them otherwise, or rollout.mode=sync"),
     # -- facts known when the run starts ------------------------------------------------------------
     Rule(equals("algorithm.routing_replay", "rollout"), DENSE_MODEL,
