@@ -8,7 +8,8 @@ Implementations with heavy dependencies (the FSDP2 backend, the engines, Hugging
 attributes loaded on first use, so ``import rlite.api`` stays light.
 
 Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendCapabilities`,
-:class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`), :class:`RolloutEngine` (with
+:class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`; :class:`BackendBase` to build one,
+:class:`BackendWrapper` to wrap one), :class:`RolloutEngine` (with
 :class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`; :class:`EngineWrapper` to wrap one, and for speculative decoding
 :class:`DraftSpec` and :class:`SpeculationStats`) and :class:`SpeculativeDraft` (with
 :class:`DraftContext`; built on :class:`ModelDraft` or :class:`FixedDraft`). Rewards that run a
@@ -83,6 +84,7 @@ from rlite.sync import (
 from rlite.training.backend import (
     BackendBase,
     BackendCapabilities,
+    BackendWrapper,
     CriticModel,
     ForwardSpec,
     LoraAdapter,
@@ -156,6 +158,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     # Training backends
     "TrainingBackend",
     "BackendBase",
+    "BackendWrapper",
     "BackendCapabilities",
     "ForwardSpec",
     "LoraAdapter",

@@ -1,15 +1,14 @@
 """``thirdparty_fsdp2``: the registered ``fsdp2`` backend, wrapped; it counts optimizer steps.
 
-The wrapper implements the one method it changes (``step``) and hands every other member of the
-``rlite.api.TrainingBackend`` contract (log-probs, backward, weights, checkpoints, reference, critic, ...)
-to the inner backend."""
+The wrapper is an ``rlite.api.BackendWrapper``: it implements the one method it changes (``step``) and the
+base class hands every other member of the ``rlite.api.TrainingBackend`` contract (log-probs, backward,
+weights, checkpoints, reference, critic, ...) to the inner backend."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from rlite.api import registered
+from rlite.api import BackendWrapper, registered
 from rlite_thirdparty_kit.engines import COUNTS
 
 
@@ -21,23 +20,15 @@ class ThirdPartyBackendConfig:
     """The wrapped backend's options."""
 
 
-class CountingBackend:
+class CountingBackend(BackendWrapper):
     """A training backend that counts the optimizer steps it takes (skipped ones separately)."""
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
     def step(self, before_step=None, *, skip: bool = False) -> float:
-        skipped = getattr(self.inner, "skipped_steps", 0)
-        norm = self.inner.step(before_step, skip=skip)
+        skipped = self.skipped_steps
+        norm = super().step(before_step, skip=skip)
         COUNTS["backend_steps"] += 1
-        COUNTS["backend_skipped_steps"] += getattr(self.inner, "skipped_steps", 0) - skipped
+        COUNTS["backend_skipped_steps"] += self.skipped_steps - skipped
         return norm
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 def make_thirdparty_backend(config, cfg: ThirdPartyBackendConfig, device, total_optimizer_steps):
