@@ -103,6 +103,16 @@ def shares_weights(cfg: TransformersEngineConfig, rollout_config) -> bool:
     return not overlaps
 
 
+def check_transformers_config(config, cfg: TransformersEngineConfig) -> None:
+    """Refused when the config loads: what this engine cannot serve. (What needs the device, such as
+    ``decode: graph`` on a CPU, is decided when the engine is built.)"""
+    if config.rollout.lora_sync == "adapter":
+        raise ConfigError(
+            "rollout.lora_sync=adapter: the 'transformers' engine cannot serve adapters; use rollout.lora_sync=merged "
+            "or an engine that can (sglang)"
+        )
+
+
 def _eos_ids(tokenizer) -> list[int]:
     ids = set()
     if tokenizer.eos_token_id is not None:
@@ -179,6 +189,8 @@ class SGLangEngineConfig:
     report every token's experts (routing replay and its metrics; costs a host buffer of routing)."""
 
     def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.launch not in ("engine", "server"):
             raise ValueError(f"launch must be 'engine' or 'server', got {self.launch!r}")
         for key in ("tp_size", "mem_fraction_static", "dtype"):  # rlite needs to know these
@@ -189,13 +201,33 @@ class SGLangEngineConfig:
                 raise ValueError(f"engine_kwargs.{key}: rlite puts each engine on its trainer ranks' GPUs itself")
 
 
-def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngineConfig, context):
-    draft = context.draft
-    if draft is not None and rollout_config.true_on_policy:
+def sglang_available() -> str | None:
+    """What SGLang needs to start on this machine (None: it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
+        return "needs its package and a GPU"
+    return None
+
+
+def check_sglang_config(config, cfg: SGLangEngineConfig) -> None:
+    """Refused when the config loads. Left to the engine's start: the placement on the ranks' GPUs (tp_size
+    against the ranks of each machine, ``mem_fraction_static`` against the free memory) and whether SGLang can
+    reload the quantizer's weights (its checkpoint's quantization config, built with the engine)."""
+    if config.rollout.draft.name != "none" and config.rollout.true_on_policy:
         raise ConfigError(
             "rollout.draft: SGLang's true on-policy mode (rollout.true_on_policy) is not verified with speculative "
             "decoding; set rollout.draft=none, or use rollout.engine=transformers, which keeps it bitwise with a draft"
         )
+    if config.rollout.quantization.name != "none" and config.rollout.lora_sync == "adapter":
+        raise ConfigError(
+            "rollout.lora_sync=adapter: the 'sglang' engine runs rollout.quantization on weights it is sent, and an "
+            "adapter sync sends none; use rollout.lora_sync=merged"
+        )
+
+
+def make_sglang_engine(model_config, tokenizer, rollout_config, cfg: SGLangEngineConfig, context):
+    draft = context.draft
     try:
         import sglang  # noqa: F401
     except ImportError:
@@ -278,7 +310,38 @@ def moe_routing_layout(model_path) -> tuple[int, int] | None:
     return int(config.num_hidden_layers), int(config.num_experts_per_tok)
 
 
+def transformers_engine_memory(config, cfg: TransformersEngineConfig, shape, tokens: int, world_size: int,
+                               on_gpu: bool) -> dict[str, int]:
+    """What the engine holds where the trainer is (nothing when it samples on the host beside a GPU trainer):
+    its weights unless it shares the trainer's, the KV cache of every sequence of a call, and one decode step's
+    work on the output layer (float32 logits, their softmax and log-softmax, and the float64 CDF the sampler
+    inverts: 24 bytes per row and vocabulary entry). ``shape``: the model's ``rlite.run.limits.ModelShape``;
+    ``tokens``: the longest sequence (docs/memory.md)."""
+    if on_gpu and cfg.device == "cpu":
+        return {}
+    rollout = config.rollout
+    overlaps = rollout.mode == "one_step_off" or (rollout.mode == "async" and rollout.max_staleness > 0)
+    dtype = config.parallelism.param_dtype if cfg.dtype == "auto" else cfg.dtype
+    shares = ((cfg.share_weights is True or (cfg.share_weights is None and not overlaps)) and not cfg.process
+              and world_size == 1 and dtype == config.model.dtype)
+    own_weights = not shares or config.model.lora.enabled or rollout.quantization.name != "none"
+    engine_bytes = DTYPES[dtype].itemsize
+    sequences = max(rollout.prompts_per_step * rollout.samples_per_prompt, config.training.eval_max_prompts)
+    return {
+        "engine weights": shape.parameters * engine_bytes if own_weights else 0,
+        "engine KV cache": shape.layers * 2 * shape.kv_heads * shape.head_dim * tokens * engine_bytes * sequences,
+        "engine decode step": sequences * shape.vocab * 24,
+    }
+
+
 @hookimpl
 def register_rollout_engines(register):
-    register("transformers", make_transformers_engine, TransformersEngineConfig, draft_methods=("model", "ngram"))
-    register("sglang", make_sglang_engine, SGLangEngineConfig, draft_methods=("model", "ngram", "eagle"))
+    register("transformers", make_transformers_engine, TransformersEngineConfig, draft_methods=("model", "ngram"),
+             memory=transformers_engine_memory, check_config=check_transformers_config,
+             # in process unless spawned; an explicit share_weights binds the trainer's tensors (auto does not
+             # when the rollouts overlap the update)
+             samples_in_process=lambda cfg: () if cfg.process else ("process",),
+             shares_weights=lambda cfg: ("share_weights",) if cfg.share_weights is True and not cfg.process else ())
+    # SGLang sizes its own KV pool within mem_fraction_static: no memory= (the trainer's check leaves it out)
+    register("sglang", make_sglang_engine, SGLangEngineConfig, draft_methods=("model", "ngram", "eagle"),
+             available=sglang_available, check_config=check_sglang_config)

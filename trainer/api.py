@@ -8,7 +8,8 @@ Implementations with heavy dependencies (the FSDP2 backend, the engines, Hugging
 attributes loaded on first use, so ``import rlite.api`` stays light.
 
 Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendCapabilities`,
-:class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`), :class:`RolloutEngine` (with
+:class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`; :class:`BackendBase` to build one,
+:class:`BackendWrapper` to wrap one), :class:`RolloutEngine` (with
 :class:`EngineCapabilities`, :class:`SamplingParams`, :class:`Completion`; :class:`EngineWrapper` to wrap one, and for speculative decoding
 :class:`DraftSpec` and :class:`SpeculationStats`) and :class:`SpeculativeDraft` (with
 :class:`DraftContext`; built on :class:`ModelDraft` or :class:`FixedDraft`). Rewards that run a
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
 from rlite.config import ConfigError, RunConfig, require_optional_package
+from rlite.config.capabilities import Unsupported
 from rlite.distributed import DataLayout
 from rlite.drafts import DraftContext, FixedDraft, ModelDraft, SpeculativeDraft, check_draft_vocabulary
 from rlite.engines.base import (
@@ -85,6 +87,7 @@ from rlite.sync import (
 from rlite.training.backend import (
     BackendBase,
     BackendCapabilities,
+    BackendWrapper,
     CriticModel,
     ForwardSpec,
     LoraAdapter,
@@ -137,6 +140,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "RunConfig",
     "ConfigError",
     "require_optional_package",
+    "Unsupported",
     "MetricsSink",
     # Advantages, losses, KL and corrections
     "AdvantageInput",
@@ -158,6 +162,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     # Training backends
     "TrainingBackend",
     "BackendBase",
+    "BackendWrapper",
     "BackendCapabilities",
     "ForwardSpec",
     "LoraAdapter",

@@ -4,8 +4,8 @@ The replica keeps the config's plugins, algorithm settings, backend, engine and 
 the model for a tiny random one of the same architecture family (Qwen2, Llama, or Qwen3-MoE for MoE
 models; other families are replaced by Qwen2), a few prompts and 3 steps. What it cannot keep on this
 machine it replaces and the table's title says so: data files that are not here (synthetic data with
-the same keys), an engine that cannot start here (the transformers engine; the mismatch row is then
-n/a), model-parallel sizes (1). Each check prints what it measured:
+the same keys), an engine that cannot start here (as its registration's ``available`` says; the default engine
+instead, and the mismatch row is then n/a), the backend's model-parallel sizes (its ``model_parallel``: 1). Each check prints what it measured:
 
 * ``on-policy ratio``: in the first micro-batch of every step's first optimizer step the PPO ratio
   exp(lp − old) is exactly 1 (max |lp − old| = 0; not applicable in bypass mode without true on-policy).
@@ -159,23 +159,18 @@ def synthetic_data(data, out: Path) -> tuple[Path, Path]:
     return files[0], files[1]
 
 
-def engine_runs_here(name: str) -> bool:
-    """Can the replica start this rollout engine on this machine? SGLang needs its package and a GPU."""
-    import importlib.util
+def default_engine() -> str:
+    """The engine a config gets when it names none (the schema's default)."""
+    from rlite.config.schema import RolloutConfig
 
-    if name == "sglang":
-        return importlib.util.find_spec("sglang") is not None and torch.cuda.is_available()
-    return True
+    return RolloutConfig.__dataclass_fields__["engine"].default_factory().name
 
 
-MODEL_PARALLEL_ARGS = ("tensor_parallel", "expert_parallel", "pipeline_parallel", "context_parallel")
-"""Backend options that split the model over ranks: 1 in the replica, which runs in one process."""
-
-
-def replica_adjustments(cfg: RunConfig, workdir: Path) -> tuple[list[str], list[str]]:
+def replica_adjustments(cfg: RunConfig, workdir: Path, pm) -> tuple[list[str], list[str]]:
     """Overrides for what a replica on this machine cannot keep, and the notes that say so: data files
-    that are not here (a synthetic set with the same keys), an engine that cannot start here (the
-    transformers engine), model-parallel sizes (1), a speculative draft (off)."""
+    that are not here (a synthetic set with the same keys), an engine that cannot start here (its
+    registration's ``available`` says why; the default engine instead), the backend's model-parallel sizes
+    (its registration's ``model_parallel``: 1), a speculative draft (off)."""
     overrides, notes = [], []
     data = cfg.data
     if data.train_files is not None and (files_missing(data.train_files) or files_missing(data.eval_files)):
@@ -183,12 +178,15 @@ def replica_adjustments(cfg: RunConfig, workdir: Path) -> tuple[list[str], list[
         overrides += [f"data.train_files={train}", f"data.eval_files={held_out}"]
         notes.append(f"data files not here -> 32 synthetic sums with keys {data.prompt_key!r}/{data.answer_key!r}"
                      + (" and the system prompt" if data.system_prompt else ""))
-    engine = cfg.rollout.engine.name
-    if not engine_runs_here(engine):
-        overrides.append("rollout.engine=transformers")
-        notes.append(f"engine {engine} cannot start here (needs its package and a GPU) -> transformers engine")
+    engine = pm.registry("rollout_engine").get(cfg.rollout.engine.name)
+    missing = engine.metadata["available"]() if "available" in engine.metadata else None
+    if missing is not None:
+        fallback = default_engine()
+        overrides.append(f"rollout.engine={fallback}")
+        notes.append(f"engine {engine.name} cannot start here ({missing}) -> {fallback} engine")
     args = cfg.parallelism.backend.args or {}
-    for key in MODEL_PARALLEL_ARGS:
+    backend = pm.registry("training_backend").get(cfg.parallelism.backend.name)
+    for key in backend.metadata.get("model_parallel", ()):
         if isinstance(args.get(key), int) and args[key] > 1:
             overrides.append(f"parallelism.backend.args.{key}=1")
             notes.append(f"{key} {args[key]} -> 1")
@@ -497,7 +495,7 @@ def run_audit(config_path: str | None, overrides: list[str], pm, workdir: Path |
     base = load_config(config_path, overrides, pm=pm)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="rlite-audit-"))
     model_dir, note = build_replica_model(model_family(base.model), workdir / "model")
-    adjusted, notes = replica_adjustments(base, workdir)
+    adjusted, notes = replica_adjustments(base, workdir, pm)
     note = "; ".join([note, *notes])
 
     def replica(run_dir: str, steps: int) -> RunConfig:

@@ -17,10 +17,16 @@ Two kinds of hooks:
   for the choice are validated against it when the config loads, and the implementation receives
   an instance of it, nested options built too (a field holding a dataclass; a nested choice declared
   ``field(metadata={"choice_of": kind})``, whose ``<name>_args`` arrive as that implementation's config
-  instance: :mod:`rlite.config.options`). Names must be unique across all plugins of a kind. ``metadata`` declares what
-  the implementation needs, where a kind's hook lists such keys (``needs_critic``, ``needs_group`` and
-  ``needs_greedy_baseline`` for advantage estimators); the config loader and the run builder read it,
-  so no rlite code tests implementation names.
+  instance: :mod:`rlite.config.options`). Names must be unique across all plugins of a kind. ``metadata``
+  declares what the implementation needs or offers, where a kind's hook lists such keys (``needs_critic``,
+  ``needs_group`` and ``needs_greedy_baseline`` for advantage estimators; an engine's ``memory``, a backend's
+  ``unsupported``, ...); one table holds every key (:data:`rlite.config.capabilities.CAPABILITIES`, shown in
+  ``docs/plugins.md``), and the config loader, the compatibility rules, the memory check and the audit read
+  it, so no rlite code tests implementation names. Any registration may pass
+  ``check_config=fn(config: RunConfig, cfg) -> None``: called when the config loads (after validation) for
+  each implementation the config chooses, with the run config and the choice's config instance (None
+  without ``config_cls``); it raises ``ConfigError`` naming the key to refuse a config the implementation
+  cannot honour, and the load fails naming the choice and the plugin.
 
 * **Lifecycle hooks** (``on_*``, ``after_*``, ``before_*``) are called by the training loop on
   every rank unless the docstring says otherwise. Their return values are ignored unless stated.
@@ -158,7 +164,9 @@ def register_training_backends(register: Register) -> None:
         the LoRA adapter where it trains one, reference model and critic, ``close()``. The loop,
         weight sync, export and checkpointing use nothing else; a backend that reports numbers for the
         step's metrics row holds an :class:`rlite.api.MetricsSink` as its ``metrics`` attribute (drained
-        after the update). Optional ``trainer_memory=fn``:
+        after the update). ``unsupported={feature: Unsupported(why, instead)}`` lists the run's features it
+        does not implement (refused when the config loads), ``model_parallel=(...)`` its options that split
+        the model. Optional ``trainer_memory=fn``:
         ``fn(config, cfg, parameters, world_size)`` returns the bytes one rank holds by part
         (``{"weights": ..., "gradients": ..., "AdamW moments": ...}``) for the memory check a run makes
         before it allocates (docs/memory.md); without it the backend is estimated as FSDP2's shards.
@@ -182,7 +190,10 @@ def register_rollout_engines(register: Register) -> None:
         engine that runs speculative drafts registers with ``draft_methods=(...)`` (the
         :attr:`rlite.api.DraftSpec.method` values it runs) and finds the draft's
         :class:`rlite.api.DraftSpec` in ``context.draft`` (None when ``rollout.draft`` is off; an
-        engine registered without ``draft_methods`` is never given one).
+        engine registered without ``draft_methods`` is never given one). ``memory=fn(config, cfg, shape,
+        tokens, world_size, on_gpu)`` returns the bytes it holds on the trainer's device by part, for the
+        memory check; ``samples_in_process`` and ``shares_weights`` say whether it samples in the trainer's
+        process and binds its tensors; ``available=fn()`` says what it lacks to start on this machine.
     """
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlite.config import RunConfig
 from rlite.config.advantage import advantage_choice
@@ -38,8 +38,11 @@ from rlite.run.status import finished_checkpoint
 from rlite.sandbox import hidden_from_programs
 from rlite.stages.report import step_metrics
 from rlite.stages.routing import measure_routing
-from rlite.stages.targets import prepare_training_targets
-from rlite.stages.update import micro_batching, update_policy
+from rlite.stages.targets import PreparedTargets, prepare_training_targets
+from rlite.stages.update import update_critic, update_policy
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,8 @@ def train(run: Run) -> dict[str, Any]:
     last_metrics: dict[str, float] = {}
     profiler = StepProfiler(cfg.logging.profile, run.start_step, run.run_dir, ctx.rank)
     perf = PerfMeter.for_run(run)  # model FLOPs of the trainer's passes, MFU against the device's peak
-    nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_in_a_row, run.run_dir)
+    limit = cfg.training.max_nonfinite_in_a_row  # skipped updates in a row, each trained model on its own
+    guards = (NonFiniteGuard(limit, run.run_dir), NonFiniteGuard.for_critic(limit, run.run_dir))
     if run.preemption.requested():  # signalled while the run was being built
         raise run.preemption.stop_before_training(run.run_dir, run.start_step)
     if run.start_step == 0 and run.eval_prompts:
@@ -70,39 +74,13 @@ def train(run: Run) -> dict[str, Any]:
         if step > 1 and run.preemption.requested():  # SIGTERM: the policy is as the previous step left it
             raise save_and_stop_for_preemption(run, step - 1, at_start)
 
-        # 3. pi_old and pi_ref log-probs, KL-in-reward, corrections, advantages
+        # 3. pi_old and pi_ref log-probs, KL-in-reward, corrections, advantages (MoE: routing metrics)
         with timer.phase("logprobs"):
-            prepared = prepare_training_targets(
-                batch, run.targets, policy=run.backend, reference=run.reference, critic=run.critic,
-                forward=run.forward, loss=run.loss, kl_controller=run.kl_controller, layout=run.layout,
-            )
-            if run.routing is not None and run.routing.metrics:  # MoE: routing with and without replay
-                prepared.metrics.update(measure_routing(
-                    run.backend, batch, run.forward, run.routing, minibatches=cfg.algorithm.minibatches_per_step,
-                    layout=run.layout,
-                ))
+            prepared = prepare_targets(run, batch)
 
-        # 4. policy update (mini-batches x micro-batches, global loss normalisation); an update with a
-        # NaN/inf loss or gradient norm is skipped
+        # 4. policy update (mini-batches x micro-batches), then the critic's; a NaN/inf loss or gradient is skipped
         with timer.phase("train"):
-            train_metrics, train_logprobs = update_policy(
-                run.backend,
-                batch,
-                run.forward,
-                run.loss,
-                minibatches=cfg.algorithm.minibatches_per_step,
-                epochs=cfg.algorithm.epochs_per_step,
-                dp_size=run.layout.size,
-                dp_group=run.layout.group,
-                before_step=functools.partial(
-                    hook.before_optimizer_step, step=step, model=run.backend.model, optimizer=run.backend.optimizer
-                ),
-                timer=timer,
-                outcomes=(outcomes := []),
-            )
-            nonfinite.record(step, outcomes)  # stops the run after too many skipped updates in a row
-            if run.critic is not None:
-                train_metrics.update(update_critic(run, batch))
+            train_metrics, train_logprobs = update_models(run, batch, step, guards)
         hook.after_optimizer_step(step=step, model=run.backend.model, metrics=train_metrics)
         run.in_progress = (step, None)  # the policy has moved: a stop from here saves this step
 
@@ -123,10 +101,7 @@ def train(run: Run) -> dict[str, Any]:
         run.unlogged_metrics = metrics
 
         # 6. the engine samples the next batch from exactly these weights
-        with timer.phase("weight_sync"), run.rollouts.exclusive_engine(step):  # async: not mid-generation
-            run.sync_weights(version=step)
-        run.rollouts.weights_synced(step)
-        hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
+        sync_weights_to_engine(run, step)
 
         # 7. evaluation, the metrics row, then checkpoint
         if cfg.training.eval_every and step % cfg.training.eval_every == 0 or step == cfg.training.steps:
@@ -145,9 +120,7 @@ def train(run: Run) -> dict[str, Any]:
         last_metrics = metrics
         # after logging, so a run resumed from this checkpoint has every step's metrics exactly once
         # (the save's time shows up in the next step's time/checkpoint)
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or (
-            step == cfg.training.steps and cfg.checkpoint.save_final
-        ):
+        if checkpoint_due(cfg, step):
             with timer.phase("checkpoint"):
                 save_run_checkpoint(run, step)
         if run.preemption.requested():  # SIGTERM or Ctrl-C: this step's checkpoint, then exit (status 75)
@@ -182,18 +155,68 @@ def group_relative(run: Run) -> bool:
     return advantage_choice(run.config.algorithm, run.pm.registries).group_baseline
 
 
-def update_critic(run: Run, batch) -> dict[str, float]:
-    cfg = run.config
-    return run.critic.update(
-        batch,
-        micro_batching=micro_batching(run.forward, run.layout.group),
-        minibatches=cfg.algorithm.minibatches_per_step,
-        agg_mode=cfg.algorithm.loss_agg_mode,
-        horizon=run.loss.horizon,
-        dp_size=run.layout.size,
-        exact_layout=cfg.rollout.true_on_policy,
-        packed=run.forward.pack_sequences,
+def prepare_targets(run: Run, batch) -> PreparedTargets:
+    """Stage 3: ``batch.targets`` filled (:func:`prepare_training_targets`); for an MoE policy whose routing
+    is measured, its agreement with and without replay added to the metrics."""
+    prepared = prepare_training_targets(
+        batch, run.targets, policy=run.backend, reference=run.reference, critic=run.critic,
+        forward=run.forward, loss=run.loss, kl_controller=run.kl_controller, layout=run.layout,
     )
+    if run.routing is not None and run.routing.metrics:
+        prepared.metrics.update(measure_routing(
+            run.backend, batch, run.forward, run.routing, minibatches=run.config.algorithm.minibatches_per_step,
+            layout=run.layout,
+        ))
+    return prepared
+
+
+def update_models(
+    run: Run, batch, step: int, guards: tuple[NonFiniteGuard, NonFiniteGuard]
+) -> tuple[dict[str, float], torch.Tensor]:
+    """Stage 4: the policy's update, then the critic's (one loop, :func:`rlite.stages.update.train_minibatches`);
+    their metrics and the policy's first-pass log-probs. ``guards`` (the policy's, the critic's) stop the
+    run after too many skipped updates in a row."""
+    cfg, hook = run.config, run.pm.hook
+    policy_guard, critic_guard = guards
+    train_metrics, train_logprobs = update_policy(
+        run.backend,
+        batch,
+        run.forward,
+        run.loss,
+        minibatches=cfg.algorithm.minibatches_per_step,
+        epochs=cfg.algorithm.epochs_per_step,
+        dp_size=run.layout.size,
+        dp_group=run.layout.group,
+        before_step=functools.partial(
+            hook.before_optimizer_step, step=step, model=run.backend.model, optimizer=run.backend.optimizer
+        ),
+        timer=run.timer,
+        outcomes=(outcomes := []),
+    )
+    policy_guard.record(step, outcomes)
+    if run.critic is not None:
+        train_metrics.update(update_critic(
+            run.critic, batch, run.forward, value_clip=cfg.algorithm.critic.value_clip, agg_mode=run.loss.agg_mode,
+            horizon=run.loss.horizon, minibatches=cfg.algorithm.minibatches_per_step, dp_size=run.layout.size,
+            dp_group=run.layout.group, outcomes=(critic_outcomes := []),
+        ))
+        critic_guard.record(step, critic_outcomes)
+    return train_metrics, train_logprobs
+
+
+def sync_weights_to_engine(run: Run, step: int) -> None:
+    """Stage 6: the policy's weights to the engine, as version ``step`` (asynchronous rollouts: between two
+    generations, never in the middle of one)."""
+    with run.timer.phase("weight_sync"), run.rollouts.exclusive_engine(step):
+        run.sync_weights(version=step)
+    run.rollouts.weights_synced(step)
+    run.pm.hook.after_weight_sync(step=step, weight_version=step, engine=run.engine)
+
+
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """A periodic checkpoint (``checkpoint.every``), or the final one (``checkpoint.save_final``)."""
+    return bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+                or step == cfg.training.steps and cfg.checkpoint.save_final)
 
 
 def close_loggers_after_failure(run: Run) -> None:

@@ -23,6 +23,7 @@ import pluggy
 
 from rlite import hookspecs
 from rlite.config import RunConfig, load_config
+from rlite.config.capabilities import metadata_problem
 from rlite.config.choices import REGISTRY_KINDS
 from rlite.config.options import build_options
 from rlite.config.schema import UnknownChoiceError
@@ -82,6 +83,9 @@ class Registry:
             )
         if config_cls is not None and not hasattr(config_cls, "__dataclass_fields__"):
             raise PluginError(f"plugin {plugin!r}: config_cls of {self.kind} {name!r} must be a dataclass")
+        problem = metadata_problem(self.kind, metadata)  # the capabilities table (rlite.config.capabilities)
+        if problem is not None:
+            raise PluginError(f"plugin {plugin!r}: {self.kind} {name!r}: {problem}")
         self.entries[name] = Registered(name, implementation, config_cls, plugin, metadata)
 
     def names(self) -> list[str]:
@@ -296,7 +300,7 @@ def load_run_config(path: str, overrides: Sequence[str]) -> tuple[RunConfig, Rli
     Named choices can only be checked once the third-party plugins are known, and which plugins load
     is itself configured, so the config is read twice: first without the registry check.
     """
-    discovery = load_config(path, overrides, pm=False).plugins
+    discovery = load_config(path, overrides, pm=False, check=False).plugins
     pm = build_manager(autoload=discovery.autoload, only=discovery.enable)
     cfg = load_config(path, overrides, pm=pm)
     return cfg, pm

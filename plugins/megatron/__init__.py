@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from rlite.api import ConfigError, hookimpl
+from rlite.api import ConfigError, Unsupported, hookimpl
 
 
 def megatron_installed() -> bool:
@@ -77,6 +77,57 @@ def megatron_trainer_memory(config, cfg: MegatronConfig, parameters: int, world_
     }
 
 
+UNSUPPORTED = {
+    "cpu_offload": Unsupported(
+        "the megatron backend keeps parameters and gradients on the training device between uses, where FSDP2's "
+        "CPUOffloadPolicy moves them to the host (megatron-core 0.16.1's optimizer CPU offload, HybridDeviceOptimizer, "
+        "copies state over CUDA streams and comes only with megatron's distributed optimizer over its own DDP "
+        "buffers, which this backend does not build; on a CPU the weights are in host memory anyway), so it would "
+        "be silently ignored",
+        "set parallelism.cpu_offload=false (training.optimizer_offload=disk moves AdamW's moments off the device "
+        "on a CPU)"),
+    "fused_logprobs": Unsupported(
+        "the megatron backend computes log-probs over its tensor-parallel vocabulary slices itself (liger's kernel "
+        "would be silently ignored)", "set training.liger_fused_logprobs=auto (off for this backend) or false"),
+    "compile": Unsupported(
+        "the megatron backend builds megatron-core's own modules and does not compile them (it would be silently "
+        "ignored)", "set training.compile=false"),
+    "lora": Unsupported("the megatron backend trains full weights", "set model.lora.enabled=false"),
+    "critic": Unsupported("the megatron backend has no critic yet",
+                          "use an estimator without a critic (algorithm.advantage=grpo)"),
+    "packed_sequences": Unsupported(
+        "the megatron backend does not run packed (THD) sequences yet (it would pad them)",
+        "set training.pack_sequences=false (training.max_tokens_per_micro_batch works)"),
+    "true_on_policy": Unsupported(
+        "true on-policy sampling makes the engine's log-probs equal the trainer's bitwise by running the "
+        "trainer's own Hugging Face forward, and megatron's GPTModel computes in another order (measured on a tiny "
+        "model: 75-91% of sampled tokens bitwise equal)",
+        "set rollout.true_on_policy=false (algorithm.old_logprob_mode=decoupled keeps the first ratio exactly 1)"),
+}
+"""What the compatibility rules refuse with this backend, when the config loads (docs/compatibility.md)."""
+
+
+def check_megatron_config(config, cfg: MegatronConfig) -> None:
+    """What this backend refuses when the config loads, beyond :data:`UNSUPPORTED`'s pairs. Left to the
+    backend's construction: what needs the model (MoE with tensor parallel, experts per expert-parallel
+    rank, its architecture), the world size (tensor and expert parallel must divide it) or the device
+    (the disk-offloaded AdamW on a GPU)."""
+    if cfg.tensor_parallel > 1 and config.rollout.mode != "sync":
+        raise ConfigError(
+            f"rollout.mode={config.rollout.mode}: asynchronous rollouts need every rank to sample its own batch, and "
+            f"parallelism.backend.args.tensor_parallel={cfg.tensor_parallel} lays out replicas of that many ranks "
+            "whose leader samples for them; use rollout.mode=sync, or tensor_parallel=1"
+        )
+    if config.parallelism.activation_checkpointing and config.algorithm.routing_replay != "none":
+        raise ConfigError(
+            "parallelism.activation_checkpointing=true with algorithm.routing_replay: megatron recomputes each "
+            "layer in backward, where rlite's replay of the engine's routing is no longer installed (the "
+            "recomputed routers would route naturally); set one of them off"
+        )
+
+
 @hookimpl
 def register_training_backends(register):
-    register("megatron", make_megatron, MegatronConfig, trainer_memory=megatron_trainer_memory)
+    register("megatron", make_megatron, MegatronConfig, trainer_memory=megatron_trainer_memory,
+             unsupported=UNSUPPORTED, model_parallel=("tensor_parallel", "expert_parallel"),
+             check_config=check_megatron_config)

@@ -550,7 +550,9 @@ def hf_weights(model_cfg) -> tuple[Any, Mapping[str, Any], Mapping[str, torch.Te
 
 class MegatronBackend(BackendBase):
     """A megatron-core ``GPTModel`` with AdamW (master weights, main gradients and ZeRO-1 as
-    :mod:`rlite.plugins.megatron.optimizer` says) and rlite's LR schedule."""
+    :mod:`rlite.plugins.megatron.optimizer` says) and rlite's LR schedule. Its own: clipping and the
+    optimizer step over the main parameters, the checkpoint's keys, the data layout; the step, the LR
+    scheduler's state, ``train_mode``, ``backward`` and ``after_checkpoint`` are :class:`BackendBase`'s."""
 
     @property
     def capabilities(self) -> BackendCapabilities:
@@ -560,13 +562,6 @@ class MegatronBackend(BackendBase):
         return BackendCapabilities(lora=False, critic=False, weight_views=whole, routing_replay=True)
 
     def __init__(self, config, cfg, device: torch.device, total_optimizer_steps: int) -> None:
-        if config.model.lora.enabled:
-            raise ConfigError("model.lora.enabled: the megatron backend trains full weights; use parallelism.backend=fsdp2 for LoRA")
-        if config.training.pack_sequences:
-            raise ConfigError(
-                "training.pack_sequences=true with parallelism.backend=megatron: the megatron backend does not run "
-                "packed (THD) sequences yet; set training.pack_sequences=false (training.max_tokens_per_micro_batch works)"
-            )
         self.config, self.cfg, self.device = config, cfg, device
         self.cpu_shims = apply_cpu_shims()  # before megatron-core's first import (its JIT fuser, on a CPU)
         from megatron.core import parallel_state
@@ -582,12 +577,6 @@ class MegatronBackend(BackendBase):
             raise ConfigError(
                 "parallelism.backend.args.tensor_parallel > 1 with a Mixture-of-Experts model needs sequence "
                 "parallelism, which needs Transformer Engine's norms: use expert_parallel instead"
-            )
-        if self.shape.is_moe and config.parallelism.activation_checkpointing and config.algorithm.routing_replay != "none":
-            raise ConfigError(
-                "parallelism.activation_checkpointing=true with algorithm.routing_replay: megatron recomputes each "
-                "layer in backward, where rlite's replay of the engine's routing is no longer installed (the "
-                "recomputed routers would route naturally); set one of them off"
             )
         if self.shape.is_moe and self.shape.num_experts % cfg.expert_parallel:
             raise ConfigError(
@@ -671,12 +660,6 @@ class MegatronBackend(BackendBase):
     def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
         return gpt_logprobs(self.model, batch, spec, self.shape.vocab_size, with_entropy=with_entropy)
 
-    def train_mode(self) -> None:
-        self.model.train()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
     def _is_expert(self, name: str) -> bool:
         return ".mlp.experts." in name
 
@@ -715,9 +698,6 @@ class MegatronBackend(BackendBase):
 
     def zero_grad(self) -> None:
         self.main_params.zero_grad()
-
-    def current_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
 
     def data_layout(self) -> DataLayout:
         """Data-parallel ranks hold different shards; the ranks of a tensor-parallel group share one
@@ -859,17 +839,6 @@ class MegatronBackend(BackendBase):
                     (mp.main if slot == "master" else target[slot]).copy_(value)
         self.after_checkpoint()  # DiskOffloadAdamW: the load wrote the moments through its mappings
 
-    def lr_scheduler_state(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_lr_scheduler_state(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
-
-    def after_checkpoint(self) -> None:
-        release = getattr(self.optimizer, "release_pages", None)  # DiskOffloadAdamW only
-        if release is not None:  # a save or load touched the moments' mappings: give those pages back
-            release()
-
     # -- other models -----------------------------------------------------------------------------
     def build_reference(self) -> MegatronReference:
         """The initial policy, loaded again from its Hugging Face folder."""
@@ -890,9 +859,7 @@ class MegatronBackend(BackendBase):
         return sum(2 * t.numel() * t.element_size() for t in optimized if t.device == self.device)
 
     def close(self) -> None:
-        close = getattr(self.optimizer, "close", None)  # DiskOffloadAdamW: deletes the moment files
-        if close is not None:
-            close()
+        super().close()  # the optimizer's files (DiskOffloadAdamW)
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():

@@ -202,3 +202,40 @@ def test_a_trainer_memory_that_returns_no_byte_counts_names_its_plugin(tmp_path,
     shape = limits.model_shape(AutoConfig.from_pretrained(model_dir))
     with pytest.raises(PluginError, match=r"training backend 'sloppy' \(plugin 'sloppy-backends'\): trainer_memory must return"):
         limits.estimate_memory(cfg, shape, pm=pm)
+
+
+def test_an_engines_registered_memory_is_what_the_estimate_counts_for_it(tmp_path, model_dir) -> None:
+    """The engine's parts are its registration's ``memory=`` (the transformers engine's formula above is its
+    own); an engine that registers none (SGLang, which sizes its pool itself) adds nothing, and one whose
+    function returns no byte counts is named with its plugin."""
+    from transformers import AutoConfig
+
+    from rlite import hookimpl
+    from rlite.plugin_manager import PluginError, build_plugin_manager
+
+    calls = []
+
+    def cache_only(config, cfg, shape, tokens, world_size, on_gpu):
+        calls.append((tokens, world_size, on_gpu))
+        return {"engine KV cache": shape.layers * tokens}
+
+    class Engines:
+        @hookimpl
+        def register_rollout_engines(self, register):
+            register("cache_only", lambda *args: None, memory=cache_only)
+            register("sloppy", lambda *args: None, memory=lambda *args: {"engine weights": "a lot"})
+
+    pm = build_plugin_manager(autoload=False)
+    pm.register(Engines(), name="test-engines")
+    shape = limits.model_shape(AutoConfig.from_pretrained(model_dir))
+    base = ("rollout.max_new_tokens=28", "data.max_prompt_tokens=100")
+    parts = limits.estimate_memory(tiny_config(model_dir, tmp_path / "run", "rollout.engine=cache_only", *base, pm=pm),
+                                   shape, world_size=2, pm=pm).parts
+    assert calls == [(128, 2, False)] and parts["engine KV cache"] == 2 * 128
+    assert not {"engine weights", "engine decode step"} & set(parts)
+    sglang = limits.estimate_memory(tiny_config(model_dir, tmp_path / "run", "rollout.engine=sglang", *base, pm=pm),
+                                    shape, pm=pm).parts
+    assert not any(name.startswith("engine") for name in sglang)
+    sloppy = tiny_config(model_dir, tmp_path / "run", "rollout.engine=sloppy", pm=pm)
+    with pytest.raises(PluginError, match=r"rollout engine 'sloppy' \(plugin 'test-engines'\): memory must return"):
+        limits.estimate_memory(sloppy, shape, pm=pm)

@@ -118,6 +118,89 @@ def test_a_nan_loss_skips_the_update_and_leaves_weights_and_optimizer_untouched(
     backend.close()
 
 
+def _critic_and_batch(model_dir, returns_scale=1.0):
+    """A fresh fsdp2 critic (its own AdamW, lr 1e-2) and the GRPO batch with its value targets: V_old as
+    the critic scores it, returns scaled by ``returns_scale``."""
+    import dataclasses
+
+    from rlite.config import CriticConfig
+    from rlite.stages.update import score_values
+
+    batch, fwd, _ = _batch_and_specs()
+    critic = _backend(model_dir).build_critic(CriticConfig(enabled=True, lr=1e-2, grad_clip=1.0))
+    head = critic.model.value_head.weight
+    head = head.to_local() if hasattr(head, "to_local") else head  # (one rank: its shard is the whole head)
+    with torch.no_grad():  # a value head that is not all zeros: every parameter gets a gradient
+        head.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(1)))
+    old_values = score_values(critic, batch, fwd, minibatches=2)
+    batch.targets = dataclasses.replace(batch.targets, returns=batch.targets.returns * returns_scale,
+                                        old_values=old_values)
+    return critic, batch, fwd
+
+
+def _update_critic(critic, batch, fwd, minibatches, outcomes=None):
+    from rlite.stages.update import update_critic
+
+    return update_critic(critic, batch, fwd, value_clip=0.2, agg_mode="token-mean", horizon=7.0,
+                         minibatches=minibatches, dp_size=1, outcomes=outcomes)
+
+
+def _critic_weights(critic):
+    return {name: p.detach().clone() for name, p in critic.model.named_parameters()}
+
+
+def test_a_nan_critic_gradient_is_skipped_and_counted_like_the_policys(tmp_path, world_of_one):
+    """The critic's update is the policy's loop: a NaN in one gradient of its first mini-batch skips that
+    update (no optimizer step), counts it in ``critic/skipped_nonfinite`` and reports it in the outcomes the
+    run's guard reads, and the critic's weights equal bitwise those of a fresh critic that trained on the
+    second mini-batch alone."""
+    from rlite.tokenizer import build_tiny_model_dir
+
+    model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
+    critic, batch, fwd = _critic_and_batch(model_dir)
+    before = _critic_weights(critic)
+    backward, calls = critic.backward, []
+
+    def poisoned_backward(total):  # the first mini-batch's gradient gets one NaN entry
+        backward(total)
+        calls.append(1)
+        if len(calls) == 1:
+            grad = next(p for p in critic.trainable_parameters() if p.grad is not None).grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
+
+    critic.backward = poisoned_backward
+    outcomes = []
+    metrics = _update_critic(critic, batch, fwd, minibatches=2, outcomes=outcomes)
+    assert metrics["critic/skipped_nonfinite"] == 1.0 and critic.skipped_steps == 1
+    assert outcomes[1] is None and outcomes[0]["grad_norm"] != outcomes[0]["grad_norm"]  # NaN
+    after = _critic_weights(critic)
+    assert all(torch.isfinite(t).all() for t in after.values())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+    alone, _, _ = _critic_and_batch(model_dir)
+    second = batch.select(slice(len(batch) // 2, len(batch)))
+    alone_metrics = _update_critic(alone, second, fwd, minibatches=1)
+    assert alone_metrics["critic/skipped_nonfinite"] == 0.0
+    for name in ("critic/grad_norm", "critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean"):
+        assert metrics[name] == alone_metrics[name], name  # averaged over the applied update only
+    expected = _critic_weights(alone)
+    assert all(torch.equal(after[n], expected[n]) for n in expected)
+
+
+def test_a_nan_critic_loss_skips_the_update_and_leaves_weights_and_optimizer_untouched(tmp_path, world_of_one):
+    from rlite.tokenizer import build_tiny_model_dir
+
+    model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
+    critic, batch, fwd = _critic_and_batch(model_dir, returns_scale=float("nan"))
+    before = _critic_weights(critic)
+    outcomes = []
+    metrics = _update_critic(critic, batch, fwd, minibatches=1, outcomes=outcomes)
+    assert metrics == {"critic/skipped_nonfinite": 1.0}  # no average of the skipped update's numbers
+    assert len(outcomes) == 1 and outcomes[0]["loss"] != outcomes[0]["loss"]
+    assert all(torch.equal(before[n], t) for n, t in _critic_weights(critic).items())
+    assert not critic.optimizer.state and all(p.grad is None for p in critic.trainable_parameters())
+
+
 def test_the_guard_stops_after_the_limit_in_a_row_and_resets_on_an_applied_update(tmp_path):
     guard = NonFiniteGuard(limit=3, run_dir=tmp_path)
     bad = dict(loss=float("nan"), grad_norm=float("nan"), lr=1e6)
@@ -130,6 +213,14 @@ def test_the_guard_stops_after_the_limit_in_a_row_and_resets_on_an_applied_updat
     assert message.startswith("step 4: 3 updates in a row") and "learning rate 1e+06" in message
     assert "training.lr" in message and "no checkpoint was saved yet" in message
     assert stopped.value.exit_code == EXIT_STOPPED
+
+    critic = NonFiniteGuard.for_critic(limit=2, run_dir=tmp_path)  # counted apart from the policy's updates
+    critic.record(5, [bad])
+    with pytest.raises(RunStopped) as stopped:
+        critic.record(6, [bad])
+    message = str(stopped.value)
+    assert message.startswith("step 6: 2 critic updates in a row") and "algorithm.critic.lr" in message
+    assert "algorithm.critic.grad_clip" in message and "training.lr" not in message
 
 
 def test_weights_that_overflowed_never_reach_the_engine():
@@ -167,6 +258,33 @@ def test_a_huge_learning_rate_ends_with_a_clear_message_not_a_sampler_traceback(
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0]
     assert sum(r["train/skipped_nonfinite"] for r in rows) == 1  # the stopping step logs no row
     assert all(r.get("actor/grad_norm", 0.0) == r.get("actor/grad_norm", 0.0) for r in rows)  # no NaN logged
+
+
+def test_a_huge_critic_learning_rate_stops_the_run_naming_the_critics_keys(tmp_path):
+    """``algorithm.critic.lr=1e30``: the critic's first update makes its values overflow, so every later
+    critic update has a non-finite loss and is skipped (its weights stay finite); the critic's own guard
+    stops the run with the critic's keys. The estimator is GRPO (the critic trains but its values are not
+    used), so the policy's updates stay finite and cannot be what stops it."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "rlite", "train", str(REPO / "configs" / "quickstart.yaml"),
+         f"model.path={REPO / 'examples' / 'warmstart' / 'addition-qwen2-1m'}", f"logging.run_dir={run_dir}",
+         "algorithm.critic.enabled=true", "algorithm.critic.lr=1e30", "training.warmup_steps=0", "training.steps=6",
+         "training.eval_every=0", "data.num_train=64", "data.num_eval=4", "rollout.prompts_per_step=4",
+         "rollout.samples_per_prompt=8", "logging.progress_bar=false", "logging.plot=false",
+         "logging.loggers=[jsonl]", "checkpoint.every=1", "checkpoint.resume=never", "checkpoint.export_hf=false",
+         "training.max_nonfinite_in_a_row=2"],
+        env=run_in_subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == EXIT_STOPPED, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    line = next(x for x in done.stderr.splitlines() if x.startswith("rlite train: stopped: step "))
+    assert "2 critic updates in a row had a non-finite" in line and "algorithm.critic.lr" in line
+    from rlite.testing import read_jsonl
+
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert sum(r["critic/skipped_nonfinite"] for r in rows) == 1  # the stopping step logs no row
+    assert all(r["train/skipped_nonfinite"] == 0 for r in rows)
 
 
 class _NanRewards:

@@ -135,18 +135,13 @@ def test_sglang_gets_the_draft_in_a_session_of_its_own(tmp_path, dirs, monkeypat
         assert row["draft/loss"] > 0
 
 
-def test_sglang_refuses_a_draft_in_true_on_policy_mode(monkeypatch, tmp_path):
+def test_sglang_refuses_a_draft_in_true_on_policy_mode_when_the_config_loads(tmp_path):
     from rlite.config import ConfigError
-    from rlite.engines.base import DraftSpec
-    from rlite.engines.placement import EngineContext
-    from rlite.engines.sglang.fake import fake_sglang_modules
-    from rlite.plugin_manager import build_plugin_manager, resolve_choice
+    from rlite.plugin_manager import build_plugin_manager
     from rlite.testing import tiny_config
 
-    for name, module in fake_sglang_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
     pm = build_plugin_manager(autoload=False)
-    cfg = tiny_config("m", tmp_path, "rollout.engine=sglang", "rollout.true_on_policy=true", "rollout.draft=ngram", pm=pm)
-    factory, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
-    with pytest.raises(ConfigError, match="rollout.draft: SGLang's true on-policy mode"):
-        factory(cfg.model, None, cfg.rollout, engine_cfg, EngineContext.single_process(draft=DraftSpec("ngram")))
+    with pytest.raises(ConfigError, match=r"^rollout.engine=sglang \(plugin 'rlite.plugins.engines'\): rollout.draft: "
+                                          "SGLang's true on-policy mode"):
+        tiny_config("m", tmp_path, "rollout.engine=sglang", "rollout.true_on_policy=true", "rollout.draft=ngram", pm=pm)
+    tiny_config("m", tmp_path, "rollout.engine=sglang", "rollout.draft=ngram", pm=pm)  # either alone loads

@@ -492,7 +492,7 @@ def test_token_budget_micro_batches_train_the_critic_and_lora_and_resume_bitwise
         assert row["batching/padding_fraction"] <= row["batching/padding_fraction_fixed_size"]
         assert row["batching/tokens_per_micro_batch"] <= 48
     if "algorithm.critic.enabled=true" in variant:
-        assert all(math.isfinite(r["critic/vf_loss"]) for r in rows)
+        assert all(math.isfinite(r["critic/vf_loss"]) and r["critic/skipped_nonfinite"] == 0 for r in rows)
     if "training.pack_sequences=true" in variant:
         assert all(r["batching/padding_fraction"] == 0.0 for r in rows)
     assert _metrics_without_timing(tmp_path / "straight" / "metrics.jsonl") == _metrics_without_timing(

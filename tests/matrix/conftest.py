@@ -7,11 +7,9 @@ from __future__ import annotations
 
 def pytest_terminal_summary(terminalreporter) -> None:
     from rlite import matrix
-    from rlite.config.compat import RULES
-
     cases = matrix.pairwise_cases()
     terminalreporter.write_line(
         f"combination matrix: {len(cases)} cases ({sum(map(matrix.long_case, cases))} marked matrix_long), "
         f"{len(matrix.allowed_pairs())} pairs of option values covered, {len(matrix.refused_pairs())} refused "
-        f"({len(matrix.refusal_cases())} refusal cases), {len(RULES)} rules"
+        f"({len(matrix.refusal_cases())} refusal cases), {len(matrix.matrix_rules())} rules"
     )

@@ -3,7 +3,8 @@ or is refused up front (when the config loads, or for a fact of the run such as 
 run starts, before any step) with exit status 2 and a message naming both keys.
 
 The cases come from :mod:`rlite.matrix` (an all-pairs covering set over its ``OPTIONS``), the refusals
-from :data:`rlite.config.compat.RULES`; ``docs/compatibility.md`` is generated from the same two.
+from the rules (:func:`rlite.config.compat.rules`: rlite's own and those the built-in plugins and megatron
+declare); ``docs/compatibility.md`` is generated from the same two.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import pytest
 
 from rlite import matrix
 from rlite.cli import main
-from rlite.config.compat import RULES
 from rlite.testing import run_in_subprocess_env, spawn_ranks
 from rlite.tokenizer import build_tiny_model_dir
 
@@ -66,7 +66,8 @@ def test_docs_table_is_generated_from_the_rules():
 # -- refusals ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rule", [r for r in RULES if not r.at_start], ids=lambda r: f"{r.a.key}+{r.b.key}")
+@pytest.mark.parametrize("rule", [r for r in matrix.matrix_rules() if not r.at_start],
+                         ids=lambda r: f"{r.a.key}+{r.b.key}")
 def test_each_rule_refuses_at_config_load_with_exit_2_naming_both_keys(tmp_path, models, capsys, rule):
     if "parallelism.backend=megatron" in (*rule.a.example, *rule.b.example):
         pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
@@ -138,12 +139,59 @@ def test_rules_read_the_registry(tmp_path, models):
         def register_rollout_workflows(self, register):
             register("one_shot", lambda cfg, tokenizer: None, single_turn=True)
 
+    class MultiTurn:
+        @hookimpl
+        def register_rollout_workflows(self, register):
+            register("one_shot", lambda cfg, tokenizer: None)
+
     pm = build_plugin_manager(autoload=False)
     pm.register(Plugin(), name="one-shot")
     # a plugin's single-turn workflow is single-turn for the rules (its registration says so, not its name)
     cfg = tiny_config(models["model"], tmp_path, "rollout.workflow=one_shot", "rollout.draft=ngram", pm=pm)
     cfg.rollout.mode, cfg.rollout.engine.args["process"] = "one_step_off", True
     check_compatibility(cfg, pm)
+    check_compatibility(cfg)  # without the registry no rule that reads a registration applies
+    multi = build_plugin_manager(autoload=False)
+    multi.register(MultiTurn(), name="one-shot")
     with pytest.raises(ConfigError, match="rollout.workflow=one_shot \\(multi-turn\\) with rollout.draft=ngram"):
-        check_compatibility(cfg)  # without the registry only single_turn is single-turn
+        check_compatibility(cfg, multi)  # the same name registered without single_turn=True
     check_compatibility(cfg, pm, world_size=2)  # asynchronous rollouts over several ranks run
+
+
+def test_engine_rules_read_the_engines_declarations(tmp_path, models):
+    """The weight-sharing and in-process rules apply to any engine that declares them, by its registration
+    (named options in the message), and to none that does not."""
+    from dataclasses import dataclass
+
+    from rlite.config import ConfigError
+    from rlite.config.compat import check_compatibility
+    from rlite.hookspecs import hookimpl
+    from rlite.plugin_manager import build_plugin_manager
+    from rlite.testing import tiny_config
+
+    @dataclass
+    class BindingConfig:
+        bind: bool = False
+
+    class Engines:
+        @hookimpl
+        def register_rollout_engines(self, register):
+            register("binding", lambda *a: None, BindingConfig, samples_in_process=True,
+                     shares_weights=lambda cfg: ("bind",) if cfg.bind else ())
+            register("remote", lambda *a: None)
+
+    pm = build_plugin_manager(autoload=False)
+    pm.register(Engines(), name="engines")
+    overlapping = ("rollout.mode=one_step_off",)
+    cfg = tiny_config(models["model"], tmp_path, "rollout.engine=binding", *overlapping, pm=pm)
+    check_compatibility(cfg, pm)
+    cfg.rollout.engine.args["bind"] = True
+    with pytest.raises(ConfigError, match=r"rollout.mode=one_step_off with rollout.engine=binding with "
+                                          r"rollout.engine.args.bind=true \(binds the trainer's own tensors\)"):
+        check_compatibility(cfg, pm)
+    with pytest.raises(ConfigError, match=r"model.lora.dropout=0.05 with rollout.mode=one_step_off with "
+                                          r"rollout.engine=binding \(samples in the trainer's process\)"):
+        tiny_config(models["model"], tmp_path, "rollout.engine=binding", *overlapping, "model.lora.enabled=true",
+                    "model.lora.dropout=0.05", pm=pm)
+    tiny_config(models["model"], tmp_path, "rollout.engine=remote", *overlapping, "model.lora.enabled=true",
+                "model.lora.dropout=0.05", pm=pm)  # declares neither: left to its built engine's capabilities

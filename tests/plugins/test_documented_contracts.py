@@ -151,6 +151,34 @@ def test_documented_wrapper_engine_composes_the_registered_transformers_engine(t
         registered("rollout_engine", "counting")
 
 
+def test_documented_wrapper_backend_composes_the_registered_fsdp2_backend(tmp_path, model_dir, monkeypatch) -> None:
+    """The backend wrapper of docs/plugins.md (a ``BackendWrapper`` overriding ``step`` alone) gets fsdp2
+    through rlite.api.registered, trains a PPO run with its critic through it (every optimizer step's norm
+    is the one the run logs), and passes the conformance kit like the backend it wraps."""
+    from rlite.conformance import check_backend
+    from rlite.plugin_manager import plugin_manager_in_use
+
+    docs = example_defining("class NormRecordingBackend(BackendWrapper):", monkeypatch)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(docs, name="docs-backend-wrapper")
+    pm.register(DigitsReward(), name="digits-reward")
+    made = []
+    original = docs.NormRecordingBackend.__init__
+    monkeypatch.setattr(docs.NormRecordingBackend, "__init__",
+                        lambda self, inner: (made.append(self), original(self, inner))[1])
+    overrides = ["parallelism.backend=norm_recording", "rewards=[digits_fraction]", "rollout.samples_per_prompt=8",
+                 "algorithm.advantage=gae", "algorithm.critic.enabled=true"]
+    run_training(tiny_config(model_dir, tmp_path / "run", *overrides, pm=pm), pm)
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    (backend,) = made
+    assert isinstance(backend, TrainingBackend) and backend.capabilities.critic
+    assert backend.grad_norms == [r["actor/grad_norm"] for r in rows] and all(n > 0 for n in backend.grad_norms)
+    assert all(r["critic/skipped_nonfinite"] == 0 and r["critic/grad_norm"] > 0 for r in rows)
+    with plugin_manager_in_use(pm):
+        report = check_backend("norm_recording", workdir=tmp_path / "kit")
+    assert len(report.passed) == 9 and report.plugin == "'norm_recording' (plugin docs-backend-wrapper)", report
+
+
 def test_documented_backend_and_engine_pass_the_conformance_kit(tmp_path, monkeypatch) -> None:
     """The kit a third-party author runs: the docs' backend passes every backend invariant, the non-finite
     step (skipped, counted, weights unchanged) and bitwise resume included; the docs' engine every engine

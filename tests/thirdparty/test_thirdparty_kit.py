@@ -90,8 +90,13 @@ def test_the_engines_pass_the_conformance_kit(kit, tmp_path) -> None:
 
 
 def test_the_backend_and_estimator_pass_the_conformance_kit(kit, tmp_path) -> None:
+    from rlite_thirdparty_kit.backend import CountingBackend
+
+    from rlite.api import BackendWrapper
     from rlite.conformance import check_backend, check_estimator
 
+    # the public wrapper does the delegation: the kit writes its step alone, no __getattr__ and no guard
+    assert issubclass(CountingBackend, BackendWrapper) and set(vars(CountingBackend)) & {"__getattr__", "__init__"} == set()
     with plugin_manager_in_use(kit):
         backend = check_backend("thirdparty_fsdp2", workdir=tmp_path / "backend")
         estimator = check_estimator("range_baseline")

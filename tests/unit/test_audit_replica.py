@@ -63,16 +63,19 @@ def test_synthetic_data_has_the_configured_keys_nested_where_dotted(tmp_path):
 def test_the_gpu_recipes_are_adjusted_to_what_runs_here(tmp_path, monkeypatch):
     import torch
 
+    from rlite.matrix import matrix_plugins
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pm = matrix_plugins()  # the built-ins and megatron, whose registrations say what a replica must change
     cfg = load_config(CONFIGS / "moe_megatron_gpu.yaml", [], pm=False)
-    overrides, notes = replica_adjustments(cfg, tmp_path)
+    overrides, notes = replica_adjustments(cfg, tmp_path, pm)
     assert overrides == [f"data.train_files={tmp_path / 'data' / 'train.jsonl'}",
                          f"data.eval_files={tmp_path / 'data' / 'eval.jsonl'}", "rollout.engine=transformers",
                          "parallelism.backend.args.expert_parallel=1"]
     assert notes[1] == "engine sglang cannot start here (needs its package and a GPU) -> transformers engine"
     assert notes[2] == "expert_parallel 8 -> 1"
     quickstart = load_config(CONFIGS / "quickstart.yaml", [], pm=False)
-    assert replica_adjustments(quickstart, tmp_path) == ([], [])  # files present, engine runs, nothing split
+    assert replica_adjustments(quickstart, tmp_path, pm) == ([], [])  # files present, engine runs, nothing split
 
 
 def test_an_unreadable_gguf_file_gives_an_unknown_family_with_the_reason(tmp_path):

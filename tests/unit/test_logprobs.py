@@ -5,9 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlite.rollout import ModelInputs
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.training.backend import ForwardSpec
 from rlite.training.grad_accumulation import accumulate_in_place
 from rlite.training.logprobs import LinearLogprobFunction, PolicyModel, chunked_logprobs
+
+
+def _spec(temperature: float = 1.0, chunk_size: int = 1024, **options) -> ForwardSpec:
+    """The forward :class:`PolicyModel` runs (micro-batching is the caller's: unused here)."""
+    return ForwardSpec(micro_batch_size=64, temperature=temperature, chunk_size=chunk_size, exact_layout=False,
+                       **options)
 
 
 def _reference(hidden, weight, targets, temperature):
@@ -101,7 +109,7 @@ def test_policy_model_scores_response_tokens_like_the_hf_forward(tmp_path):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     response_mask = torch.ones(3, 4)
     response_mask[1, 3] = 0
-    lp, _ = policy(ids, mask, positions, 5, response_mask, temperature=0.8, chunk_size=5)
+    lp, _ = policy(ModelInputs(ids, mask, positions, 5, response_mask), _spec(temperature=0.8, chunk_size=5))
     with torch.no_grad():
         logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions).logits.double() / 0.8
     ref = torch.log_softmax(logits[:, 4:8], -1).gather(-1, ids[:, 5:, None]).squeeze(-1) * response_mask
@@ -137,8 +145,9 @@ def test_liger_path_routes_scaled_hidden_through_fused_cross_entropy(tmp_path, m
     mask = torch.ones_like(ids)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     response_mask = torch.ones(2, 3)
-    ref, ref_ent = policy(ids, mask, positions, 5, response_mask, temperature=0.7, with_entropy=True)
-    lp, ent = policy(ids, mask, positions, 5, response_mask, temperature=0.7, with_entropy=True, use_liger=True)
+    inputs = ModelInputs(ids, mask, positions, 5, response_mask)
+    ref, ref_ent = policy(inputs, _spec(temperature=0.7), with_entropy=True)
+    lp, ent = policy(inputs, _spec(temperature=0.7, use_liger=True), with_entropy=True)
     assert calls == [torch.Size([6, 64])]
     torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ent, ref_ent)
@@ -198,7 +207,8 @@ def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tmp_path
 
     def run(share):
         policy.zero_grad(set_to_none=True)
-        lp, ent = policy(ids, mask, positions, 6, response_mask, temperature=0.9, with_entropy=True, share_prompts=share)
+        lp, ent = policy(ModelInputs(ids, mask, positions, 6, response_mask), _spec(temperature=0.9, share_prompts=share),
+                         with_entropy=True)
         (lp.sum() + 0.1 * ent.sum()).backward()
         return lp.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
 

@@ -115,13 +115,38 @@ def test_adapter_sync_config_needs_an_engine_that_serves_adapters(tmp_path):
         load_config(None, [f"model.path={tmp_path}", "data.task=addition", "rollout.lora_sync=adapter"], pm=False)
 
 
-def test_adapter_sync_with_an_engine_that_cannot_serve_adapters_is_a_clear_error(tmp_path):
+def test_adapter_sync_with_an_engine_that_cannot_serve_adapters_is_refused_when_the_config_loads(tmp_path):
+    """The transformers engine's own check refuses it at load (naming the engine and its plugin)."""
     from rlite.config import ConfigError
+    from rlite.testing import tiny_config
+
+    with pytest.raises(ConfigError, match=r"^rollout.engine=transformers \(plugin 'rlite.plugins.engines'\): "
+                                          "rollout.lora_sync=adapter: the 'transformers' engine cannot serve adapters"):
+        tiny_config(tmp_path / "m", tmp_path / "run", "model.lora.enabled=true", "rollout.lora_sync=adapter")
+
+
+def test_an_engine_that_declares_nothing_is_still_refused_adapters_before_the_first_sync(tmp_path):
+    """An engine whose plugin declares no check is held to its built capabilities (lora_adapters False)."""
+    from rlite.config import ConfigError
+    from rlite.engines.base import EngineCapabilities, IdleEngine
+    from rlite.hookspecs import hookimpl
     from rlite.loop import run_training
+    from rlite.plugin_manager import build_plugin_manager
     from rlite.testing import tiny_config
     from rlite.tokenizer import build_tiny_model_dir
 
+    class Plain:
+        @hookimpl
+        def register_rollout_engines(self, register):
+            class Engine(IdleEngine):
+                capabilities = EngineCapabilities()
+
+            register("plain", lambda *args, **kwargs: Engine())
+
+    pm = build_plugin_manager(autoload=False)
+    pm.register(Plain(), name="test-plain-engine")
     model_dir = build_tiny_model_dir(tmp_path / "m")
-    cfg = tiny_config(model_dir, tmp_path / "run", "model.lora.enabled=true", "rollout.lora_sync=adapter")
-    with pytest.raises(ConfigError, match="rollout.lora_sync=adapter: the 'transformers' engine cannot serve adapters"):
-        run_training(cfg)
+    cfg = tiny_config(model_dir, tmp_path / "run", "rollout.engine=plain", "model.lora.enabled=true",
+                      "rollout.lora_sync=adapter", pm=pm)
+    with pytest.raises(ConfigError, match="rollout.lora_sync=adapter: the 'plain' engine cannot serve adapters"):
+        run_training(cfg, pm)

@@ -108,9 +108,8 @@ def test_packed_critic_values_equal_the_padded_ones():
         model.value_head.weight.normal_(generator=torch.Generator().manual_seed(2))
     batch = fixed_batch(num_prompts=3, samples=3, prompt_len=6, max_len=7, vocab=250)
     inputs = model_inputs(batch)
-    args = (inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_start, inputs.response_mask)
     with torch.no_grad():
-        padded, packed = model(*args), model(*args, packed=True)
+        padded, packed = model(inputs), model(inputs, packed=True)
     assert (padded != 0).any()
     torch.testing.assert_close(packed, padded, rtol=0, atol=2e-5)
 

@@ -1,7 +1,10 @@
 """Which settings combine: the one list of pairs of settings that rlite refuses, and the check that applies it.
 
-A :class:`Rule` names two :class:`Setting` s ("``parallelism.backend=megatron`` with
-``parallelism.cpu_offload=true``"), why they do not combine and what to use instead. A run whose
+A :class:`Rule` names two :class:`Setting` s ("``training.compile=true`` with
+``training.share_prompt_prefix=true``"), why they do not combine and what to use instead. :data:`RULES` are
+rlite's own; :func:`rules` adds those that the plugins' registrations declare (:mod:`rlite.config.capabilities`):
+a training backend's ``unsupported`` features, and the keys derived from an engine's ``samples_in_process`` and
+``shares_weights`` and a workflow's ``single_turn``, so that no rule here names a plugin. A run whose
 settings match both sides of a rule stops with a :class:`~rlite.config.schema.ConfigError` (exit
 status 2) naming both keys. Most rules read only the config and are checked when it loads
 (:func:`check_compatibility` from :func:`rlite.config.load_config`); a few need a fact that is known
@@ -20,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rlite.config.capabilities import BACKEND_FEATURES, declared, options_of
 from rlite.config.schema import Choice, ConfigError
 
 RUN_FACTS = ("world_size", "model.moe", "model.records_routing")
@@ -89,8 +93,6 @@ class Rule:
         return f"{self.a.describe(values)} with {self.b.describe(values)}: {self.why}; {self.instead}"
 
 
-MEGATRON = equals("parallelism.backend", "megatron")
-ON_FSDP2 = "or use parallelism.backend=fsdp2, which implements it"
 MULTI_TURN = Setting("rollout.multi_turn", bool, "a multi-turn rollout.workflow",
                      lambda v: f"rollout.workflow={v['rollout.workflow']} (multi-turn)",
                      example=("rollout.workflow=arithmetic_chain",), names=("rollout.workflow",))
@@ -99,9 +101,9 @@ OVERLAPS = Setting("rollout.overlaps", bool, "rollout.mode=one_step_off, or asyn
                        f" (rollout.max_staleness={v['rollout.max_staleness']})" if v["rollout.mode"] == "async" else ""),
                    example=("rollout.mode=one_step_off",), names=("rollout.mode",))
 SHARES_WEIGHTS = Setting("rollout.engine_shares_weights", bool,
-                         "the in-process transformers engine with rollout.engine.args.share_weights=true",
-                         lambda v: "rollout.engine=transformers in process with rollout.engine.args.share_weights=true",
-                         example=("rollout.engine.args.share_weights=true",), names=("rollout.engine.args.share_weights",))
+                         "an engine set to bind the trainer's own tensors (its registration's shares_weights)",
+                         lambda v: _engine_by(v, "rollout.engine_shares_weights", "binds the trainer's own tensors"),
+                         example=("rollout.engine.args.share_weights=true",), names=("rollout.engine",))
 DENSE_MODEL = Setting("model.moe", lambda moe: not moe, "a dense model (no Mixture-of-Experts layers)",
                       lambda v: f"the dense model model.path={v['model.path']!r}", names=("model.path",))
 RECORDS_ROUTING = Setting("model.records_routing", bool,
@@ -120,11 +122,12 @@ NOT_ASYNC = Setting("rollout.mode", lambda v: v != "async", "rollout.mode=sync o
 TURN_SETTINGS_IGNORED = ("only a multi-turn workflow samples turn by turn against an environment, so it would be "
                          "silently ignored")
 SAMPLES_IN_THREAD = Setting("rollout.samples_in_thread", bool,
-                            "rollout.mode=one_step_off or async (max_staleness > 0) with the in-process engine",
-                            lambda v: f"rollout.mode={v['rollout.mode']} with rollout.engine={v['rollout.engine']} in "
-                                      "process", example=("rollout.mode=one_step_off",
-                                                          "rollout.engine.args.share_weights=false"),
-                            names=("rollout.mode", "rollout.engine.args.process"))
+                            "rollout.mode=one_step_off or async (max_staleness > 0) with an engine that samples in "
+                            "the trainer's process (its registration's samples_in_process)",
+                            lambda v: f"rollout.mode={v['rollout.mode']} with "
+                                      + _engine_by(v, "rollout.samples_in_thread", "samples in the trainer's process"),
+                            example=("rollout.mode=one_step_off", "rollout.engine.args.share_weights=false"),
+                            names=("rollout.mode", "rollout.engine"))
 LORA_DROPOUT = Setting("model.lora.dropout_active", bool, "model.lora.enabled=true with model.lora.dropout > 0",
                        lambda v: f"model.lora.dropout={v['model.lora.dropout']}",
                        example=("model.lora.enabled=true", "model.lora.dropout=0.05"), names=("model.lora.dropout",))
@@ -138,42 +141,14 @@ RULES: tuple[Rule, ...] = (
          "the disk-offloaded AdamW steps float32 weights (torch's fused kernel on float32 moment files)",
          "set model.dtype=float32 (parallelism.param_dtype=bfloat16 still computes in bf16 over float32 master "
          "weights), or training.optimizer_offload=none"),
-    Rule(MEGATRON, equals("parallelism.cpu_offload", True),
-         "the megatron backend keeps parameters and gradients on the training device between uses, where FSDP2's "
-         "CPUOffloadPolicy moves them to the host (megatron-core 0.16.1's optimizer CPU offload, HybridDeviceOptimizer, "
-         "copies state over CUDA streams and comes only with megatron's distributed optimizer over its own DDP "
-         "buffers, which this backend does not build; on a CPU the weights are in host memory anyway), so it would "
-         "be silently ignored",
-         "set parallelism.cpu_offload=false (training.optimizer_offload=disk moves AdamW's moments off the device "
-         f"on a CPU), {ON_FSDP2}"),
-    Rule(MEGATRON, equals("training.liger_fused_logprobs", True),
-         "the megatron backend computes log-probs over its tensor-parallel vocabulary slices itself (liger's kernel "
-         "would be silently ignored)",
-         f"set training.liger_fused_logprobs=auto (off for this backend) or false, {ON_FSDP2}"),
-    Rule(MEGATRON, equals("training.compile", True),
-         "the megatron backend builds megatron-core's own modules and does not compile them (it would be silently "
-         "ignored)", f"set training.compile=false, {ON_FSDP2}"),
     Rule(equals("training.compile", True), equals("training.share_prompt_prefix", True),
          "the shared-prompt forward hands each decoder block a KV cache indexed by the block's layer number, which "
          "torch.compile specialises per layer and per pass, past its recompile limit (the blocks would run eager)",
          "set training.share_prompt_prefix=false with training.compile=true (each prompt then runs once per sample), "
          "or training.compile=false"),
-    Rule(MEGATRON, equals("model.lora.enabled", True), "the megatron backend trains full weights",
-         "set model.lora.enabled=false, or use parallelism.backend=fsdp2 for LoRA"),
-    Rule(MEGATRON, equals("algorithm.critic.enabled", True), "the megatron backend has no critic yet",
-         "use an estimator without a critic (algorithm.advantage=grpo), or parallelism.backend=fsdp2 for PPO with GAE"),
-    Rule(MEGATRON, equals("training.pack_sequences", True),
-         "the megatron backend does not run packed (THD) sequences yet (it would pad them)",
-         f"set training.pack_sequences=false (training.max_tokens_per_micro_batch works), {ON_FSDP2}"),
     Rule(equals("training.pack_sequences", True), TRUE_ON_POLICY,
          "true on-policy mode scores the engine's own padded layout so that the log-probs are bitwise the engine's, "
          "and a packed forward computes them in another layout", "set one of them to false"),
-    Rule(MEGATRON, TRUE_ON_POLICY,
-         "true on-policy sampling makes the engine's log-probs equal the trainer's bitwise by running the "
-         "trainer's own Hugging Face forward, and megatron's GPTModel computes in another order (measured on a tiny "
-         "model: 75-91% of sampled tokens bitwise equal)",
-         "set rollout.true_on_policy=false (algorithm.old_logprob_mode=decoupled keeps the first ratio exactly 1), "
-         "or use parallelism.backend=fsdp2"),
     # -- rollouts ---------------------------------------------------------------------------------
     Rule(TRUE_ON_POLICY, differs("rollout.quantization", "none", "rollout.quantization=fp8_blockwise"),
          "the engine samples with quantized weights, so its log-probs cannot equal the full-precision trainer's "
@@ -202,15 +177,15 @@ RULES: tuple[Rule, ...] = (
          TURN_SETTINGS_IGNORED.replace("so it", "so the role of its observations"),
          "set a multi-turn rollout.workflow, or leave rollout.observation_role out"),
     Rule(LORA_DROPOUT, SAMPLES_IN_THREAD,
-         "the in-process engine samples in a thread of the trainer's process, seeding torch's global random "
+         "an engine in the trainer's process samples in a thread of it, seeding torch's global random "
          "generator for each call and restoring it after, and LoRA dropout in the training thread draws from that "
          "same generator: its masks would repeat and the samples would depend on the threads' timing",
-         "set model.lora.dropout=0 (usual in RL), rollout.engine.args.process=true (the engine in its own process), "
-         "or rollout.mode=sync"),
+         "set model.lora.dropout=0 (usual in RL), the engine in its own process (change the rollout.engine.args "
+         "named), or rollout.mode=sync"),
     Rule(OVERLAPS, SHARES_WEIGHTS,
          "the engine samples while the trainer updates, so it needs its own copy of the weights",
-         "leave rollout.engine.args.share_weights out (its default keeps the engine's own copy in these modes), "
-         "set it false, or rollout.mode=sync"),
+         "leave the rollout.engine.args named out (the built-in engine's default keeps its own copy in these "
+         "modes), set them otherwise, or rollout.mode=sync"),
     # -- facts known when the run starts ------------------------------------------------------------
     Rule(equals("algorithm.routing_replay", "rollout"), DENSE_MODEL,
          "the model has no Mixture-of-Experts layers (nothing to replay)", "set algorithm.routing_replay=none"),
@@ -249,37 +224,77 @@ def flat_values(cfg: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def derive(values: dict[str, Any], single_turn: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    """``values`` plus the few keys that rules read and that are functions of several settings."""
-    workflow = values["rollout.workflow"]
-    values["rollout.multi_turn"] = not (single_turn(workflow) if single_turn else workflow == "single_turn")
+def derive(values: dict[str, Any], pm: Any = None) -> dict[str, Any]:
+    """``values`` plus the few keys that rules read and that are functions of several settings. With ``pm``
+    (anything with ``registry(kind)``) also the keys the plugins' registrations decide: whether the workflow
+    is multi-turn, and whether the engine samples in the trainer's process or binds its tensors (without it
+    those keys are unknown, and no rule reading them applies)."""
     mode = values["rollout.mode"]
     values["rollout.overlaps"] = mode == "one_step_off" or (mode == "async" and values["rollout.max_staleness"] > 0)
-    in_process = values["rollout.engine"] == "transformers" and not values.get("rollout.engine.args.process", False)
-    # share_weights' default (None) chooses the engine's own copy when the rollouts overlap the update
-    values["rollout.engine_shares_weights"] = in_process and values.get("rollout.engine.args.share_weights") is True
-    values["rollout.samples_in_thread"] = in_process and values["rollout.overlaps"]
     values["model.lora.dropout_active"] = values["model.lora.enabled"] and values["model.lora.dropout"] > 0
+    if pm is not None:
+        workflow = pm.registry("rollout_workflow").get(values["rollout.workflow"])
+        values["rollout.multi_turn"] = not workflow.metadata.get("single_turn")
+        engine = pm.registry("rollout_engine").get(values["rollout.engine"])
+        options = options_of(engine, choice_args(values, "rollout.engine"))
+        values["rollout.engine_shares_weights"] = declared(engine, "shares_weights", options) or False
+        in_process = declared(engine, "samples_in_process", options) or False
+        values["rollout.samples_in_thread"] = in_process if values["rollout.overlaps"] else False
     if "model.moe" in values:
         records = values["algorithm.routing_replay"] == "rollout" or values["algorithm.routing_metrics"]
         values["model.records_routing"] = values["model.moe"] and records
     return values
 
 
+def choice_args(values: dict[str, Any], key: str) -> dict[str, Any]:
+    """The options of the choice at ``key`` among flat ``values`` (``key.args.*``)."""
+    prefix = f"{key}.args."
+    return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+
+
+def _engine_by(values: Mapping[str, Any], derived: str, what: str) -> str:
+    """``rollout.engine=NAME`` and the engine options its registration says make it so (``what``)."""
+    named = values[derived]
+    options = ", ".join(f"rollout.engine.args.{name}={_yaml(values.get(f'rollout.engine.args.{name}'))}"
+                        for name in (named if isinstance(named, (tuple, list)) else ()))  # fmt: skip
+    return f"rollout.engine={values['rollout.engine']}" + (f" with {options}" if options else "") + f" ({what})"
+
+
+def backend_rules(backends: Any) -> tuple[Rule, ...]:
+    """A rule for each feature a registered training backend declares ``unsupported``
+    (:data:`rlite.config.capabilities.BACKEND_FEATURES`), in the order of the features, then of the names;
+    ``instead`` ends with the backends that implement it."""
+    out = []
+    entries = [backends.entries[name] for name in backends.names()]
+    for feature, key in BACKEND_FEATURES.items():
+        able = [e.name for e in entries if feature not in (e.metadata.get("unsupported") or {})]
+        for entry in entries:
+            reason = (entry.metadata.get("unsupported") or {}).get(feature)
+            if reason is None:
+                continue
+            also = f", or use parallelism.backend={' or '.join(able)}, which implements it" if able else ""
+            out.append(Rule(equals("parallelism.backend", entry.name), equals(key, True), reason.why,
+                            reason.instead + also))
+    return tuple(out)
+
+
+def rules(pm: Any = None) -> tuple[Rule, ...]:
+    """Every rule of a run with the plugins of ``pm``: the backends' declared ones, then :data:`RULES`
+    (without ``pm``: :data:`RULES` alone)."""
+    return RULES if pm is None else backend_rules(pm.registry("training_backend")) + RULES
+
+
 def check_compatibility(cfg: Any, pm: Any = None, **facts: Any) -> None:
-    """Refuse the first rule of :data:`RULES` that the config matches (with ``facts``: :data:`RUN_FACTS`
+    """Refuse the first rule of :func:`rules` that the config matches (with ``facts``: :data:`RUN_FACTS`
     by key, e.g. ``world_size=2``, and ``moe=False`` for ``model.moe``). ``pm``: the plugin manager whose
-    workflow registry says which workflows are single-turn (without it: only ``single_turn``)."""
-    single_turn = None
-    if pm is not None:
-        workflows = pm.registry("rollout_workflow")
-        single_turn = lambda name: bool(workflows.get(name).metadata.get("single_turn"))  # noqa: E731
+    registrations the rules read (without it, only the rules that read no registration apply)."""
     values = flat_values(cfg)
     if "world_size" in facts:
         values["world_size"] = facts["world_size"]
     if "moe" in facts:
         values["model.moe"] = facts["moe"]
-    derive(values, single_turn)
-    for rule in RULES if not facts else [r for r in RULES if r.at_start]:
+    derive(values, pm)
+    every = rules(pm)
+    for rule in every if not facts else [r for r in every if r.at_start]:
         if rule.applies(values):
             raise ConfigError(rule.message(values))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlite.config.advantage import AdvantageChoice, advantage_choice, default_options, needs_group
+from rlite.config.capabilities import options_of
 from rlite.config.choices import CHOICE_KEYS, REGISTRY_KINDS
 from rlite.config.compat import check_compatibility
 from rlite.config.options import build_options, explain_omegaconf_error, options_as_args
@@ -179,6 +181,27 @@ def validate_choices(cfg: RunConfig, pm) -> None:
                 msg = str(exc).replace(registry.config_key, path, 1)
                 raise ConfigError(msg) from None
         setattr(owner, attr, validated if isinstance(value, list) else validated[0])
+    kl_names = pm.registry("kl_estimator").names()
+    if cfg.algorithm.kl.estimator not in kl_names:
+        _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
+
+
+# --------------------------------------------------------------------------------------------------
+# the config-check phase
+# --------------------------------------------------------------------------------------------------
+
+
+def check_config(cfg: RunConfig, pm) -> None:
+    """The one phase that refuses a valid config which cannot run, when it loads: what the chosen
+    implementations declare they need (a critic, a group of samples, an engine that runs the draft, a
+    correction that bypass mode does not reduce to a no-op), the pairs of settings that do not combine
+    (:func:`rlite.config.compat.check_compatibility`, with the backends' and engines' declared
+    capabilities), then each chosen implementation's own ``check_config`` (:func:`check_plugins`).
+
+    Refusals that need a fact of the started run stay where the fact is known: the world size, the model's
+    files (its context, its Mixture-of-Experts layers, a draft's vocabulary), the device and its free
+    memory, and what a built engine or backend reports of itself (``capabilities``) where its plugin
+    declared nothing."""
     advantage = advantage_choice(cfg.algorithm, pm.registries)
     if advantage.needs_critic and not cfg.algorithm.critic.enabled:
         raise ConfigError(
@@ -187,9 +210,49 @@ def validate_choices(cfg: RunConfig, pm) -> None:
     check_group_size(cfg, advantage, pm.registries)
     check_draft_runs_on_engine(cfg, pm)
     check_bypass_corrections(cfg, pm)
-    kl_names = pm.registry("kl_estimator").names()
-    if cfg.algorithm.kl.estimator not in kl_names:
-        _check_choice("algorithm.kl.estimator", cfg.algorithm.kl.estimator, kl_names)
+    check_compatibility(cfg, pm)
+    check_plugins(cfg, pm)
+
+
+def chosen(cfg: RunConfig, pm) -> Iterator[tuple[str, Any, Any]]:
+    """``(key, registered entry, config instance)`` of every implementation the config chooses, in the
+    order of the registry kinds, a list's entries in order and a wrapper's inner choice (a ``choice_of``
+    option) after the wrapper; ``none`` of an optional kind chooses nothing."""
+    for kind, choice_kind in REGISTRY_KINDS.items():
+        value = _get_path(cfg, choice_kind.key)
+        many = isinstance(value, list)
+        for index, choice in enumerate(value if many else [value]):
+            name, args = (choice.name, choice.args) if choice_kind.named_choice else (choice, {})
+            if choice_kind.optional and name == "none":
+                continue
+            key = f"{choice_kind.key}[{index}]" if many else choice_kind.key
+            yield from _with_inner(key, pm.registry(kind).get(name), args, pm)
+
+
+def _with_inner(key: str, entry, args, pm) -> Iterator[tuple[str, Any, Any]]:
+    options = options_of(entry, args, pm.registries)
+    yield key, entry, options
+    if options is None or not dataclasses.is_dataclass(options):
+        return
+    for option in dataclasses.fields(options):
+        kind = option.metadata.get("choice_of")
+        if kind is not None:
+            inner = pm.registry(kind).get(getattr(options, option.name))
+            yield from _with_inner(f"{key}.args.{option.name}", inner, getattr(options, f"{option.name}_args", None), pm)
+
+
+def check_plugins(cfg: RunConfig, pm) -> None:
+    """Call the ``check_config(config, cfg)`` that each chosen implementation registered (with the run config
+    and its own config instance); a ``ConfigError`` it raises stops the load, prefixed with the choice's key,
+    name and plugin."""
+    for key, entry, options in chosen(cfg, pm):
+        check = entry.metadata.get("check_config")
+        if check is None:
+            continue
+        try:
+            check(cfg, options)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}={entry.name} (plugin {entry.plugin!r}): {exc}") from None
 
 
 def check_group_size(cfg: RunConfig, advantage: AdvantageChoice, registries) -> None:
@@ -258,11 +321,13 @@ def _get_path(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), pm=None) -> RunConfig:
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), pm=None, *, check: bool = True) -> RunConfig:
     """Load YAML (optional) plus ``key=value`` overrides into a validated :class:`RunConfig`.
 
     Overrides beat the YAML and apply in order (:func:`apply_override`: omegaconf's dotlist grammar). Named choices are checked against the registries of ``pm`` (the plugin
-    manager, or anything with ``registry(kind)``); ``pm=False`` skips that check.
+    manager, or anything with ``registry(kind)``), then the config-check phase runs (:func:`check_config`);
+    ``pm=False`` skips both but for the rules that read no registration, and ``check=False`` those too (a
+    first read for the ``plugins`` section alone, whose refusals the full load reports in their order).
     """
     token = _SKIP_CHECKS.set(True)
     try:
@@ -300,9 +365,12 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = (), p
         raise ConfigError(str(exc).split("\n")[0]) from None
     if pm is None:
         raise TypeError("load_config: pass the plugin manager whose registries check the config (or pm=False)")
-    if pm is not False:
+    if pm is False:
+        if check:
+            check_compatibility(cfg)  # only the rules that read no plugin's registration
+    else:
         validate_choices(cfg, pm)
-    check_compatibility(cfg, pm or None)
+        check_config(cfg, pm)
     return cfg
 
 

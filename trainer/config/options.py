@@ -49,7 +49,7 @@ def build_options(entry: Any, args: Mapping[str, Any] | None, *, kind: str, key:
 
     ``kind`` is the entry's registry kind (``rollout_engine``), ``key`` where the options sit in the config
     (``rollout.engine.args``): every error names the key under it. ``registries`` (kind -> registry) resolve
-    nested choices; ``None`` refuses a class that declares one.
+    nested choices; without them (``None``) a nested choice's options stay the mapping they were given.
     """
     args = dict(args or {})
     if entry.config_cls is None:
@@ -68,8 +68,11 @@ def build_options(entry: Any, args: Mapping[str, Any] | None, *, kind: str, key:
         raise ConfigError(f"{_failing_key(entry.config_cls, args, key)}: {exc}") from None
     for name, args_name, inner_kind in choices:
         inner_name = getattr(options, name)
-        if registries is None or inner_kind not in registries:
-            raise ConfigError(f"{key}.{name}: cannot check the {inner_kind} {inner_name!r}: no such registry was given")
+        if registries is None:  # nothing to build the inner options with: as given
+            setattr(options, args_name, inner_args.get(args_name, getattr(options, args_name, None)))
+            continue
+        if inner_kind not in registries:
+            raise ConfigError(f"{key}.{name}: {inner_kind!r} is no registry kind (field metadata choice_of)")
         try:
             inner = registries[inner_kind].get(inner_name)
         except UnknownChoiceError as exc:

@@ -508,8 +508,9 @@ class TrainingConfig:
     activations of a micro-batch, the transformers engine's KV cache; ``docs/memory.md``) and refuse a run whose
     estimate exceeds the memory available (exit status 2, naming the keys to change). False skips the check."""
     max_nonfinite_in_a_row: int = 3
-    """An optimizer update whose loss or gradient norm is NaN/inf is skipped (counted in ``train/skipped_nonfinite``);
-    after this many skipped in a row the run stops with a message naming the step and the likely cause (exit status 4)."""
+    """An optimizer update whose loss or gradient norm is NaN/inf is skipped (counted in ``train/skipped_nonfinite``,
+    the critic's in ``critic/skipped_nonfinite``); after this many skipped in a row (each model counted on its own) the
+    run stops with a message naming the step and the likely cause (exit status 4)."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "training.steps must be >= 0")

@@ -192,7 +192,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     samples = SampleWriter(run_dir / "samples.jsonl", loggers) if ctx.is_main and cfg.logging.samples_every else None
     try:
         check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
-        routing = routing_setup(cfg, backend, engine, layout)
+        routing = routing_setup(cfg, backend, engine, layout, pm)
         forward = dataclasses.replace(forward, routing=replay_plan(routing))
         options = rollout_options(cfg, engine, layout, draft=draft, record_routing=routing is not None, turns=turns,
                                   greedy_baseline=advantage.needs_greedy_baseline)

@@ -74,15 +74,25 @@ class NonFiniteGuard:
     """Counts optimizer updates skipped for a NaN/inf loss or gradient norm, and stops the run once
     ``limit`` of them came in a row.
 
-    :func:`rlite.stages.update.update_policy` skips such an update (the weights and the optimizer stay
+    :func:`rlite.stages.update.train_minibatches` skips such an update (the weights and the optimizer stay
     as they were, so nothing non-finite is ever synced or saved); this decides when skipping has
     become pointless. The counter runs across steps and resets at the first update that is applied.
+    One guard per trained model (:meth:`for_critic`: PPO's critic, counted apart from the policy).
     """
 
-    def __init__(self, limit: int, run_dir: str | Path) -> None:
+    def __init__(self, limit: int, run_dir: str | Path, *, updates: str = "updates",
+                 keys: tuple[str, str] = ("training.lr", "training.grad_clip")) -> None:  # fmt: skip
         self.limit = limit
         self.run_dir = run_dir
+        self.updates = updates
+        """What the message calls the skipped updates."""
+        self.keys = keys
+        """The model's learning rate and gradient clip, which the message suggests lowering."""
         self.in_a_row = 0
+
+    @classmethod
+    def for_critic(cls, limit: int, run_dir: str | Path) -> NonFiniteGuard:
+        return cls(limit, run_dir, updates="critic updates", keys=("algorithm.critic.lr", "algorithm.critic.grad_clip"))
 
     def record(self, step: int, outcomes: list[dict[str, float] | None]) -> None:
         """``outcomes``: one entry per optimizer update of ``step`` (``None``: applied; else the
@@ -99,10 +109,10 @@ class NonFiniteGuard:
         loss, norm, lr = outcome["loss"], outcome["grad_norm"], outcome["lr"]
         what = "loss" if not math.isfinite(loss) else "gradient norm"
         return (
-            f"step {step}: {self.in_a_row} updates in a row had a non-finite {what} (loss {loss:g}, "
+            f"step {step}: {self.in_a_row} {self.updates} in a row had a non-finite {what} (loss {loss:g}, "
             f"gradient norm {norm:g}, learning rate {lr:g}) and were skipped "
             f"(training.max_nonfinite_in_a_row={self.limit}). Likely cause: the learning rate is too high "
-            "(lower training.lr, or clip harder with training.grad_clip); also check the rewards and "
+            f"(lower {self.keys[0]}, or clip harder with {self.keys[1]}); also check the rewards and "
             f"parallelism.param_dtype. No non-finite weights reached the engine or a checkpoint; "
             f"{latest_checkpoint_text(self.run_dir)}"
         )

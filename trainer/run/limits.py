@@ -16,16 +16,16 @@ being killed by the kernel minutes later. The estimate, part by part (``docs/mem
               + L * 2 * H_kv * d_head * T * b_engine * S        the KV cache of S concurrent sequences
               + S * V * 24                                      one decode step's logits, softmax, log-softmax
                                                                 and float64 CDF
-              (on the trainer's device: its GPU when the trainer has one, unless
-              ``rollout.engine.args.device=cpu``; b_engine: the engine's dtype, by default the trainer's
-              compute dtype ``parallelism.param_dtype``)
+              (the engine's registered ``memory=``, here the built-in transformers engine's: on the
+              trainer's device, its GPU when the trainer has one, unless ``rollout.engine.args.device=cpu``;
+              b_engine: the engine's dtype, by default the trainer's compute dtype ``parallelism.param_dtype``)
 
 with P parameters, L layers, h hidden size, V vocabulary, H_kv key/value heads of d_head each, W ranks,
 m = ``training.micro_batch_size``, T = the longest prompt loaded (at most ``data.max_prompt_tokens``) +
 ``rollout.max_new_tokens`` (multi-turn: the larger of it and ``rollout.max_response_tokens``), c = ``training.logprob_chunk_size``, S = the larger of
 ``rollout.prompts_per_step`` x ``rollout.samples_per_prompt`` and ``training.eval_max_prompts``, b the bytes
-of each dtype. SGLang sizes its own KV pool within ``mem_fraction_static``, so only the transformers engine's
-cache is counted. The activation term is rough (Korthikanti et al. 2022's 34 bytes per token, hidden unit
+of each dtype. An engine that registers no ``memory=`` adds nothing: SGLang sizes its own KV pool within
+``mem_fraction_static``. The activation term is rough (Korthikanti et al. 2022's 34 bytes per token, hidden unit
 and layer in 16-bit, without the attention scores that SDPA never stores).
 """
 
@@ -79,25 +79,30 @@ def prompt_tokens(cfg: RunConfig, longest_prompt: int | None = None) -> int:
     return cfg.data.max_prompt_tokens if longest_prompt is None else min(longest_prompt, cfg.data.max_prompt_tokens)
 
 
-def response_tokens(cfg: RunConfig) -> tuple[int, str]:
+def multi_turn(cfg: RunConfig, pm) -> bool:
+    """The run's workflow samples turn by turn (its registration declares no ``single_turn``)."""
+    return not pm.registry("rollout_workflow").get(cfg.rollout.workflow.name).metadata.get("single_turn")
+
+
+def response_tokens(cfg: RunConfig, multi_turn: bool) -> tuple[int, str]:
     """The longest response and the key that bounds it (multi-turn: the whole response, observations too)."""
     rollout = cfg.rollout
-    if rollout.workflow.name != "single_turn" and rollout.max_response_tokens > rollout.max_new_tokens:
+    if multi_turn and rollout.max_response_tokens > rollout.max_new_tokens:
         return rollout.max_response_tokens, "rollout.max_response_tokens"
     return rollout.max_new_tokens, "rollout.max_new_tokens"
 
 
-def sequence_tokens(cfg: RunConfig, longest_prompt: int | None = None) -> int:
+def sequence_tokens(cfg: RunConfig, multi_turn: bool, longest_prompt: int | None = None) -> int:
     """The longest sequence a sample can reach: its prompt, then what is sampled (and, multi-turn, observed)."""
-    return prompt_tokens(cfg, longest_prompt) + response_tokens(cfg)[0]
+    return prompt_tokens(cfg, longest_prompt) + response_tokens(cfg, multi_turn)[0]
 
 
-def check_context(cfg: RunConfig, shape: ModelShape, longest_prompt: int | None = None) -> None:
+def check_context(cfg: RunConfig, shape: ModelShape, multi_turn: bool, longest_prompt: int | None = None) -> None:
     """The longest prompt plus the longest response must fit the model's positions (``max_position_embeddings``)."""
     if shape.max_positions is None:
         return
     prompt = prompt_tokens(cfg, longest_prompt)
-    response, response_key = response_tokens(cfg)
+    response, response_key = response_tokens(cfg, multi_turn)
     if prompt + response > shape.max_positions:
         loaded = "" if longest_prompt is None else f"the longest prompt loaded has {prompt} tokens, "
         raise ConfigError(
@@ -145,57 +150,40 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, world_size: int = 1, o
                     longest_prompt: int | None = None, pm=None) -> MemoryEstimate:
     """What the run holds on one device (the host memory on CPU: every local rank and the engine share it).
     The trainer's parts come from the training backend's registered ``trainer_memory`` (one rank's bytes;
-    ``pm``: the run's plugin manager, None: the FSDP2 formula)."""
+    FSDP2's shards without one), the engine's from the engine's registered ``memory`` (none without one).
+    ``pm``: the run's plugin manager (None: the process-wide one)."""
+    from rlite.plugin_manager import PluginError, get_plugin_manager, resolve_choice
+
+    pm = get_plugin_manager() if pm is None else pm
     t = cfg.training
     compute = DTYPE_BYTES[cfg.parallelism.param_dtype]
-    params = shape.parameters
-    tokens = sequence_tokens(cfg, longest_prompt)
+    tokens = sequence_tokens(cfg, multi_turn(cfg, pm), longest_prompt)
     ranks_here = 1 if on_gpu else world_size  # on CPU all ranks' state is in the same memory
-    per_rank, backend_cfg, owner = sharded_trainer_memory, None, None
-    if pm is not None:
-        from rlite.plugin_manager import resolve_choice
-
-        entry = pm.registry("training_backend").get(cfg.parallelism.backend.name)
-        _, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
-        per_rank = entry.metadata.get("trainer_memory", sharded_trainer_memory)
-        owner = f"training backend {entry.name!r} (plugin {entry.plugin!r})"
-    trainer = per_rank(cfg, backend_cfg, params, world_size)
-    if not isinstance(trainer, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in trainer.items()):
-        from rlite.plugin_manager import PluginError
-
-        raise PluginError(f"{owner}: trainer_memory must return a dict of part name -> bytes (int), got {trainer!r}")
+    backend = pm.registry("training_backend").get(cfg.parallelism.backend.name)
+    _, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
+    per_rank = backend.metadata.get("trainer_memory", sharded_trainer_memory)
+    trainer = per_rank(cfg, backend_cfg, shape.parameters, world_size)
+    if not _byte_counts(trainer):
+        raise PluginError(f"training backend {backend.name!r} (plugin {backend.plugin!r}): trainer_memory must return "
+                          f"a dict of part name -> bytes (int), got {trainer!r}")
     parts = {name: size * ranks_here for name, size in trainer.items()}
     activations = t.micro_batch_size * tokens * shape.hidden * shape.layers * 34 * compute // 2
     logits = min(t.micro_batch_size * tokens, t.logprob_chunk_size) * shape.vocab * 4 * 3
     parts["activations of a micro-batch"] = (activations + logits) * ranks_here
-    if cfg.rollout.engine.name == "transformers":
-        parts.update(transformers_engine_memory(cfg, shape, tokens, world_size, on_gpu))
+    engine = pm.registry("rollout_engine").get(cfg.rollout.engine.name)
+    engine_memory = engine.metadata.get("memory")
+    if engine_memory is not None:
+        _, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
+        held = engine_memory(cfg, engine_cfg, shape, tokens, world_size, on_gpu)
+        if not _byte_counts(held):
+            raise PluginError(f"rollout engine {engine.name!r} (plugin {engine.plugin!r}): memory must return a dict "
+                              f"of part name -> bytes (int), got {held!r}")
+        parts.update(held)
     return MemoryEstimate(parts, "GPU" if on_gpu else "host")
 
 
-def transformers_engine_memory(cfg: RunConfig, shape: ModelShape, tokens: int, world_size: int,
-                               on_gpu: bool) -> dict[str, int]:
-    """What the transformers engine holds where the trainer is (nothing when it samples on the host
-    beside a GPU trainer): its weights unless it shares the trainer's, the KV cache of every sequence of a
-    call, and one decode step's work on the output layer (float32 logits, their softmax and log-softmax,
-    and the float64 CDF the sampler inverts: 24 bytes per row and vocabulary entry)."""
-    args = cfg.rollout.engine.args
-    if on_gpu and args.get("device", "auto") == "cpu":
-        return {}
-    overlaps = cfg.rollout.mode == "one_step_off" or (cfg.rollout.mode == "async" and cfg.rollout.max_staleness > 0)
-    share = args.get("share_weights")
-    dtype = args.get("dtype", "auto")
-    dtype = cfg.parallelism.param_dtype if dtype == "auto" else dtype
-    shares = ((share is True or (share is None and not overlaps)) and not args.get("process", False)
-              and world_size == 1 and dtype == cfg.model.dtype)
-    own_weights = not shares or cfg.model.lora.enabled or cfg.rollout.quantization.name != "none"
-    engine_bytes = DTYPE_BYTES[dtype]
-    sequences = max(cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, cfg.training.eval_max_prompts)
-    return {
-        "engine weights": shape.parameters * engine_bytes if own_weights else 0,
-        "engine KV cache": shape.layers * 2 * shape.kv_heads * shape.head_dim * tokens * engine_bytes * sequences,
-        "engine decode step": sequences * shape.vocab * 24,
-    }
+def _byte_counts(parts: object) -> bool:
+    return isinstance(parts, dict) and all(isinstance(k, str) and isinstance(v, int) for k, v in parts.items())
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:
@@ -264,6 +252,9 @@ def check_run_fits(cfg: RunConfig, device: torch.device, world_size: int = 1, lo
         shape = model_shape(hf_config)
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return
-    check_context(cfg, shape, longest_prompt)
+    from rlite.plugin_manager import get_plugin_manager
+
+    pm = get_plugin_manager() if pm is None else pm
+    check_context(cfg, shape, multi_turn(cfg, pm), longest_prompt)
     if cfg.training.check_memory:
         check_memory(cfg, shape, device, world_size, longest_prompt, pm)

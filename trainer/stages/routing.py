@@ -57,15 +57,17 @@ def num_experts_of(hf_config: Any) -> int:
     return int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
 
 
-def routing_setup(cfg: RunConfig, backend: TrainingBackend, engine: RolloutEngine, layout: DataLayout) -> RoutingSetup | None:
+def routing_setup(cfg: RunConfig, backend: TrainingBackend, engine: RolloutEngine, layout: DataLayout,
+                  pm: Any = None) -> RoutingSetup | None:
     """Check ``algorithm.routing_replay`` / ``routing_metrics`` against the model, the backend and the
     engine; ``None`` when the run does nothing with routing. Every rank decides alike (the engine's
-    capability comes from the replica's leader)."""
+    capability comes from the replica's leader). ``pm``: the run's plugin manager, whose registrations the
+    rules checked here read (a multi-turn workflow)."""
     algo = cfg.algorithm
     hf_config = backend.hf_config()
     replay = algo.routing_replay == "rollout"
     moe = bool(num_experts_of(hf_config))
-    check_compatibility(cfg, moe=moe)
+    check_compatibility(cfg, pm, moe=moe)
     if not moe:
         return None
     if not (replay or algo.routing_metrics):

@@ -18,7 +18,7 @@ from rlite.distributed import DataLayout, all_gather_objects
 from rlite.kl_control import KLController, kl_reward_penalty, update_kl_controller
 from rlite.mismatch import OLD_LOGPROB_MODES, compose_corrections, mismatch_metrics
 from rlite.rollout import RolloutBatch, TrainTargets, pad_to_width
-from rlite.stages.update import LossSpec, micro_batching, score_logprobs
+from rlite.stages.update import LossSpec, score_logprobs, score_values
 from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainingBackend
 
 
@@ -128,10 +128,7 @@ def prepare_training_targets(
     if spec.mask_truncated:
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.bool)
         loss_mask[truncated] = 0.0
-    old_values = None
-    if critic is not None:
-        old_values = critic.values(batch, micro_batching(forward, layout.group), forward.exact_layout, spec.minibatches,
-                                   packed=forward.pack_sequences)
+    old_values = None if critic is None else score_values(critic, batch, forward, spec.minibatches, layout.group)
 
     # one collective: every rank's rows, so that batch statistics are global
     local = RankColumns(
@@ -157,17 +154,9 @@ def prepare_training_targets(
         loss_mask = mine(global_mask)
         is_weights = None if weights is None else mine(weights)
         metrics.update(corr_metrics)
-    estimator, estimator_cfg = spec.advantage
     g = everyone.columns
     scores = g.scores
-    advantages, returns = estimator(
-        AdvantageInput(
-            scores=scores, group_ids=g.group_ids, response_mask=g.response_mask, token_rewards=g.token_rewards,
-            values=g.old_values, baseline_scores=g.baseline_scores, reward_components=g.reward_components,
-            reward_weights=torch.tensor(spec.reward_weights, dtype=torch.float64) if spec.reward_weights else None,
-        ),
-        estimator_cfg,
-    )
+    advantages, returns = compute_advantages(g, spec)
     if recomputed is not None:  # else the report measures it against the first training forward
         metrics.update(mismatch_metrics(g.old_logprobs, g.rollout_logprobs, g.response_mask))
     response_mask = g.response_mask
@@ -184,6 +173,20 @@ def prepare_training_targets(
         old_values=old_values,
     )
     return PreparedTargets(metrics, mismatch_measured=recomputed is not None)
+
+
+def compute_advantages(columns: RankColumns, spec: TargetsSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The advantages and returns the estimator (``spec.advantage``) gives the global batch ``columns``."""
+    estimator, estimator_cfg = spec.advantage
+    return estimator(
+        AdvantageInput(
+            scores=columns.scores, group_ids=columns.group_ids, response_mask=columns.response_mask,
+            token_rewards=columns.token_rewards, values=columns.old_values, baseline_scores=columns.baseline_scores,
+            reward_components=columns.reward_components,
+            reward_weights=torch.tensor(spec.reward_weights, dtype=torch.float64) if spec.reward_weights else None,
+        ),
+        estimator_cfg,
+    )
 
 
 def zero_variance_fraction(group_ids: torch.Tensor, scores: torch.Tensor) -> float:

@@ -1,14 +1,28 @@
-"""Scoring a batch (old / reference log-probs) and the policy update over mini- and micro-batches.
+"""Scoring a batch (old / reference log-probs, the critic's values) and the update of every model the run
+trains, the policy and PPO's critic, over mini- and micro-batches.
+
+One loop trains both (:func:`train_minibatches`); a model brings only its :data:`Objective` (a micro-batch's
+forward and loss: :func:`micro_batch_loss` for the policy, :func:`value_loss` for the critic). Per
+mini-batch the loop sums the global counts, runs each micro-batch's objective and backward, then one
+optimizer step through the model's ``step`` (:class:`~rlite.training.backend.BackendBase`: clipping, and a
+NaN/inf gradient norm skipped); a NaN/inf loss skips the step too, and a skipped step is counted and its
+numbers kept out of the averages.
 
 Normalisation is global (``rlite.algorithms.aggregate_loss``): before the first micro-batch of a
 mini-batch, the response-token and sequence counts are summed over all data-parallel ranks, so the
 gradient equals that of the whole mini-batch whatever the split into ranks and micro-batches.
+
+The critic's value loss is verl's clipped form, aggregated with the run's loss-aggregation mode:
+
+    l_t = 1/2 * max((v_t - G_t)^2, (clip(v_t, v_old - c, v_old + c) - G_t)^2)
+
+(slime omits the 1/2; it only rescales the critic's learning rate). ``critic/vf_clipfrac`` is the
+fraction of response tokens where the clipped branch is strictly larger.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,7 +35,7 @@ import torch
 from rlite.algorithms import aggregate_loss
 from rlite.distributed import all_reduce_max, all_reduce_sum
 from rlite.rollout import RolloutBatch, pad_to_width
-from rlite.training.backend import ForwardSpec, ScoringModel, TrainingBackend
+from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainedModel, TrainingBackend
 from rlite.training.device import to_device
 from rlite.training.micro_batching import MicroBatching, padding_stats
 
@@ -59,16 +73,18 @@ def split_minibatches(batch: RolloutBatch, count: int) -> list[RolloutBatch]:
 
 
 @torch.no_grad()
-def score_logprobs(
-    model: ScoringModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1, group: Any = None
+def score_rows(
+    score: Callable[[RolloutBatch], torch.Tensor], batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1,
+    group: Any = None,
 ) -> torch.Tensor:
-    """Log-probs ``[B, T]`` of the batch's responses under ``model`` (no gradient), on the batch's device.
+    """``[B, T]`` per-token numbers of the batch's responses from ``score`` (a micro-batch's forward, no
+    gradient), on the batch's device.
 
-    The batch is cut into exactly the mini- and micro-batches that :func:`update_policy` uses, so
+    The batch is cut into exactly the mini- and micro-batches that :func:`train_minibatches` uses, so
     every row is scored with the same shapes (and so the same rounding) as in training: pi_old of the
     first mini-batch equals its first training forward bit for bit (ratio exactly 1). ``group``: the
     data-parallel ranks, which agree on the number of micro-batches under a token budget. The
-    micro-batches' log-probs stay where the model computed them until all are done, then come to the
+    micro-batches' results stay where the model computed them until all are done, then come to the
     batch's device in one copy (one wait for a GPU, not one per micro-batch).
     """
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
@@ -78,13 +94,183 @@ def score_logprobs(
     offset = 0
     for mini in split_minibatches(batch, minibatches):
         for rows in cut.split(mini):
-            logprobs = model.logprobs(mini.select(rows), spec)[0]
-            scored.append(pad_to_width(logprobs.to(out.dtype), out.shape[1]))
+            scored.append(pad_to_width(score(mini.select(rows)).to(out.dtype), out.shape[1]))
             rows_done.extend(offset + r for r in rows)
         offset += len(mini)
     if scored:
         out[rows_done] = torch.cat(scored).to(out.device)
     return out * batch.response_mask
+
+
+def score_logprobs(
+    model: ScoringModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1, group: Any = None
+) -> torch.Tensor:
+    """Log-probs ``[B, T]`` of the batch's responses under ``model`` (pi_old, pi_ref), as :func:`score_rows`."""
+    return score_rows(lambda mb: model.logprobs(mb, spec)[0], batch, spec, minibatches, group)
+
+
+def score_values(
+    critic: CriticModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1, group: Any = None
+) -> torch.Tensor:
+    """The critic's values ``[B, T]`` of the batch's responses (V_old), as :func:`score_rows`."""
+    return score_rows(lambda mb: critic.values(mb, spec), batch, spec, minibatches, group)
+
+
+# --------------------------------------------------------------------------------------------------
+# one update loop for every trained model
+# --------------------------------------------------------------------------------------------------
+
+
+class StepSums(dict):
+    """One optimizer step's metric sums, float64 scalars kept on the device the objective computes on until
+    the step ends (reading one would make the host wait for the device). A name starts at 0 when first
+    added to; the objective sets ``device`` (where its forward's outputs are) before it adds."""
+
+    device: torch.device | None = None
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        value = self[name] = torch.zeros((), dtype=torch.float64, device=self.device)
+        return value
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of an update, as the loop hands it to the model's :data:`Objective`."""
+
+    batch: RolloutBatch
+    rows: list[int]
+    """Its rows in the whole batch."""
+    epoch: int
+    counts: dict[str, float]
+    """The mini-batch's global counts for :func:`rlite.algorithms.aggregate_loss`: ``global_tokens``,
+    ``global_sequences``, ``dp_size``."""
+
+
+Objective = Callable[[MicroBatch, StepSums], torch.Tensor]
+"""A trained model's forward on one micro-batch and that micro-batch's share of the loss (what backward
+differentiates); it adds its metrics to the step's sums."""
+
+
+@dataclass
+class UpdatePass:
+    """What :func:`train_minibatches` did."""
+
+    metrics: dict[str, float]
+    """The objective's metrics, the gradient norm and the learning rate, each averaged over the applied
+    updates (none when every update was skipped)."""
+    skipped: int
+    """Updates skipped for a NaN/inf loss or gradient norm."""
+    cuts: list[tuple[RolloutBatch, list[list[int]]]]
+    """The first epoch's mini-batches and the rows of their micro-batches."""
+
+
+@dataclass
+class StepOutcome:
+    """One optimizer step of :func:`train_minibatch`."""
+
+    parts: list[list[int]]
+    """The rows of the mini-batch's micro-batches."""
+    values: dict[str, float]
+    """The objective's metrics, global over ranks."""
+    grad_norm: float
+    lr: float
+    skipped: dict[str, float] | None
+    """``None`` for an applied update; the ``loss``, ``grad_norm`` and ``lr`` of a skipped one."""
+
+
+def train_minibatches(
+    model: TrainedModel,
+    batch: RolloutBatch,
+    objective: Objective,
+    cut: MicroBatching,
+    *,
+    minibatches: int,
+    epochs: int,
+    dp_size: int,
+    dp_group: Any = None,
+    norm_metric: str,
+    lr_metric: str | None = None,
+    before_step: Callable[[], None] | None = None,
+    timer=None,
+    outcomes: list[dict[str, float] | None] | None = None,
+) -> UpdatePass:
+    """Train ``model`` on the batch: ``epochs`` passes over its ``minibatches`` mini-batches, one optimizer
+    step each (:func:`train_minibatch`), cut into micro-batches by ``cut``.
+
+    An optimizer step whose global loss or global gradient norm is NaN or infinite is skipped: its
+    gradients are dropped, optimizer and LR scheduler do not step, its numbers stay out of the averages
+    and :attr:`UpdatePass.skipped` counts it. ``outcomes`` (if given) receives one entry per optimizer step
+    in order: ``None`` for an applied one, the loss, norm and learning rate of a skipped one. Both values
+    are global, so every rank skips the same steps. The gradient norm is averaged as ``norm_metric``, the
+    learning rate as ``lr_metric`` (when given). ``timer`` (a :class:`rlite.metrics.StepTimer`) times the
+    parts: ``train/forward`` (forward and loss), ``train/backward``, ``train/optimizer`` (clipping and the
+    optimizer step). Counts and metrics are summed over ``dp_group`` (the data-parallel ranks; default all)
+    of ``dp_size`` ranks.
+    """
+    phase = timer.phase if timer is not None else nullcontext
+    model.train_mode()
+    sums: dict[str, float] = defaultdict(float)
+    applied = 0
+    skipped = 0
+    cuts: list[tuple[RolloutBatch, list[list[int]]]] = []
+    for epoch in range(epochs):
+        offset = 0
+        for mini in split_minibatches(batch, minibatches):
+            step = train_minibatch(model, mini, offset, epoch, objective, cut, dp_size=dp_size, dp_group=dp_group,
+                                   before_step=before_step, phase=phase)
+            offset += len(mini)
+            if epoch == 0:
+                cuts.append((mini, step.parts))
+            if outcomes is not None:
+                outcomes.append(step.skipped)
+            if step.skipped is not None:
+                skipped += 1
+                continue
+            applied += 1
+            for name, value in step.values.items():
+                sums[name] += value
+            sums[norm_metric] += step.grad_norm
+            if lr_metric is not None:
+                sums[lr_metric] += step.lr
+    return UpdatePass({name: value / applied for name, value in sums.items()}, skipped, cuts)
+
+
+def train_minibatch(
+    model: TrainedModel, mini: RolloutBatch, offset: int, epoch: int, objective: Objective, cut: MicroBatching, *,
+    dp_size: int, dp_group: Any, before_step: Callable[[], None] | None, phase: Callable,
+) -> StepOutcome:
+    """One optimizer step on the mini-batch ``mini`` (rows ``offset...`` of the batch): the objective and
+    backward of each micro-batch, the summed loss checked, then ``model.step``."""
+    totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]), dp_group)
+    counts = dict(global_tokens=float(totals[0]), global_sequences=float(totals[1]), dp_size=dp_size)
+    parts = cut.split(mini)
+    # Inside this loop nothing waits for the device: the model reads the micro-batch's host tensors and
+    # returns its outputs where it computes, the loss inputs follow them there (asynchronously), and the
+    # step's sums stay device tensors until the step ends.
+    sums = StepSums()
+    for rows in parts:
+        micro = MicroBatch(mini.select(rows), [offset + r for r in rows], epoch, counts)
+        with phase("train/forward"):
+            total = objective(micro, sums)
+            sums[OBJECTIVE] += total.detach()
+        with phase("train/backward"):
+            model.backward(total)
+    lr = model.current_lr()
+    # every summed value is this rank's share x dp_size: average over ranks. Reduced before the optimizer
+    # step, so that every rank sees the same global loss and skips alike (one copy to the host).
+    sums = sums or {OBJECTIVE: torch.zeros((), dtype=torch.float64)}  # (a rank with no rows)
+    local = torch.stack([v.detach().double() for v in sums.values()]).cpu()
+    values = dict(zip(sums, (all_reduce_sum(local, dp_group) / dp_size).tolist()))
+    loss = values.pop(OBJECTIVE)
+    with phase("train/optimizer"):
+        if math.isfinite(loss):
+            grad_norm = model.step(before_step)
+        else:  # backward already left non-finite gradients: drop them, step nothing
+            grad_norm = model.step(before_step, skip=True)
+    # a non-finite norm: the model skipped the update (the norm is global, so every rank did)
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    skipped = None if finite else dict(loss=loss, grad_norm=grad_norm, lr=lr)
+    return StepOutcome(parts, values, grad_norm, lr, skipped)
 
 
 def update_policy(
@@ -101,90 +287,82 @@ def update_policy(
     dp_group: Any = None,
     outcomes: list[dict[str, float] | None] | None = None,
 ) -> tuple[dict[str, float], torch.Tensor]:
-    """Train on the batch; return averaged metrics and the log-probs seen by the first forward.
+    """Train the policy on the batch (:func:`train_minibatches` with :func:`micro_batch_loss`); return
+    averaged metrics and the log-probs seen by the first forward.
 
-    ``batch.targets`` must be filled; its ``old_logprobs`` is optional: when it is absent (one optimizer step per rollout, no corrections) the first forward's detached log-probs
-    are pi_old, so the ratio is exactly 1 by construction.
-    ``timer`` (a :class:`rlite.metrics.StepTimer`) times the parts: ``train/forward`` (forward and
-    loss), ``train/backward``, ``train/optimizer`` (clipping and the optimizer step). Counts and
-    metrics are summed over ``dp_group`` (the data-parallel ranks; default all) of ``dp_size`` ranks.
-
-    An optimizer step whose global loss or global gradient norm is NaN or infinite is skipped: its
-    gradients are dropped, optimizer and LR scheduler do not step, its numbers stay out of the
-    averages and ``train/skipped_nonfinite`` counts it. ``outcomes`` (if given) receives one entry
-    per optimizer step in order: ``None`` for an applied one, the loss, norm and learning rate of a
-    skipped one. Both values are global, so every rank skips the same steps.
+    ``batch.targets`` must be filled; its ``old_logprobs`` is optional: when it is absent (one optimizer
+    step per rollout, no corrections) the first forward's detached log-probs are pi_old, so the ratio is
+    exactly 1 by construction. Skipped updates (NaN/inf loss or gradient norm) are counted in
+    ``train/skipped_nonfinite``; ``before_step``, ``timer``, ``dp_group`` and ``outcomes`` as
+    :func:`train_minibatches` takes them.
     """
-    phase = timer.phase if timer is not None else nullcontext
-    backend.train_mode()
-    sums: dict[str, float] = defaultdict(float)
     first_pass: list[tuple[list[int], torch.Tensor]] = []  # (rows, log-probs on the model's device)
-    optimizer_steps = 0
-    skipped: list[dict[str, float]] = []
-    cut = micro_batching(fwd, dp_group)
-    # real tokens, computed positions, micro-batches, mini-batches, positions of fixed-size micro-batches
-    shape = torch.zeros(5, dtype=torch.float64)
-    fixed = MicroBatching(fwd.micro_batch_size)
-    for epoch in range(epochs):
-        offset = 0
-        for mini in split_minibatches(batch, minibatches):
-            totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]), dp_group)
-            counts = dict(global_tokens=float(totals[0]), global_sequences=float(totals[1]), dp_size=dp_size)
-            parts = cut.split(mini)
-            if epoch == 0:
-                unbudgeted = padding_stats(mini, fixed.split(mini))[1]
-                real, computed = padding_stats(mini, parts)
-                computed = real if fwd.pack_sequences and not fwd.exact_layout else computed  # packed: no padding
-                shape += torch.tensor([real, computed, len(parts), 1, unbudgeted], dtype=torch.float64)
-            # Inside this loop nothing waits for the device: the backend reads the micro-batch's host tensors
-            # and returns log-probs where it computes, the loss inputs follow them there (asynchronously),
-            # and the per-step sums stay device tensors until the step ends.
-            step_sums: dict[str, torch.Tensor] | None = None
-            for rows in parts:
-                mb = mini.select(rows)
-                with phase("train/forward"):
-                    logprobs, entropy = backend.logprobs(mb, fwd, with_entropy=True)
-                    if step_sums is None:
-                        step_sums = defaultdict(functools.partial(torch.zeros, (), dtype=torch.float64,
-                                                                  device=logprobs.device))
-                    if epoch == 0:
-                        first_pass.append(([offset + r for r in rows], logprobs.detach()))
-                    total = micro_batch_loss(loss_inputs(mb, logprobs.device), logprobs, entropy, loss, counts,
-                                             step_sums)
-                    step_sums[OBJECTIVE] += total.detach()
-                with phase("train/backward"):
-                    backend.backward(total)
-            offset += len(mini)
-            lr = backend.current_lr()
-            # every summed value is this rank's share x dp_size: average over ranks. Reduced before the
-            # optimizer step, so that every rank sees the same global loss and skips alike (one copy to the host).
-            step_sums = step_sums or {OBJECTIVE: torch.zeros((), dtype=torch.float64)}  # (a rank with no rows)
-            local = torch.stack([v.detach().double() for v in step_sums.values()]).cpu()
-            reduced = all_reduce_sum(local, dp_group) / dp_size
-            values = dict(zip(step_sums, reduced.tolist()))
-            objective = values.pop(OBJECTIVE)
-            with phase("train/optimizer"):
-                if math.isfinite(objective):
-                    grad_norm = backend.step(before_step)
-                else:  # backward already left non-finite gradients: drop them, step nothing
-                    grad_norm = backend.step(before_step, skip=True)
-            if not (math.isfinite(objective) and math.isfinite(grad_norm)):
-                # the backend skipped the update (the norm is global, so every rank did)
-                skipped.append(dict(loss=objective, grad_norm=grad_norm, lr=lr))
-                if outcomes is not None:
-                    outcomes.append(skipped[-1])
-                continue
-            if outcomes is not None:
-                outcomes.append(None)
-            optimizer_steps += 1
-            for name, value in values.items():
-                sums[name] += value
-            sums["actor/grad_norm"] += grad_norm
-            sums["actor/lr"] += lr
-    metrics = {name: value / optimizer_steps for name, value in sums.items()}
-    metrics["train/skipped_nonfinite"] = float(len(skipped))
-    metrics.update(batching_metrics(shape, dp_group))
+
+    def objective(micro: MicroBatch, sums: StepSums) -> torch.Tensor:
+        logprobs, entropy = backend.logprobs(micro.batch, fwd, with_entropy=True)
+        sums.device = logprobs.device
+        if micro.epoch == 0:
+            first_pass.append((micro.rows, logprobs.detach()))
+        return micro_batch_loss(loss_inputs(micro.batch, logprobs.device), logprobs, entropy, loss, micro.counts, sums)
+
+    done = train_minibatches(
+        backend, batch, objective, micro_batching(fwd, dp_group), minibatches=minibatches, epochs=epochs,
+        dp_size=dp_size, dp_group=dp_group, norm_metric="actor/grad_norm", lr_metric="actor/lr",
+        before_step=before_step, timer=timer, outcomes=outcomes,
+    )
+    metrics = done.metrics
+    metrics["train/skipped_nonfinite"] = float(done.skipped)
+    metrics.update(batching_metrics(batching_shape(done.cuts, fwd), dp_group))
     return metrics, first_pass_logprobs(batch, first_pass)
+
+
+def update_critic(
+    critic: CriticModel,
+    batch: RolloutBatch,
+    fwd: ForwardSpec,
+    *,
+    value_clip: float,
+    agg_mode: str,
+    horizon: float | None,
+    minibatches: int,
+    dp_size: int,
+    dp_group: Any = None,
+    outcomes: list[dict[str, float] | None] | None = None,
+) -> dict[str, float]:
+    """One pass of the clipped value loss (:func:`value_loss`) over the batch (``batch.targets``: ``old_values``,
+    ``returns``, ``loss_mask``), cut as the policy's update cuts it, through the policy's loop
+    (:func:`train_minibatches`): ``critic/*`` metrics averaged over the applied updates, skipped updates
+    (NaN/inf loss or gradient norm) counted in ``critic/skipped_nonfinite`` and reported in ``outcomes``."""
+
+    def objective(micro: MicroBatch, sums: StepSums) -> torch.Tensor:
+        values = critic.values(micro.batch, fwd)
+        sums.device = values.device
+        targets = to_device(micro.batch.targets, values.device)
+        mask = targets.loss_mask
+        per_token, clipped = value_loss(values, targets.old_values, targets.returns, mask, value_clip)
+        total = aggregate_loss(per_token, mask, agg_mode, **micro.counts, horizon=horizon)
+        share = micro.counts["dp_size"] / max(micro.counts["global_tokens"], 1.0)  # global token means
+        sums["critic/vf_loss"] += total.detach().double()
+        sums["critic/vf_clipfrac"] += clipped.sum().double() * share
+        sums["critic/values_mean"] += (values.detach() * mask).sum().double() * share
+        return total
+
+    done = train_minibatches(
+        critic, batch, objective, micro_batching(fwd, dp_group), minibatches=minibatches, epochs=1,
+        dp_size=dp_size, dp_group=dp_group, norm_metric="critic/grad_norm", outcomes=outcomes,
+    )
+    return {**done.metrics, "critic/skipped_nonfinite": float(done.skipped)}
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, value_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped value loss and the clip indicator (see the module docstring)."""
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    unclipped = (values - returns) ** 2
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped, clipped) * mask
+    return loss, (clipped > unclipped).float() * mask
 
 
 def loss_inputs(mb: RolloutBatch, device: torch.device) -> RolloutBatch:
@@ -205,6 +383,19 @@ def first_pass_logprobs(batch: RolloutBatch, first_pass: list[tuple[list[int], t
         joined = torch.cat([pad_to_width(lp, out.shape[1]) for _, lp in first_pass]).to(out.dtype)
         out[rows] = joined.to(out.device)
     return out
+
+
+def batching_shape(cuts: list[tuple[RolloutBatch, list[list[int]]]], fwd: ForwardSpec) -> torch.Tensor:
+    """Real tokens, computed positions, micro-batches, mini-batches and the positions fixed-size micro-batches
+    would compute, summed over the mini-batches of one epoch as ``fwd`` cut them."""
+    shape = torch.zeros(5, dtype=torch.float64)
+    fixed = MicroBatching(fwd.micro_batch_size)
+    for mini, parts in cuts:
+        unbudgeted = padding_stats(mini, fixed.split(mini))[1]
+        real, computed = padding_stats(mini, parts)
+        computed = real if fwd.pack_sequences and not fwd.exact_layout else computed  # packed: no padding
+        shape += torch.tensor([real, computed, len(parts), 1, unbudgeted], dtype=torch.float64)
+    return shape
 
 
 def batching_metrics(shape: torch.Tensor, dp_group: Any) -> dict[str, float]:
@@ -236,7 +427,7 @@ def micro_batch_loss(
     entropy: torch.Tensor,
     loss: LossSpec,
     counts: dict[str, float],
-    step_sums: dict[str, torch.Tensor],
+    step_sums: StepSums,
 ) -> torch.Tensor:
     """This micro-batch's share of the objective: policy term (times correction weights), KL term,
     entropy bonus, each aggregated with the global counts. Adds its metrics to ``step_sums``."""

@@ -16,6 +16,10 @@ A step uses the contract in this order::
     grad_norm = backend.step(before_step)               # clip, hook, optimizer and LR scheduler
     engine.update_weights(backend.full_weights(), ...)  # collective: every rank drains it
 
+PPO's critic (``backend.build_critic(cfg)``) is trained by the same loop, with ``critic.values(mb, spec)`` for
+the forward. :class:`BackendBase` implements the step and what backends share; :class:`BackendWrapper`
+wraps a backend (a plugin's wrapper around a registered one).
+
 Batches are :class:`rlite.rollout.RolloutBatch` (prompts left-padded, responses right-padded);
 :func:`rlite.rollout.model_inputs` turns one into the token, mask and position tensors a forward needs.
 """
@@ -29,12 +33,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from rlite.metrics import MetricsSink
+
 if TYPE_CHECKING:
     from rlite.config import CriticConfig
     from rlite.distributed import DataLayout
     from rlite.moe_routing import RoutingPlan
     from rlite.rollout import RolloutBatch
-    from rlite.training.micro_batching import MicroBatching
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 """``(Hugging Face parameter name, full tensor)`` pairs, one tensor at a time."""
@@ -101,31 +106,44 @@ class ScoringModel(Protocol):
 
 
 @runtime_checkable
+class TrainedModel(Protocol):
+    """What the update loop (:func:`rlite.stages.update.train_minibatches`) asks of a model it trains: the
+    policy (:class:`TrainingBackend`) and PPO's critic (:class:`CriticModel`) alike, so both get the same
+    non-finite skip, clipping and counting (:class:`BackendBase` implements all four)."""
+
+    def train_mode(self) -> None:
+        """Put the model in training mode (dropout and the like) before an update."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of ``loss`` (one micro-batch's share of the objective)."""
+
+    def step(self, before_step: Callable[[], None] | None = None, *, skip: bool = False) -> float:
+        """As :meth:`TrainingBackend.step`."""
+
+    def current_lr(self) -> float:
+        """The learning rate the next :meth:`step` applies."""
+
+
+@runtime_checkable
 class CriticModel(Protocol):
-    """PPO's value model, built by :meth:`TrainingBackend.build_critic`."""
+    """PPO's value model, built by :meth:`TrainingBackend.build_critic`. The loop that trains the policy
+    trains it too (:func:`rlite.stages.update.update_critic`): it scores micro-batches, accumulates
+    gradients and steps like the policy (a :class:`TrainedModel`), and :class:`BackendBase` gives it the
+    step with the non-finite skip."""
 
-    def values(
-        self, batch: RolloutBatch, micro_batching: MicroBatching, exact_layout: bool, minibatches: int, *,
-        packed: bool = False,
-    ) -> torch.Tensor:
-        """``[B, T]`` value predictions for the response tokens (no gradient), over the same mini- and
-        micro-batches as :meth:`update` (``micro_batching.split`` of each mini-batch); ``packed``: a
-        padding-free forward (``training.pack_sequences``)."""
+    def values(self, batch: RolloutBatch, spec: ForwardSpec) -> torch.Tensor:
+        """``[B, T]`` value predictions for the batch's response tokens (0 past each response), on the device
+        the critic computes on, from the forward ``spec`` describes (its layout: ``exact_layout``,
+        ``pack_sequences``). Gradients flow unless the caller runs under ``torch.no_grad()`` (V_old)."""
 
-    def update(
-        self,
-        batch: RolloutBatch,
-        *,
-        micro_batching: MicroBatching,
-        minibatches: int,
-        agg_mode: str,
-        horizon: float | None,
-        dp_size: int,
-        exact_layout: bool,
-        packed: bool = False,
-    ) -> dict[str, float]:
-        """One pass of the clipped value loss over the batch (``batch.targets``: ``old_values``,
-        ``returns``, ``loss_mask``); returns ``critic/*`` metrics averaged over optimizer steps."""
+    def train_mode(self) -> None: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, before_step: Callable[[], None] | None = None, *, skip: bool = False) -> float:
+        """As :meth:`TrainingBackend.step`: a NaN/inf gradient norm (or ``skip``) steps nothing."""
+
+    def current_lr(self) -> float: ...
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Model and optimizer state for ``torch.distributed.checkpoint`` (keys are prefixed ``critic``)."""
@@ -253,25 +271,52 @@ def optimizer_state_bytes_to_come(optimizer: torch.optim.Optimizer, device: torc
 
 
 class BackendBase:
-    """The optimizer step every backend shares, written once: subclass it and implement
-    :meth:`clip_gradients` (and override :meth:`optimizer_step` / :meth:`zero_grad` where the backend's
-    optimizer differs). Expects ``self.optimizer`` and ``self.scheduler`` (torch-style).
+    """What every training backend repeats, written once: the optimizer step with its non-finite skip,
+    gradient clipping, the LR scheduler's and the checkpoint's plumbing. Subclass it; it expects
+    ``self.model`` (a torch module), ``self.optimizer`` (a torch optimizer), ``self.scheduler`` (a torch
+    LR scheduler, or ``None`` for a constant learning rate) and ``self.grad_clip``. Override what your
+    model or optimizer does otherwise: :meth:`clip_gradients`, :meth:`optimizer_step`, :meth:`zero_grad`,
+    :meth:`checkpoint_state` (megatron overrides all four). PPO's critic is one too (a second trained model).
 
     :meth:`step` computes the global gradient norm, skips a non-finite update (gradients dropped, no
     ``before_step``, no optimizer or scheduler step, ``skipped_steps`` counted) and otherwise steps."""
 
+    # what a subclass sets (annotations only: a dataclass subclass declares them as fields of its own)
+    scheduler: Any
+    """The LR scheduler stepped after each optimizer step; ``None``: the learning rate stays as set."""
+    grad_clip: float
+    """Clip the global gradient norm to this (0: no clipping)."""
+    checkpoint_keys: tuple[str, str] = ("model", "optim")
+    """The keys of the model's and the optimizer's state in :meth:`checkpoint_state` (a second model of
+    the run, PPO's critic, takes keys of its own)."""
     skipped_steps: int = 0
     """Optimizer steps this backend skipped because the loss or the gradient norm was not finite."""
 
+    # -- training ---------------------------------------------------------------------------------
+    def train_mode(self) -> None:
+        self.model.train()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def clip_gradients(self) -> float:
         """Return the global gradient norm before clipping (the same on every rank) and clip the
-        accumulated gradients to the configured maximum norm when it is finite."""
-        raise NotImplementedError
+        accumulated gradients to ``grad_clip`` when it is finite. The default: torch's ``clip_grad_norm_``
+        over :meth:`trainable_parameters`, whose norm of FSDP2's sharded gradients is the global one."""
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # the global norm: every rank decides the same
+            norm = norm.full_tensor()
+        return float(norm)
 
     def optimizer_step(self) -> None:
         """Apply the (clipped) gradients: the optimizer's step, then the LR scheduler's."""
         self.optimizer.step()
-        self.scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients."""
@@ -288,3 +333,145 @@ class BackendBase:
             self.optimizer_step()
         self.zero_grad()
         return norm
+
+    def current_lr(self) -> float:
+        if self.scheduler is None:
+            return self.optimizer.param_groups[0]["lr"]
+        return self.scheduler.get_last_lr()[0]
+
+    def data_layout(self) -> DataLayout:
+        """Every rank a data-parallel rank of its own (override where ranks share a shard)."""
+        from rlite.distributed import DataLayout
+
+        return DataLayout.whole_world()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The model's and the optimizer's state dicts from ``torch.distributed.checkpoint.state_dict``
+        (FSDP2's shards as they are). It loads in place into what this returns, so a backend that has not
+        stepped yet must already hold AdamW's moments: ``get_state_dict`` creates them (a plain
+        ``optimizer.state_dict()`` would be empty)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_key, optim_key = self.checkpoint_keys
+        return {model_key: model_sd, optim_key: optim_sd}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        model_key, optim_key = self.checkpoint_keys
+        set_state_dict(self.model, self.optimizer, model_state_dict=state[model_key], optim_state_dict=state[optim_key])
+
+    def lr_scheduler_state(self) -> dict[str, Any]:
+        return {} if self.scheduler is None else self.scheduler.state_dict()
+
+    def load_lr_scheduler_state(self, state: dict[str, Any]) -> None:
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state)
+
+    def after_checkpoint(self) -> None:
+        release = getattr(self.optimizer, "release_pages", None)  # DiskOffloadAdamW only
+        if release is not None:  # a save or load touched the moments' mappings: give those pages back
+            release()
+
+    def close(self) -> None:
+        close = getattr(self.optimizer, "close", None)  # DiskOffloadAdamW: deletes the moment files
+        if close is not None:
+            close()
+
+
+class BackendWrapper:
+    """A training backend that hands every member of the :class:`TrainingBackend` contract on to ``inner``:
+    subclass it and override only what your wrapper changes (time or count the steps, add a hook around
+    the optimizer step, log what ``logprobs`` returns).
+
+    ``capabilities``, ``model``, ``optimizer`` and ``skipped_steps`` are read through from the inner
+    backend, and every method calls the inner backend's, so the wrapper is a ``TrainingBackend`` whatever
+    it overrides. Only the contract is forwarded (no ``__getattr__``: nothing to guard against recursion,
+    and a member the contract lacks fails here, not deep in a run); reach anything else of the inner
+    backend through ``self.inner``. Get the inner backend by name with
+    ``rlite.api.registered("training_backend", name)`` in your factory (``docs/plugins.md``)."""
+
+    def __init__(self, inner: TrainingBackend) -> None:
+        self.inner = inner
+        inner_sink = getattr(inner, "metrics", None)
+        self.metrics = inner_sink if isinstance(inner_sink, MetricsSink) else MetricsSink()
+        """The backend's metrics channel (``docs/plugins.md``, Reporting metrics), drained by the loop after
+        the update: the inner backend's when it has one, so that its reports and the wrapper's reach the row
+        together; else the wrapper's own."""
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return self.inner.capabilities
+
+    @property
+    def model(self) -> Any:
+        return self.inner.model
+
+    @property
+    def optimizer(self) -> Any:
+        return self.inner.optimizer
+
+    @property
+    def skipped_steps(self) -> int:
+        """The inner backend's count of skipped steps (:class:`BackendBase`)."""
+        return self.inner.skipped_steps
+
+    def logprobs(
+        self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.inner.logprobs(batch, spec, with_entropy=with_entropy)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        return self.inner.backward(loss)
+
+    def step(self, before_step: Callable[[], None] | None = None, *, skip: bool = False) -> float:
+        if skip:  # the loop passes skip only when it is set: so does the wrapper, for a step without it
+            return self.inner.step(before_step, skip=True)
+        return self.inner.step(before_step)
+
+    def current_lr(self) -> float:
+        return self.inner.current_lr()
+
+    def data_layout(self) -> DataLayout:
+        return self.inner.data_layout()
+
+    def train_mode(self) -> None:
+        return self.inner.train_mode()
+
+    def full_weights(self, *, views: bool = False) -> NamedTensors:
+        return self.inner.full_weights(views=views)
+
+    def lora_adapter(self) -> LoraAdapter | None:
+        return self.inner.lora_adapter()
+
+    def hf_config(self) -> Any:
+        return self.inner.hf_config()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.inner.checkpoint_state()
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        return self.inner.load_checkpoint_state(state)
+
+    def lr_scheduler_state(self) -> dict[str, Any]:
+        return self.inner.lr_scheduler_state()
+
+    def load_lr_scheduler_state(self, state: dict[str, Any]) -> None:
+        return self.inner.load_lr_scheduler_state(state)
+
+    def after_checkpoint(self) -> None:
+        return self.inner.after_checkpoint()
+
+    def build_reference(self) -> ScoringModel:
+        return self.inner.build_reference()
+
+    def build_critic(self, cfg: CriticConfig) -> CriticModel:
+        return self.inner.build_critic(cfg)
+
+    def device_bytes_to_come(self) -> int:
+        return self.inner.device_bytes_to_come()
+
+    def close(self) -> None:
+        return self.inner.close()

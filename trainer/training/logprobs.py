@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -46,6 +47,10 @@ from torch.utils.checkpoint import checkpoint
 from rlite.hf_models import cache_kwarg
 from rlite.training.grad_accumulation import add_matmul, in_place, matmul_grad
 from rlite.training.packing import PackedRows
+
+if TYPE_CHECKING:
+    from rlite.rollout import ModelInputs
+    from rlite.training.backend import ForwardSpec
 
 
 def softmax_logprobs(
@@ -302,22 +307,21 @@ class ForwardPlan:
         return self.rows.shape[0]
 
     @classmethod
-    def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int,
-           response_mask: torch.Tensor, *, share_prompts: bool = False, packed: bool = False,
-           exact_layout: bool = False) -> ForwardPlan:  # fmt: skip
-        """The plan of the forward :meth:`PolicyModel.forward` runs with these arguments."""
-        rows, columns = response_mask.bool().nonzero(as_tuple=True)
+    def of(cls, inputs: ModelInputs, spec: ForwardSpec) -> ForwardPlan:
+        """The plan of the forward :meth:`PolicyModel.forward` runs on ``inputs`` as ``spec`` says
+        (``share_prompts``, ``pack_sequences``, ``exact_layout``)."""
+        rows, columns = inputs.response_mask.bool().nonzero(as_tuple=True)
         plan = cls(rows, columns)
-        if exact_layout:
+        if spec.exact_layout:
             return plan
-        if share_prompts:
-            prompt = slice(0, response_start)
-            unique_rows, inverse = unique_prompt_rows(input_ids[:, prompt], attention_mask[:, prompt])
-            if len(unique_rows) < input_ids.shape[0]:
-                plan.shared = SharedPrompts(unique_rows, inverse, response_buckets(response_mask, inverse))
+        if spec.share_prompts:
+            prompt = slice(0, inputs.response_start)
+            unique_rows, inverse = unique_prompt_rows(inputs.input_ids[:, prompt], inputs.attention_mask[:, prompt])
+            if len(unique_rows) < inputs.input_ids.shape[0]:
+                plan.shared = SharedPrompts(unique_rows, inverse, response_buckets(inputs.response_mask, inverse))
                 return plan
-        if packed:
-            plan.packed = PackedRows.of(attention_mask)
+        if spec.pack_sequences:
+            plan.packed = PackedRows.of(inputs.attention_mask)
         return plan
 
 
@@ -341,10 +345,10 @@ def response_buckets(response_mask: torch.Tensor, inverse: torch.Tensor) -> list
 class PolicyModel(nn.Module):
     """A causal LM whose forward returns response-token log-probs (and entropy) directly.
 
-    ``forward(input_ids, attention_mask, position_ids, response_start, response_mask)`` scores the
-    tokens ``input_ids[:, response_start:]``: position ``response_start - 1 + t`` predicts response
-    token ``t``. Returns ``[B, T]`` log-probs and entropies, zero where ``response_mask`` is 0, on the
-    model's device.
+    ``forward(inputs, spec)`` scores the tokens ``inputs.input_ids[:, response_start:]`` of a micro-batch's
+    :class:`~rlite.rollout.ModelInputs`, as its :class:`~rlite.training.backend.ForwardSpec` says: position
+    ``response_start - 1 + t`` predicts response token ``t``. Returns ``[B, T]`` log-probs and entropies,
+    zero where ``response_mask`` is 0, on the model's device.
     """
 
     def __init__(self, lm: nn.Module) -> None:
@@ -360,75 +364,64 @@ class PolicyModel(nn.Module):
         return causal_lm_of(self.lm)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        response_start: int,
-        response_mask: torch.Tensor,
-        temperature: float = 1.0,
-        chunk_size: int = 1024,
-        with_entropy: bool = False,
-        exact_layout: bool = False,
-        use_liger: bool = False,
-        entropy_grad: bool = True,
-        recompute_above_bytes: float = 0.0,
-        share_prompts: bool = False,
-        routed_experts: torch.Tensor | None = None,
-        routing=None,
-        packed: bool = False,
-        plan: ForwardPlan | None = None,
+        self, inputs: ModelInputs, spec: ForwardSpec, *, with_entropy: bool = False, plan: ForwardPlan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``routed_experts`` ``[B, S, L, K]``: the engine's routing of ``input_ids``; ``routing`` (a
-        :class:`rlite.moe_routing.RoutingPlan`) says whether to replay it and what to count.
-        ``packed``: run the decoder on the real tokens laid end to end (:class:`rlite.rollout.PackedRows`),
-        no padding computed; the same maths (a micro-batch whose prompts are shared takes the
-        shared-prompt forward instead, whose responses are already cut into length buckets).
-        ``plan``: the :class:`ForwardPlan` of these arguments, computed on the host and moved with them
-        (``None``: computed here, from these tensors, which on a GPU waits for the device)."""
+        """The log-probs (and entropies) of ``inputs`` (:func:`rlite.rollout.model_inputs` of a micro-batch)
+        by the forward ``spec`` describes: temperature, chunking and recomputation of the output layer,
+        liger, the entropy's gradient, shared prompts, packing (the real tokens laid end to end, no padding
+        computed; a micro-batch whose prompts are shared takes the shared-prompt forward instead, whose
+        responses are already cut into length buckets), the exact layout, and ``spec.routing`` (a
+        :class:`rlite.moe_routing.RoutingPlan`: replay ``inputs.routed_experts`` ``[B, S, L, K]``, the
+        engine's routing, or route naturally, and what to count). ``plan``: the :class:`ForwardPlan` of
+        these inputs, computed on the host and moved with them (``None``: computed here, from these
+        tensors, which on a GPU waits for the device)."""
         if plan is None:
-            plan = ForwardPlan.of(input_ids, attention_mask, response_start, response_mask,
-                                  share_prompts=share_prompts, packed=packed, exact_layout=exact_layout)
+            plan = ForwardPlan.of(inputs, spec)
+        input_ids, response_start = inputs.input_ids, inputs.response_start
         lm = self.causal_lm
-        if self.routers is None or routing is None:
-            routed_experts = None
-        elif routed_experts is not None:
-            routed_experts = routed_experts.to(input_ids.device)
-        route = functools.partial(self._route, routing, routed_experts)
+        routed_experts = None
+        if self.routers is not None and spec.routing is not None and inputs.routed_experts is not None:
+            routed_experts = inputs.routed_experts.to(input_ids.device)
+        route = functools.partial(self._route, spec.routing, routed_experts)
         head = lm.get_output_embeddings()
         targets = input_ids[:, response_start:]
         width = targets.shape[1]
-        score = functools.partial(self._score, head=head, targets=targets, plan=plan, temperature=temperature,
-                                  chunk_size=chunk_size, with_entropy=with_entropy, use_liger=use_liger,
-                                  entropy_grad=entropy_grad, recompute_above_bytes=recompute_above_bytes)
-        if plan.shared is not None and not exact_layout:
-            return score(self._shared_prompt_hidden(input_ids, attention_mask, position_ids, response_start,
-                                                    plan.shared, route))
-        if plan.packed is not None and not exact_layout:
+        score = functools.partial(self._score, head=head, targets=targets, plan=plan, spec=spec,
+                                  with_entropy=with_entropy)
+        if plan.shared is not None and not spec.exact_layout:
+            return score(self._shared_prompt_hidden(inputs, plan.shared, route))
+        if plan.packed is not None and not spec.exact_layout:
             rows = plan.packed
             routing_context = (contextlib.nullcontext() if routed_experts is None
-                               else self.routers.applying(routing, rows.pack(routed_experts, filler=-1)))
+                               else self.routers.applying(spec.routing, rows.pack(routed_experts, filler=-1)))
             with routing_context:
                 # no attention mask: the restarting position ids make transformers build a
                 # block-diagonal causal mask (varlen attention where the implementation has it)
                 flat = lm.get_decoder()(
-                    input_ids=rows.pack(input_ids), position_ids=rows.positions(position_ids), use_cache=False
+                    input_ids=rows.pack(input_ids), position_ids=rows.positions(inputs.position_ids), use_cache=False
                 ).last_hidden_state.flatten(0, 1)
             return score(rows.unpack(flat, slice(response_start - 1, response_start - 1 + width)))
         with route(slice(None), slice(None)):
             hidden = lm.get_decoder()(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                input_ids=input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
+                use_cache=False,
             ).last_hidden_state
-        if exact_layout:
-            logits = head(hidden).float()
-            logprobs_all = torch.log_softmax(logits[:, response_start - 1 : -1] / temperature, dim=-1)
-            logprobs = logprobs_all.gather(-1, targets[..., None]).squeeze(-1)
-            entropy = torch.zeros_like(logprobs)
-            if with_entropy:
-                entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
-            mask = response_mask.to(logprobs.dtype)
-            return logprobs * mask, entropy * mask
+        if spec.exact_layout:
+            return self._exact_layout_scores(head(hidden), targets, inputs, spec, with_entropy)
         return score(hidden[:, response_start - 1 : response_start - 1 + width])
+
+    @staticmethod
+    def _exact_layout_scores(logits, targets, inputs: ModelInputs, spec: ForwardSpec, with_entropy: bool):
+        """The transformers engine's fixed-shape sampler's numbers: ``log_softmax`` of every position's
+        full float32 logits (true on-policy mode)."""
+        logits = logits.float()
+        logprobs_all = torch.log_softmax(logits[:, inputs.response_start - 1 : -1] / spec.temperature, dim=-1)
+        logprobs = logprobs_all.gather(-1, targets[..., None]).squeeze(-1)
+        entropy = torch.zeros_like(logprobs)
+        if with_entropy:
+            entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
+        mask = inputs.response_mask.to(logprobs.dtype)
+        return logprobs * mask, entropy * mask
 
     def _route(self, plan, routed_experts, rows, columns):
         """The routing context of one decoder call over ``input_ids[rows, columns]``."""
@@ -436,8 +429,7 @@ class PolicyModel(nn.Module):
             return contextlib.nullcontext()
         return self.routers.applying(plan, routed_experts[rows][:, columns])
 
-    def _shared_prompt_hidden(self, input_ids, attention_mask, position_ids, response_start, shared: SharedPrompts,
-                              route=None):  # fmt: skip
+    def _shared_prompt_hidden(self, inputs: ModelInputs, shared: SharedPrompts, route=None):
         """Hidden states predicting the response tokens, running each distinct prompt once.
 
         The prompt's keys and values are computed for the distinct prompts and gathered to every row
@@ -449,6 +441,8 @@ class PolicyModel(nn.Module):
         """
         from transformers import DynamicCache
 
+        input_ids, attention_mask, position_ids = inputs.input_ids, inputs.attention_mask, inputs.position_ids
+        response_start = inputs.response_start
         lm = self.causal_lm
         decoder = lm.get_decoder()
         prompt = slice(0, response_start)
@@ -483,27 +477,21 @@ class PolicyModel(nn.Module):
             hidden = hidden.index_copy(0, index, out)
         return torch.cat([last_prompt_hidden, hidden], dim=1)
 
-    def _score(self, h, *, head, targets, plan: ForwardPlan, temperature, chunk_size, with_entropy, use_liger,
-               entropy_grad, recompute_above_bytes):  # fmt: skip
+    def _score(self, h, *, head, targets, plan: ForwardPlan, spec: ForwardSpec, with_entropy: bool):
         """``[B, T]`` log-probs and entropies of the response tokens ``plan`` selects, from the hidden states
         ``h`` ``[B, T, H]`` that predict them (gathered and scattered back by index)."""
         batch, width = targets.shape
         args = (h[plan.rows, plan.columns], head.weight, targets[plan.rows, plan.columns])
         bias = getattr(head, "bias", None)
         # keep a micro-batch's response logits for backward when they are small; recompute otherwise
-        recompute = plan.tokens * head.weight.shape[0] * 4 > recompute_above_bytes
-        options = dict(entropy_grad=entropy_grad, recompute=recompute)
-        if use_liger:
-            lp_flat = liger_logprobs(*args, bias=bias, temperature=temperature)
+        recompute = plan.tokens * head.weight.shape[0] * 4 > spec.recompute_above_bytes
+        chunked = dict(bias=bias, temperature=spec.temperature, chunk_size=spec.chunk_size, with_entropy=with_entropy)
+        if spec.use_liger:
+            lp_flat = liger_logprobs(*args, bias=bias, temperature=spec.temperature)
             with torch.no_grad():
-                _, ent_flat = chunked_logprobs(
-                    *args, bias=bias, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
-                )
+                _, ent_flat = chunked_logprobs(*args, **chunked)
         else:
-            lp_flat, ent_flat = chunked_logprobs(
-                *args, bias=bias, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                **options,
-            )
+            lp_flat, ent_flat = chunked_logprobs(*args, **chunked, entropy_grad=spec.entropy_grad, recompute=recompute)
         selected = (plan.rows, plan.columns)
         logprobs = h.new_zeros(batch, width, dtype=torch.float32).index_put(selected, lp_flat)
         entropy = h.new_zeros(batch, width, dtype=torch.float32).index_put(selected, ent_flat)

@@ -22,7 +22,6 @@ from torch.distributed.fsdp import FSDPModule
 from rlite.backends.fsdp2.compile import compile_decoder_blocks, decoder_blocks
 from rlite.backends.fsdp2.sharding import load_sharded
 from rlite.config import CriticConfig, ModelConfig, ParallelismConfig, TrainingConfig
-from rlite.distributed import DataLayout
 from rlite.hf_models import apply_lora
 from rlite.rollout import ModelInputs, RolloutBatch, model_inputs, pad_to_width
 from rlite.training.backend import (
@@ -98,25 +97,7 @@ def policy_logprobs(
     if device is None:
         device = next(model.parameters()).device
     inputs, plan = to_device((inputs, plan), device)
-    logprobs, entropy = model(
-        inputs.input_ids,
-        inputs.attention_mask,
-        inputs.position_ids,
-        inputs.response_start,
-        inputs.response_mask,
-        temperature=spec.temperature,
-        chunk_size=spec.chunk_size,
-        with_entropy=with_entropy,
-        exact_layout=spec.exact_layout,
-        use_liger=spec.use_liger,
-        entropy_grad=spec.entropy_grad,
-        recompute_above_bytes=spec.recompute_above_bytes,
-        share_prompts=spec.share_prompts,
-        routed_experts=inputs.routed_experts,
-        routing=spec.routing,
-        packed=spec.pack_sequences,
-        plan=plan,
-    )
+    logprobs, entropy = model(inputs, spec, with_entropy=with_entropy, plan=plan)
     width = batch.response_ids.shape[1]
     return pad_to_width(logprobs, width), None if entropy is None else pad_to_width(entropy, width)
 
@@ -125,10 +106,7 @@ def forward_inputs(batch: RolloutBatch, spec: ForwardSpec) -> tuple[ModelInputs,
     """A micro-batch's model inputs and forward plan, computed from its host tensors: the one place of the
     forward that reads tensor values (lengths, which prompts repeat, which tokens are scored)."""
     inputs = model_inputs(batch, exact_layout=spec.exact_layout)
-    plan = ForwardPlan.of(inputs.input_ids, inputs.attention_mask, inputs.response_start, inputs.response_mask,
-                          share_prompts=spec.share_prompts, packed=spec.pack_sequences,
-                          exact_layout=spec.exact_layout)
-    return inputs, plan
+    return inputs, ForwardPlan.of(inputs, spec)
 
 
 @dataclass
@@ -146,7 +124,8 @@ class FrozenPolicy:
 @dataclass
 class FSDP2Backend(BackendBase):
     """Policy model on FSDP2 with AdamW and an LR schedule (the :class:`~rlite.training.backend.TrainingBackend`
-    contract)."""
+    contract). The optimizer step, clipping, the scheduler's and the checkpoint's state and ``close`` are
+    :class:`~rlite.training.backend.BackendBase`'s (the data layout too: every rank a shard of its own)."""
 
     model: PolicyModel
     optimizer: torch.optim.Optimizer
@@ -194,31 +173,9 @@ class FSDP2Backend(BackendBase):
         scheduler = build_lr_scheduler(optimizer, train_cfg, total_optimizer_steps)
         return cls(policy, optimizer, scheduler, train_cfg.grad_clip, model_cfg.lora.enabled, model_cfg, par_cfg, device)
 
-    # -- training ---------------------------------------------------------------------------------
+    # -- training (the step, clipping, train_mode and backward: BackendBase) ----------------------------
     def logprobs(self, batch: RolloutBatch, spec: ForwardSpec, *, with_entropy: bool = False):
         return policy_logprobs(self.model, batch, spec, with_entropy=with_entropy, device=self.device)
-
-    def train_mode(self) -> None:
-        self.model.train()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def clip_gradients(self) -> float:
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
-        if hasattr(norm, "full_tensor"):  # the global norm: every rank decides the same
-            norm = norm.full_tensor()
-        return float(norm)
-
-    def current_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
-    def data_layout(self) -> DataLayout:
-        return DataLayout.whole_world()
 
     # -- weights out ------------------------------------------------------------------------------
     def full_weights(self, *, views: bool = False):
@@ -236,29 +193,6 @@ class FSDP2Backend(BackendBase):
     def hf_config(self) -> Any:
         return causal_lm_of(self.model.lm).config
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    def checkpoint_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-    def lr_scheduler_state(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_lr_scheduler_state(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
-
-    def after_checkpoint(self) -> None:
-        release = getattr(self.optimizer, "release_pages", None)  # DiskOffloadAdamW only
-        if release is not None:  # the save read the offloaded moments into memory: give those pages back
-            release()
-
     # -- other models -----------------------------------------------------------------------------
     def build_reference(self) -> FrozenPolicy:
         return FrozenPolicy(build_policy(self.model_cfg, self.par_cfg, self.device, trainable=False), self.device)
@@ -274,8 +208,3 @@ class FSDP2Backend(BackendBase):
         optimizers = [self.optimizer] + [critic.optimizer for critic in self.critics]
         # a torch AdamW creates its moments at the first step (disk-offloaded AdamW keeps them in files)
         return sum(optimizer_state_bytes_to_come(o, self.device) for o in optimizers if isinstance(o, torch.optim.AdamW))
-
-    def close(self) -> None:
-        close = getattr(self.optimizer, "close", None)  # DiskOffloadAdamW: deletes the moment files
-        if close is not None:
-            close()
