@@ -399,3 +399,15 @@ def test_a_consumer_that_stops_early_leaves_no_all_gather_in_flight(monkeypatch)
     with pytest.raises(EngineError, match="no parameter"):
         stream.throw(EngineError("weight sync: engine model has no parameter named 'x'"))
     assert started == finished == [0, 1]
+
+
+def test_the_configured_bucket_size_is_converted_once_to_the_bytes_the_sync_takes() -> None:
+    """``rollout.sync_bucket_mb`` reaches every sender as ``RolloutConfig.bucket_bytes`` (MiB): four tensors of
+    1 MiB each in buckets of 2 MiB make two buckets, in 1 MiB buckets four."""
+    from rlite.config import RolloutConfig
+    from rlite.sync import iter_buckets
+
+    tensors = [(f"w{i}", torch.zeros(1 << 18)) for i in range(4)]  # 2^18 float32 = 1 MiB each
+    assert RolloutConfig(sync_bucket_mb=2).bucket_bytes == 2 << 20
+    assert [len(b) for b in iter_buckets(iter(tensors), RolloutConfig(sync_bucket_mb=2).bucket_bytes)] == [2, 2]
+    assert [len(b) for b in iter_buckets(iter(tensors), RolloutConfig(sync_bucket_mb=1).bucket_bytes)] == [1, 1, 1, 1]
