@@ -184,8 +184,8 @@ RULES: tuple[Rule, ...] = (
          "named), or rollout.mode=sync"),
     Rule(OVERLAPS, SHARES_WEIGHTS,
          "the engine samples while the trainer updates, so it needs its own copy of the weights",
-         "leave the rollout.engine.args named out (the built-in engine's default keeps its own copy in these "
-         "modes), set them otherwise, or rollout.mode=sync"),
+         "leave out the rollout.engine.args named above (the built-in engine's default then keeps its own copy in "
+         "these modes), set them the other way, or set rollout.mode=sync"),
     # -- facts known when the run starts ------------------------------------------------------------
     Rule(equals("algorithm.routing_replay", "rollout"), DENSE_MODEL,
          "the model has no Mixture-of-Experts layers (nothing to replay)", "set algorithm.routing_replay=none"),
