@@ -4,7 +4,10 @@
 which an engine uses to receive weights, so neither package imports the other for them (import them
 from :mod:`rlite.api`, or :mod:`rlite.engines.base`, which re-exports them). :class:`RunStopped`: a
 step's stage (:mod:`rlite.stages`) or the run around it (:mod:`rlite.run`) stops the run with it
-(:mod:`rlite.run.faults` re-exports it with the other exit codes).
+(:mod:`rlite.run.faults` re-exports it with the other exit codes). :class:`ConfigError`: the config
+loader raises it, and so do plugins and engines that check their own settings, some of them (the SGLang
+launcher) in a process that has no omegaconf, so it lives here rather than in :mod:`rlite.config`, which
+re-exports it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ EXIT_STOPPED = 4
 row, an engine that keeps dying, a full disk). The message names the cause and the checkpoint to
 resume from. (3 is a reward function failing past its bound, :data:`rlite.cli.EXIT_REWARDS_FAILED`: a
 bug in user code, where this is the run's own state or machine.)"""
+
+
+class ConfigError(ValueError):
+    """A configuration problem, always naming the full key path and what to do."""
 
 
 class RunStopped(Exception):

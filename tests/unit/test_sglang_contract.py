@@ -485,7 +485,7 @@ def test_a_users_config_file_is_merged_with_the_key_into_rlites_own_and_the_key_
 
 
 def test_a_users_config_file_that_is_no_mapping_is_refused_naming_it(tmp_path):
-    from rlite.config import ConfigError
+    from rlite.errors import ConfigError  # the SGLang compat venv has no omegaconf
     from rlite.engines.sglang.launch import ServerBackend
 
     user = tmp_path / "sglang.yaml"

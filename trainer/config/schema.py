@@ -19,15 +19,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from rlite.errors import ConfigError  # noqa: F401  (re-exported: rlite.config.ConfigError)
+
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZER_OFFLOADS = ("none", "disk")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-
-
-class ConfigError(ValueError):
-    """A configuration problem, always naming the full key path and what to do."""
 
 
 class UnknownChoiceError(KeyError):

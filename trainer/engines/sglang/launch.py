@@ -217,7 +217,7 @@ def read_user_config(path: str) -> dict[str, Any]:
     """The user's SGLang ``--config`` file (``rollout.engine.args.config``): a YAML mapping of server flags."""
     import yaml
 
-    from rlite.config import ConfigError  # not at module level: the SGLang compat venv has no omegaconf
+    from rlite.errors import ConfigError  # not rlite.config: the SGLang compat venv has no omegaconf
 
     try:
         with open(path) as handle:
