@@ -34,7 +34,7 @@ def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
     a 49k vocabulary on one CPU core). The CDF is summed in float64, so even the smallest
     probabilities keep their mass; a token of probability 0 (filtered by top-k/top-p) is never drawn.
     The uniforms come from the CPU generator wherever the probabilities are: the same seed draws the same
-    numbers on a CPU and a GPU, and the same as the fixed-shape decodes (``rlite.engines.transformers.decode``).
+    numbers on a CPU and a GPU, and the same as the fixed-shape decodes (``rlite.plugins.transformers.decode``).
     """
     u = torch.rand(probs.shape[0], dtype=torch.float64).to(probs.device)
     chosen, valid = draw_from_cdf(probs, u)
