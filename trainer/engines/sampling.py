@@ -1,7 +1,8 @@
 """Drawing tokens from a policy's logits: the top-k / nucleus filter and an exact categorical draw.
 
-Shared by the transformers engine and speculative decoding (:mod:`rlite.engines.speculative`), which
-must draw exactly as the engine does.
+Shared by the transformers engine (:mod:`rlite.plugins.transformers`) and speculative decoding
+(:mod:`rlite.engines.speculative`), which must draw exactly as the engine does; a kit of :mod:`rlite.api`,
+for an engine of your own that samples as rlite's does.
 """
 
 from __future__ import annotations
