@@ -50,8 +50,9 @@ DEFAULT_PLUGINS: list[str] = [
     "rlite.plugins.quantizers",
     "rlite.plugins.drafts",
     "rlite.plugins.fsdp2",
-    "rlite.plugins.transformers",
+    # a registry holds the entries of the last-registered plugin first: the engines read transformers, sglang
     "rlite.plugins.sglang",
+    "rlite.plugins.transformers",
     "rlite.plugins.rewards",
     "rlite.plugins.code_exec",
     "rlite.plugins.workflows",
