@@ -9,7 +9,8 @@ minor versions; everything else is rlite's inside.
 It holds interfaces (the contracts, the config a plugin receives) and kits (the helpers rlite's own
 implementations are built from and a third party's may reuse: the chunked log-probs of a Hugging Face
 model, the sampler, the weight-sync buckets, AdamW with its moments on disk, ...), never an implementation
-of a built-in plugin: to build on one, compose it through :func:`registered` (a wrapper). Kits with heavy
+of a built-in plugin: to build on one, compose it through :func:`registered` (in an :class:`EngineWrapper`
+or a :class:`BackendWrapper`). Kits with heavy
 imports (Hugging Face loading, the log-prob kernels) are attributes loaded on first use, so
 ``import rlite.api`` stays light.
 
