@@ -338,8 +338,8 @@ class DiesWhileStarting:
     def register_rollout_engines(self, register):
         import functools
 
-        from rlite.api import ProcessEngine
-        from rlite.plugins.engines import TransformersEngineConfig, make_transformers_engine
+        from rlite.plugins.transformers import TransformersEngineConfig, make_transformers_engine
+        from rlite.plugins.transformers.process import ProcessEngine
 
         def make(model_config, tokenizer, rollout_config, cfg, context):
             self.starts += 1

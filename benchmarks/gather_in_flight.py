@@ -1,7 +1,7 @@
 """How many all-gathers the weight stream may keep in flight on a gloo group (issue #30).
 
 Two spawned gloo ranks build the FSDP2 policy of a tiny model and stream its full weights
-(:func:`rlite.backends.fsdp2.weights.iter_full_tensors`, what every weight sync does) ``--streams``
+(:func:`rlite.plugins.fsdp2.weights.iter_full_tensors`, what every weight sync does) ``--streams``
 times in a loop that does nothing else; a round passes when both ranks finish. ``--in-flight``:
 
 * ``two``: the next tensor's all-gather starts before this one's is waited for (rlite's stream up to
@@ -23,7 +23,7 @@ from pathlib import Path
 
 def gather_two_in_flight(plan):
     """The stream's gather ahead as it was: start the next, then wait for this one."""
-    from rlite.backends.fsdp2 import weights
+    from rlite.plugins.fsdp2 import weights
 
     ahead = None
     for tensor, views, entry in plan:
@@ -41,9 +41,9 @@ def stream_weights(rank: int, init_file: str, model_dir: str, in_flight: str, st
     import torch
     import torch.distributed as dist
 
-    from rlite.backends.fsdp2 import weights
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2 import weights
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
 
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from rlite.run.faults import refuse_nonfinite
+from rlite.stages.sync import refuse_nonfinite
 
 
 def model_tensors(total_mb: int, tensor_mb: int = 4) -> list[tuple[str, torch.Tensor]]:

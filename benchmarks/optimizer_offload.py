@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dir", default=None, help="folder for the moment files (default: the temp folder)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from rlite.backends.fsdp2.optim_offload import DiskOffloadAdamW
+    from rlite.api import DiskOffloadAdamW
 
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in smollm2_shapes()]
     for p in params:

@@ -62,9 +62,9 @@ def child(mode: str, steps: int, micro: int, budget: int, hidden: int, layers: i
     torch.manual_seed(0)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from rlite.algorithms import AdvantageInput
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
     from rlite.rollout import TrainTargets
     from rlite.stages.update import LossSpec, update_policy
     from rlite.tokenizer import build_tiny_model_dir

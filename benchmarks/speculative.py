@@ -79,7 +79,7 @@ def fit(*args, **kwargs) -> int:
 
 def generate(model, tokenizer, prompts, n: int, greedy: bool, seed: int):
     from rlite.engines.base import SamplingParams
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
 
     engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
     params = SamplingParams(n=n, max_new_tokens=48, greedy=greedy, seed=seed)
@@ -224,7 +224,7 @@ def measure_generation(policy_dir: Path, drafts: dict[str, Path | None], repeats
 
     from rlite.data import format_prompt
     from rlite.engines.base import DraftSpec, SamplingParams
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
     from rlite.tasks import make_task
 
     torch.set_num_threads(1)

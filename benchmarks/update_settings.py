@@ -91,10 +91,10 @@ def child(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import load_config
     from rlite.distributed import init_distributed
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
     from rlite.run.build import forward_spec
     from rlite.stages.update import LossSpec, update_policy
     from rlite.tokenizer import build_tiny_model_dir

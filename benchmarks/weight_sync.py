@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from machine_info import cpu_model  # benchmarks/ is on sys.path when a script here runs
 
-from rlite.engines.transformers.process import ProcessEngine
+from rlite.plugins.transformers.process import ProcessEngine
 
 TENSOR_NUMEL = 1 << 20  # 4 MB of fp32
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
-# rank_workers.py holds the functions spawned test ranks import by name; spawn hands the parent's
+# rank_workers.py holds the functions spawned test ranks import by name, fake_sglang.py the SGLang stand-in
+# that tests and those ranks import; spawn hands the parent's
 # sys.path to the child, so putting the folder here makes it importable on both sides
 if str(WORKERS_DIR) not in sys.path:
     sys.path.insert(0, str(WORKERS_DIR))

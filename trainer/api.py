@@ -1,11 +1,18 @@
 """The public plugin API: everything a plugin (built in or third-party) imports from rlite.
 
-Built-in plugins (``rlite.plugins.*``) import from here and nowhere else in rlite, so a third-party
-package can do all they do (the plugins that wire rlite's own engines and backend also reach into those
-implementations' packages). What ``__all__`` lists, exactly the list under "The public API" in
-``docs/plugins.md`` (tested), is stable across minor versions; everything else is rlite's inside.
-Implementations with heavy dependencies (the FSDP2 backend, the engines, Hugging Face loading) are
-attributes loaded on first use, so ``import rlite.api`` stays light.
+Built-in plugins (``rlite.plugins.*``: the estimators and losses, but also the ``transformers`` and
+``sglang`` engines and the ``fsdp2`` and ``megatron`` backends, each a package of its own) import from here
+and from their own package, nowhere else in rlite, so a third-party package can do all they do. What
+``__all__`` lists, exactly the list under "The public API" in ``docs/plugins.md`` (tested), is stable across
+minor versions; everything else is rlite's inside.
+
+It holds interfaces (the contracts, the config a plugin receives) and kits (the helpers rlite's own
+implementations are built from and a third party's may reuse: the chunked log-probs of a Hugging Face
+model, the sampler, the weight-sync buckets, AdamW with its moments on disk, ...), never an implementation
+of a built-in plugin: to build on one, compose it through :func:`registered` (in an :class:`EngineWrapper`
+or a :class:`BackendWrapper`). Kits with heavy
+imports (Hugging Face loading, the log-prob kernels) are attributes loaded on first use, so
+``import rlite.api`` stays light.
 
 Contracts: :class:`TrainingBackend` (with :class:`ForwardSpec`, :class:`BackendCapabilities`,
 :class:`LoraAdapter`, :class:`ScoringModel`, :class:`CriticModel`; :class:`BackendBase` to build one,
@@ -27,9 +34,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
-from rlite.config import ConfigError, RunConfig, require_optional_package
+from rlite.config import (
+    ConfigError,
+    CriticConfig,
+    ModelConfig,
+    ParallelismConfig,
+    RunConfig,
+    TrainingConfig,
+    require_optional_package,
+)
 from rlite.config.capabilities import Unsupported
-from rlite.distributed import DataLayout
+from rlite.distributed import DataLayout, thread_group
 from rlite.drafts import DraftContext, FixedDraft, ModelDraft, SpeculativeDraft, check_draft_vocabulary
 from rlite.engines.base import (
     DRAFT_PREFIX,
@@ -55,10 +70,19 @@ from rlite.mismatch import (
     sequence_sum,
     weight_stats,
 )
-from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats
+from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats, completion_rows, decode_routed_experts
 from rlite.plugin_manager import registered
 from rlite.rewards import RewardOutcome
-from rlite.rollout import EnvResults, RolloutBatch, TrainTargets, model_inputs, pad_to_width
+from rlite.rollout import (
+    EnvResults,
+    ModelInputs,
+    RolloutBatch,
+    TrainTargets,
+    left_pad,
+    model_inputs,
+    pad_to_width,
+    position_ids_from_mask,
+)
 from rlite.run_files import open_run_file
 from rlite.sandbox import KINDS as SANDBOX_KINDS
 from rlite.sandbox import (
@@ -100,29 +124,46 @@ from rlite.training.schedule import build_lr_scheduler
 from rlite.workflows import Action, Environment, SingleTurn
 
 if TYPE_CHECKING:  # the names _LAZY loads on first use, for type checkers and linters
-    from rlite.backends.fsdp2.backend import FSDP2Backend
-    from rlite.engines.sglang.engine import SGLangEngine
-    from rlite.engines.transformers.engine import TransformersEngine
-    from rlite.engines.transformers.process import ProcessEngine
-    from rlite.hf_models import apply_lora, load_causal_lm, skeleton_causal_lm
+    from rlite.engines.sampling import draw_from_cdf, filter_logits, sample_categorical
+    from rlite.engines.speculative import prompt_lookup, verify_proposals
+    from rlite.hf_models import apply_lora, cache_kwarg, empty_causal_lm, load_causal_lm, skeleton_causal_lm
     from rlite.samples import samples_markdown
-    from rlite.training.logprobs import chunked_logprobs, length_buckets, unique_prompt_rows
+    from rlite.training.grad_accumulation import accumulate_in_place, matmul_grad, vector_grad
+    from rlite.training.logprobs import (
+        ForwardPlan,
+        PolicyModel,
+        causal_lm_of,
+        chunked_logprobs,
+        length_buckets,
+        unique_prompt_rows,
+    )
     from rlite.training.optim_offload import DiskOffloadAdamW, optimizer_offload_dir
+    from rlite.training.packing import PackedRows
 
 _LAZY = {
-    "FSDP2Backend": "rlite.backends.fsdp2.backend",
-    "TransformersEngine": "rlite.engines.transformers.engine",
-    "ProcessEngine": "rlite.engines.transformers.process",
-    "SGLangEngine": "rlite.engines.sglang.engine",
     "load_causal_lm": "rlite.hf_models",
     "apply_lora": "rlite.hf_models",
     "skeleton_causal_lm": "rlite.hf_models",
+    "empty_causal_lm": "rlite.hf_models",
+    "cache_kwarg": "rlite.hf_models",
     "samples_markdown": "rlite.samples",
     "chunked_logprobs": "rlite.training.logprobs",
     "length_buckets": "rlite.training.logprobs",
     "unique_prompt_rows": "rlite.training.logprobs",
+    "PolicyModel": "rlite.training.logprobs",
+    "ForwardPlan": "rlite.training.logprobs",
+    "causal_lm_of": "rlite.training.logprobs",
+    "PackedRows": "rlite.training.packing",
+    "accumulate_in_place": "rlite.training.grad_accumulation",
+    "matmul_grad": "rlite.training.grad_accumulation",
+    "vector_grad": "rlite.training.grad_accumulation",
     "DiskOffloadAdamW": "rlite.training.optim_offload",
     "optimizer_offload_dir": "rlite.training.optim_offload",
+    "filter_logits": "rlite.engines.sampling",
+    "sample_categorical": "rlite.engines.sampling",
+    "draw_from_cdf": "rlite.engines.sampling",
+    "verify_proposals": "rlite.engines.speculative",
+    "prompt_lookup": "rlite.engines.speculative",
 }
 
 
@@ -138,6 +179,10 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "Register",
     "registered",
     "RunConfig",
+    "ModelConfig",
+    "ParallelismConfig",
+    "TrainingConfig",
+    "CriticConfig",
     "ConfigError",
     "require_optional_package",
     "Unsupported",
@@ -158,7 +203,10 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "TrainTargets",
     "EnvResults",
     "model_inputs",
+    "ModelInputs",
     "pad_to_width",
+    "left_pad",
+    "position_ids_from_mask",
     # Training backends
     "TrainingBackend",
     "BackendBase",
@@ -174,6 +222,13 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "chunked_logprobs",
     "length_buckets",
     "unique_prompt_rows",
+    "PolicyModel",
+    "ForwardPlan",
+    "causal_lm_of",
+    "PackedRows",
+    "accumulate_in_place",
+    "matmul_grad",
+    "vector_grad",
     "DiskOffloadAdamW",
     "optimizer_offload_dir",
     "to_device",
@@ -187,6 +242,10 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "Completion",
     "EngineError",
     "EngineDied",
+    "filter_logits",
+    "sample_categorical",
+    "draw_from_cdf",
+    "thread_group",
     # Weight sync
     "SharedBucketSender",
     "SyncServer",
@@ -210,10 +269,14 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     "FixedDraft",
     "check_draft_vocabulary",
     "DRAFT_PREFIX",
+    "verify_proposals",
+    "prompt_lookup",
     # MoE routing
     "RoutingPlan",
     "RoutingStats",
     "RouterHooks",
+    "completion_rows",
+    "decode_routed_experts",
     # Rewards and running a model's code
     "RewardOutcome",
     "run_untrusted",
@@ -234,10 +297,7 @@ __all__ = [  # exactly the list of docs/plugins.md, "The public API" (tests/arch
     # Models
     "load_causal_lm",
     "skeleton_causal_lm",
+    "empty_causal_lm",
     "apply_lora",
-    # rlite's own implementations
-    "FSDP2Backend",
-    "TransformersEngine",
-    "ProcessEngine",
-    "SGLangEngine",
+    "cache_kwarg",
 ]

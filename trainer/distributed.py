@@ -231,7 +231,7 @@ _this_thread = threading.local()
 
 def thread_group() -> Any:
     """The process group of the calling thread's messages to other ranks that take no group argument
-    (an engine group's, :mod:`rlite.engines.sglang.group`): the one :func:`use_thread_group` set on this
+    (an engine group's, :mod:`rlite.plugins.sglang.group`): the one :func:`use_thread_group` set on this
     thread, else ``None`` (the default group)."""
     return getattr(_this_thread, "group", None)
 

@@ -4,10 +4,11 @@ A run's prompts reach the model wrapped in the tokenizer's chat template (``data
 on by default) with ``data.system_prompt`` first, so the bare prompt ``"22+95="`` is text the model
 never saw in training. These commands format every prompt with the function training uses
 (:func:`rlite.data.format_prompt`), tokenise it as training does, and decode with rlite's own
-transformers engine (greedy by default; ``temperature`` is applied exactly as in the rollouts). That
-engine is used directly, whatever ``rollout.engine`` the run had: a local single-process decode, which
-is why this module lives beside the loop rather than in :mod:`rlite.run` (whose modules reach engines
-only through their contract).
+transformers engine (greedy by default; ``temperature`` is applied exactly as in the rollouts), whatever
+``rollout.engine`` the run had: a local single-process decode. The engine comes from the registry like
+every engine of a run, as the default engine's (``rollout.engine``'s default) registration builds it around
+a model already loaded (its ``from_model``, docs/plugins.md's capabilities table), and is used through its
+contract (``generate``).
 
 ``MODEL_OR_RUN`` is either
 
@@ -33,6 +34,7 @@ from rlite.config import ConfigError, RunConfig
 from rlite.data import format_prompt
 
 if TYPE_CHECKING:
+    from rlite.engines.base import RolloutEngine
     from rlite.run.limits import ModelShape
 
 
@@ -127,8 +129,6 @@ class ChatModel:
 
     def __init__(self, model, tokenizer, prompt_format: PromptFormat, source: str, max_new_tokens: int = 256,
                  bounds: GenerationBounds | None = None) -> None:  # fmt: skip
-        from rlite.engines.transformers.engine import TransformersEngine
-
         check_tokenizer(tokenizer, prompt_format, source)
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format
@@ -140,7 +140,7 @@ class ChatModel:
         self.bounds = bounds
         """Checked before every decode (None: unchecked)."""
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # training's stop tokens
-        self.engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos)
+        self.engine = local_engine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos)
 
     def prompt_text(self, prompt: str | list[dict[str, str]]) -> str:
         """The text the model sees for ``prompt`` (a string or chat messages), exactly as training formats it."""
@@ -167,6 +167,23 @@ class ChatModel:
         completions = self.engine.generate([list(row) for row in ids], params)
         answers = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return [Reply(text, answer, c.finish_reason) for text, answer, c in zip(texts, answers, completions)]
+
+
+def local_engine(model, *, pad_token_id: int, eos_token_ids: list[int]) -> RolloutEngine:
+    """The engine that decodes ``model`` (loaded in this process) for ``rlite chat`` and ``rlite generate``: the
+    default rollout engine's, built by its registration's ``from_model``."""
+    from rlite.config import RolloutConfig
+    from rlite.plugin_manager import registered
+
+    name = RolloutConfig().engine.name
+    entry = registered("rollout_engine", name)
+    build = entry.metadata.get("from_model")
+    if build is None:
+        raise ConfigError(
+            f"the default rollout engine {name!r} (plugin {entry.plugin!r}) declares no from_model, so rlite "
+            "cannot decode a loaded model with it (docs/plugins.md, 'Capabilities')"
+        )
+    return build(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
 
 
 def check_tokenizer(tokenizer, prompt_format: PromptFormat, source: str) -> None:

@@ -1,8 +1,22 @@
 """Plugin manager: built-ins, entry-point plugins, and the registries of named choices.
 
-Built-in plugins are the modules in :data:`DEFAULT_PLUGINS`; they are registered with ``pm.register``
-exactly like a third-party plugin. Third-party plugins come from the ``rlite`` entry-point group.
-Discovery of third-party plugins is off when the environment variable ``RLITE_DISABLE_PLUGIN_AUTOLOAD``
+Every implementation rlite ships is a plugin registered with ``pm.register``, as a third-party one is, and
+imports only :mod:`rlite.api` and its own package (``tests/architecture/test_layering.py``); the core never
+imports a plugin. Two paths lead to ``pm.register``, chosen by what the default config needs, not by who
+wrote the plugin:
+
+* :data:`DEFAULT_PLUGINS`: what the default config names and what needs nothing beyond rlite's own
+  dependencies to register (the estimators, losses, rewards, ..., the ``transformers`` and ``sglang``
+  engines, the ``fsdp2`` backend). They are registered whatever ``plugins.autoload`` /
+  ``RLITE_DISABLE_PLUGIN_AUTOLOAD`` and ``plugins.enable`` / ``RLITE_PLUGINS`` say: those switches choose
+  which *other* code runs, and turning them off must leave the default run working. SGLang is among them
+  although its engine needs a package of its own: its registration imports nothing of SGLang and declares
+  ``available``, so it costs nothing where SGLang is absent (as before the engines became packages).
+* The ``rlite`` entry-point group: third-party plugins, and rlite's own ``megatron`` backend
+  (``pyproject.toml``), whose options refuse to load without megatron-core and which ``plugins.enable``
+  may leave out like any other entry point.
+
+Discovery of entry-point plugins is off when the environment variable ``RLITE_DISABLE_PLUGIN_AUTOLOAD``
 is set (to anything but ``0``/empty) or when ``plugins.autoload: false`` in the config;
 ``RLITE_PLUGINS=name1,name2`` / ``plugins.enable`` restrict it to the named entry points.
 """
@@ -35,8 +49,10 @@ DEFAULT_PLUGINS: list[str] = [
     "rlite.plugins.corrections",
     "rlite.plugins.quantizers",
     "rlite.plugins.drafts",
-    "rlite.plugins.backends",
-    "rlite.plugins.engines",
+    "rlite.plugins.fsdp2",
+    # a registry holds the entries of the last-registered plugin first: the engines read transformers, sglang
+    "rlite.plugins.sglang",
+    "rlite.plugins.transformers",
     "rlite.plugins.rewards",
     "rlite.plugins.code_exec",
     "rlite.plugins.workflows",

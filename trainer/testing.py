@@ -123,35 +123,6 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return read_metrics(path)
 
 
-def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, run_dir: str, out_dir: str,
-                    overrides: list[str]) -> None:  # fmt: skip
-    """A real run at ``world_size`` (gloo) with ``rollout.engine=sglang`` against the fake SGLang
-    (:mod:`rlite.engines.sglang.fake`); each rank writes what its fake engines saw (ServerArgs, calls,
-    the weights each TP rank holds) to ``out_dir/rank<r>.pt``, rank 0 the exported model too."""
-    import sys
-
-    import torch.distributed as dist
-
-    from rlite.engines.sglang.fake import FakeSGLangEngine, fake_sglang_modules
-    from rlite.loop import run_training
-
-    torch.set_num_threads(1)
-    os.environ["LOCAL_RANK"] = str(rank)
-    sys.modules.update(fake_sglang_modules())
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        run_training(tiny_config(model_dir, run_dir, "rollout.engine=sglang", *overrides))
-        dist.barrier()  # rank 0 may still be exporting; gloo aborts a rank whose peer tore the group down
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    engines = [
-        {"server_args": e.server_args, "calls": e.calls, "rank_weights": e.rank_weights}
-        for e in FakeSGLangEngine.instances
-    ]
-    torch.save({"engines": engines}, Path(out_dir) / f"rank{rank}.pt")
-
-
 class RankTurns:
     """A multi-turn environment whose trajectories end after ``rank + 1`` turns (``LOCAL_RANK``): the ranks
     of a run take different numbers of turns, and so pass different numbers of points between turns."""
@@ -205,23 +176,16 @@ class RunRecorder:
 
 
 def recorded_runs(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str,
-                  runs: list[tuple[str, list[str]]], fake_sglang: bool = False) -> None:  # fmt: skip
+                  runs: list[tuple[str, list[str]]]) -> None:  # fmt: skip
     """Real runs one after the other at ``world_size`` (gloo; a world of one without a group of its own),
     each ``(name, overrides of tiny_config)`` with :class:`RunRecorder`'s plugins: every rank writes
-    ``out_dir/<name>.rank<r>.pt`` with the batches it drew, the final weights and the metric rows.
-    ``fake_sglang``: ``import sglang`` imports the fake (:mod:`rlite.engines.sglang.fake`; spawned ranks only)."""
-    import sys
-
+    ``out_dir/<name>.rank<r>.pt`` with the batches it drew, the final weights and the metric rows."""
     import torch.distributed as dist
 
     from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
 
     torch.set_num_threads(1)
-    if fake_sglang:
-        from rlite.engines.sglang.fake import fake_sglang_modules
-
-        sys.modules.update(fake_sglang_modules())
     if world_size > 1:
         os.environ["LOCAL_RANK"] = str(rank)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)

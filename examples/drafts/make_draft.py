@@ -41,7 +41,7 @@ def decode_with(policy, draft, tokenizer, prompts: list[list[int]], n: int, temp
     prompts: the acceptance rate (accepted / proposed draft tokens) and the CPU seconds it took (the
     smallest of 3 passes: CPU time, not wall time, so that other work on the machine does not count)."""
     from rlite.engines.base import DraftSpec, SamplingParams, SpeculationStats
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
 
     speculative = {} if draft is None else {"draft": DraftSpec("model", k, model_path="in-memory"), "draft_model": draft}
     engine = TransformersEngine(policy, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id],
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlite.config import load_config
     from rlite.data import load_prompt_splits
     from rlite.drafts import fit_on_completions, shallow_copy
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)

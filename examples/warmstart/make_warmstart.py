@@ -237,7 +237,7 @@ def collate(examples, pad_id):
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows) -> float:
     from rlite.engines.base import SamplingParams
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
 
     engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
     prompts = [p for p, _ in encode(tokenizer, rows)]
@@ -252,7 +252,7 @@ def greedy_accuracy(model, tokenizer, rows) -> float:
 def chain_accuracy(model, tokenizer, rows, steps: int = 3) -> list[float]:
     """Greedy accuracy of each turn of the ``arithmetic_chain`` game on the held-out prompts."""
     from rlite.engines.base import SamplingParams
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
     from rlite.plugins.workflows import ArithmeticChain, ArithmeticChainConfig
     from rlite.workflows import TurnRunner, turn_format
 

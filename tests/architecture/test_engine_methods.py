@@ -1,4 +1,5 @@
-"""No dead engine methods: every public method of a class under ``rlite/engines`` is used somewhere.
+"""No dead engine methods: every public method of a class under ``rlite/engines`` or of rlite's own engine
+plugins (``plugins/transformers``, ``plugins/sglang``) is used somewhere.
 
 A method counts as used when its name appears as an attribute (``x.name``) or a string (``getattr``,
 a pipe message) anywhere in rlite, its plugins, tests or benchmarks, outside its own definition. An
@@ -13,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("trainer", "plugins", "tests", "benchmarks")
+ENGINES = ("trainer/engines", "plugins/transformers", "plugins/sglang")
 CALLED_BY_TRANSFORMERS = {("RowCache", "get_seq_length")}
 """Methods of a duck-typed transformers cache that transformers' models call (``past_key_values.get_seq_length()``
 in ``Qwen2Model.forward``), never rlite."""
@@ -60,7 +62,7 @@ def uses(root: Path) -> dict[str, set[tuple[Path, int]]]:
 def dead_methods(root: Path) -> list[str]:
     seen = uses(root)
     dead = []
-    for path in sorted((root / "trainer" / "engines").rglob("*.py")):
+    for path in sorted(p for folder in ENGINES for p in (root / folder).rglob("*.py")):
         for cls, name, line in public_methods(path):
             if (cls, name) not in CALLED_BY_TRANSFORMERS and not seen.get(name, set()) - {(path, line)}:
                 dead.append(f"{path.relative_to(root)}:{line} {cls}.{name}")

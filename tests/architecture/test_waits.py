@@ -1,6 +1,6 @@
 """Nothing hangs without a timeout: every blocking wait on a process, thread, pipe, socket, future or
-subprocess in the loop, its stages, the engines, the weight-sync wire and the reward runner passes a
-timeout, or is listed in :data:`BOUNDED_ELSEWHERE` with the reason it cannot block for ever.
+subprocess in the loop, its stages, the engines (rlite's own engine plugins included), the weight-sync
+wire and the reward runner passes a timeout, or is listed in :data:`BOUNDED_ELSEWHERE` with the reason it cannot block for ever.
 
 The waits are found in the syntax tree: calls of ``join``, ``wait``, ``recv``, ``recv_bytes``,
 ``result``, ``communicate``, ``acquire``, ``accept``, an HTTP ``open``/``urlopen``, a ``get`` without a
@@ -13,27 +13,29 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2] / "trainer"
-SCANNED = ["loop.py", "rewards.py", "sandbox.py", "sandbox_init.py", "distributed.py", "stages", "engines", "sync", "run"]
+ROOT = Path(__file__).resolve().parents[2]
+SCANNED = [*(f"trainer/{entry}" for entry in ("loop.py", "rewards.py", "sandbox.py", "sandbox_init.py", "distributed.py",
+                                              "stages", "engines", "sync", "run")),
+           "plugins/transformers", "plugins/sglang"]  # fmt: skip
 WAITS = {"join", "wait", "recv", "recv_bytes", "result", "communicate", "acquire", "accept", "urlopen"}
 
 BOUNDED_ELSEWHERE = {
-    ("engines/transformers/process.py", "self.conn.recv_bytes()"):
+    ("plugins/transformers/process.py", "self.conn.recv_bytes()"):
         "read only after multiprocessing.connection.wait(..., timeout) reported the pipe readable",
-    ("engines/transformers/process.py", "conn.recv()"):
+    ("plugins/transformers/process.py", "conn.recv()"):
         "the engine process's idle loop: it ends with EOF when the trainer goes, and the trainer's side "
         "of every exchange has a timeout",
-    ("sync/transport.py", "self.conn.recv()"):
+    ("trainer/sync/transport.py", "self.conn.recv()"):
         "read only after self.conn.poll(timeout_s) reported the pipe readable",
-    ("rewards.py", "self._jobs.get()"):
+    ("trainer/rewards.py", "self._jobs.get()"):
         "a reward worker thread's idle loop: close() puts one None per thread, and every batch's wait on the "
         "threads has the batch's deadline",
-    ("rewards.py", "conn.recv()"):
+    ("trainer/rewards.py", "conn.recv()"):
         "a reward worker process's idle loop: it ends with EOF when the trainer goes, and the trainer kills a "
         "worker that passes the batch's deadline",
-    ("rewards.py", "worker.conn.recv()"):
+    ("trainer/rewards.py", "worker.conn.recv()"):
         "read only after multiprocessing.connection.wait(..., timeout) reported the worker's pipe readable",
-    ("stages/async_rollout.py", "self.engine_lock.acquire()"):
+    ("trainer/stages/async_rollout.py", "self.engine_lock.acquire()"):
         "taken back from the trainer's weight sync, which holds it only for the sync, itself bounded by the "
         "engine's timeouts",
 }  # fmt: skip

@@ -60,8 +60,8 @@ def test_an_engine_process_of_your_own_receives_the_fsdp2_backends_weights_bitwi
                                                                                      world_of_one):  # fmt: skip
     from transformers import AutoModelForCausalLM
 
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
     from rlite.tokenizer import build_tiny_model_dir
 
     model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))

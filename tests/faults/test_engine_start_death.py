@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 
 def process_killed_while_starting(model_dir: str):
     """A real engine process that is SIGKILLed before it reports ready (as the kernel's OOM killer would)."""
-    from rlite.api import ProcessEngine
+    from rlite.plugins.transformers.process import ProcessEngine
 
     return ProcessEngine(model_dir, pad_token_id=0, eos_token_ids=[0], timeout_s=120,
                          engine_factory=functools.partial(signal.raise_signal, signal.SIGKILL), factory_kwargs={})
@@ -42,7 +42,7 @@ class DiesWhileStarting:
 
     @hookimpl
     def register_rollout_engines(self, register):
-        from rlite.plugins.engines import TransformersEngineConfig, make_transformers_engine
+        from rlite.plugins.transformers import TransformersEngineConfig, make_transformers_engine
 
         def make(model_config, tokenizer, rollout_config, cfg, context):
             self.starts += 1

@@ -28,8 +28,8 @@ def world_of_one():
 
 
 def _backend(model_dir):
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
 
     torch.manual_seed(0)
     return FSDP2Backend.build(ModelConfig(path=model_dir), ParallelismConfig(), TrainingConfig(lr=1e-2, grad_clip=1.0),

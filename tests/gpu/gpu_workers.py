@@ -12,7 +12,7 @@ def build_cuda_engine(*, model_dir: str, pad_token_id: int, eos_token_ids: list[
     over as CUDA-IPC buckets are bound zero-copy into it (same dtype and device)."""
     from transformers import AutoModelForCausalLM
 
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda")
     return TransformersEngine(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,

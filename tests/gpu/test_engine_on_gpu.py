@@ -137,7 +137,7 @@ def _addition_prompts(tokenizer, count: int) -> list[list[int]]:
 def _engine(model_dir: str, decode: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda")
@@ -203,12 +203,12 @@ def test_sync_time_per_gb_in_process_and_over_cuda_ipc(tmp_path, measure):
     import gpu_workers  # noqa: F401  (the spawned engine's functions; puts tests/gpu on the child's path)
     from transformers import AutoTokenizer
 
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.distributed import init_distributed, shutdown_distributed
-    from rlite.engines.transformers.engine import TransformersEngine
-    from rlite.engines.transformers.process import ProcessEngine
     from rlite.hf_models import skeleton_causal_lm
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
+    from rlite.plugins.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.process import ProcessEngine
     from rlite.stages.sync import sync_weights_to_engine
     from rlite.tokenizer import build_tiny_model_dir
 

@@ -137,10 +137,10 @@ def _sampled_batch(tokenizer, engine, n_prompts: int, samples: int, max_new_toke
 def test_bf16_logprobs_match_fp32_within_tolerance(measure):
     from transformers import AutoTokenizer
 
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.distributed import init_distributed, shutdown_distributed
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
+    from rlite.plugins.transformers.engine import TransformersEngine
     from rlite.training.backend import ForwardSpec
 
     ctx = init_distributed()

@@ -72,9 +72,9 @@ def test_liger_logprobs_match_rlite_values_and_gradients(dtype, measure):
 def test_liger_through_the_fsdp2_backend_in_bf16(measure):
     """``ForwardSpec(use_liger=True)`` through the FSDP2 backend (bf16 mixed precision) gives the same
     log-probs and parameter gradients as rlite's own output layer."""
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.distributed import init_distributed, shutdown_distributed
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
     from rlite.testing import fixed_batch
     from rlite.training.backend import ForwardSpec
 

@@ -38,9 +38,9 @@ def plugins():
 
 def test_megatron_logprobs_and_gradients_on_cuda_equal_the_transformers_model(tmp_path, model_dir, monkeypatch, measure):
     import rlite.plugins.megatron as megatron_plugin
-    from rlite.backends.fsdp2.backend import policy_logprobs
     from rlite.distributed import init_distributed, shutdown_distributed
     from rlite.hf_models import load_causal_lm
+    from rlite.plugins.fsdp2.backend import policy_logprobs
     from rlite.plugins.megatron.convert import megatron_to_hf
     from rlite.testing import fixed_batch, tiny_config
     from rlite.training.backend import ForwardSpec

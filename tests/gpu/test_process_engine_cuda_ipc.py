@@ -45,11 +45,11 @@ def test_cuda_ipc_syncs_are_bitwise_and_the_engine_samples_exactly_them(model_di
     import gpu_workers
     from transformers import AutoTokenizer
 
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.distributed import init_distributed, shutdown_distributed
     from rlite.engines.base import SamplingParams
-    from rlite.engines.transformers.process import ProcessEngine
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
+    from rlite.plugins.transformers.process import ProcessEngine
     from rlite.rollout import build_rollout_batch
     from rlite.training.backend import ForwardSpec
 

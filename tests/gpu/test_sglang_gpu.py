@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 import torch
 
-from rlite.backends.fsdp2.weights import iter_full_tensors
 from rlite.engines.base import SamplingParams
+from rlite.plugins.fsdp2.weights import iter_full_tensors
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -72,7 +72,7 @@ def _teacher_forced_logprobs(model, prompt: list[int], tokens: list[int]) -> tor
 def test_synced_engine_logprobs_match_a_teacher_forced_forward(model_dir, launch):
     from transformers import AutoModelForCausalLM
 
-    from rlite.engines.sglang.engine import SGLangEngine
+    from rlite.plugins.sglang.engine import SGLangEngine
 
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     engine = SGLangEngine(

@@ -42,8 +42,8 @@ def ctx():
 
 
 def _backend(precision: str, device, **training):
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
 
     model_dtype, param_dtype, _ = PRECISIONS[precision]
     return FSDP2Backend.build(ModelConfig(path=WARMSTART, dtype=model_dtype), ParallelismConfig(param_dtype=param_dtype),
@@ -65,7 +65,7 @@ def test_defaults_pick_their_path_and_keep_bf16_logprobs_within_the_recorded_tol
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoTokenizer
 
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
 
     tokenizer = AutoTokenizer.from_pretrained(WARMSTART)
     engine = TransformersEngine.from_pretrained(WARMSTART, pad_token_id=tokenizer.pad_token_id,
@@ -172,7 +172,7 @@ def test_the_plain_models_gradients_are_reproducible_bitwise(ctx, precision):
 def test_the_update_loop_does_not_wait_for_the_gpu(ctx, monkeypatch, precision, measure):
     """The micro-batch loop under rlite's host-sync recorder (which on a GPU also sees blocking host/device
     copies) and CUDA's own sync debug mode: only transformers' mask construction reads a device value."""
-    import rlite.backends.fsdp2.backend as fsdp2_backend
+    import rlite.plugins.fsdp2.backend as fsdp2_backend
     import rlite.stages.update as update_stage
     from rlite.algorithms import AdvantageInput
     from rlite.plugin_manager import build_plugin_manager

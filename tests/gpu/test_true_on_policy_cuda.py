@@ -33,12 +33,12 @@ def _addition_prompts(tokenizer, count: int) -> list[list[int]]:
 def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(dtype, measure):
     from transformers import AutoTokenizer
 
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.distributed import init_distributed, shutdown_distributed
     from rlite.engines.base import SamplingParams
-    from rlite.engines.transformers.engine import TransformersEngine
     from rlite.hf_models import load_causal_lm
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
+    from rlite.plugins.transformers.engine import TransformersEngine
     from rlite.rollout import build_rollout_batch
     from rlite.training.backend import ForwardSpec
 

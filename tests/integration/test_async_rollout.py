@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from rank_workers import recorded_runs_on_fake_sglang
 
 from rlite import hookimpl
 from rlite.config import ConfigError
@@ -224,7 +225,7 @@ RANK_RUNS = [
 def two_ranks(tmp_path_factory, model_dir):
     """Every run of RANK_RUNS at world size 2, one after the other in the same two processes."""
     out = tmp_path_factory.mktemp("ranks")
-    spawn_ranks(recorded_runs, (2, str(out / "init"), model_dir, str(out), RANK_RUNS, True), nprocs=2)
+    spawn_ranks(recorded_runs_on_fake_sglang, (2, str(out / "init"), model_dir, str(out), RANK_RUNS), nprocs=2)
     return {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
             for name, _ in RANK_RUNS}  # fmt: skip
 

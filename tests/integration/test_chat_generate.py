@@ -173,6 +173,62 @@ def test_a_bad_prompts_line_is_named(tmp_path, capsys):
 
 
 
+# -- the engine: the default engine's registration builds it (its from_model), as for any plugin ------
+
+
+def transformers_stand_in(from_model=None):
+    """A plugin registering ``transformers`` as the built-in does, declaring ``from_model`` only when given."""
+    from rlite import hookimpl
+    from rlite.plugins.transformers import TransformersEngineConfig, make_transformers_engine
+
+    class StandIn:
+        @hookimpl
+        def register_rollout_engines(self, register):
+            extra = {} if from_model is None else {"from_model": from_model}
+            register("transformers", make_transformers_engine, TransformersEngineConfig, **extra)
+
+    return StandIn()
+
+
+def manager_with(stand_in):
+    """The built-in plugins with ``stand_in`` in place of the ``transformers`` engine's."""
+    from rlite.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(autoload=False)
+    pm.unregister(name="rlite.plugins.transformers")
+    pm.register(stand_in, name="stand-in")
+    return pm
+
+
+def test_generate_decodes_with_the_engine_the_default_engines_registration_builds(held_out, tmp_path):
+    from rlite.plugin_manager import plugin_manager_in_use
+    from rlite.plugins.transformers import engine_from_model
+
+    built = []
+
+    def recording(model, *, pad_token_id, eos_token_ids):
+        built.append((pad_token_id, list(eos_token_ids)))
+        return engine_from_model(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
+
+    expected, out = tmp_path / "expected.jsonl", tmp_path / "out.jsonl"
+    args = ["generate", str(WARM_START), "--prompts", str(held_out), "--max-new-tokens", "4"]
+    assert main([*args, "--out", str(expected)]) == 0
+    with plugin_manager_in_use(manager_with(transformers_stand_in(recording))):
+        assert main([*args, "--out", str(out)]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(WARM_START)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    assert built == [(pad, [tokenizer.eos_token_id])]  # one engine, for the whole file
+    assert read_jsonl(out) == read_jsonl(expected)
+
+
+def test_a_default_engine_without_from_model_is_refused_naming_it(held_out, tmp_path, capsys):
+    from rlite.plugin_manager import plugin_manager_in_use
+
+    with plugin_manager_in_use(manager_with(transformers_stand_in())):
+        assert main(["generate", str(WARM_START), "--prompts", str(held_out), "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "the default rollout engine 'transformers' (plugin 'stand-in') declares no from_model" in err
+
 # -- bounds: the model's context and the memory, checked before anything is allocated ---------------
 
 

@@ -2,7 +2,7 @@
 
 ``rollout.engine=sglang`` runs unchanged (the ``sglang`` engine plugin, its ServerArgs, the in-process
 launch, :class:`SGLangEngine`) against an importable stand-in for SGLang
-(:mod:`rlite.engines.sglang.fake`) that records every call and breaks where SGLang 0.5.23 breaks. The
+(``tests/workers/fake_sglang.py``) that records every call and breaks where SGLang 0.5.23 breaks. The
 trainer's log-probs and optimizer steps go into the same record, so the test sees when the engine
 holds its memory relative to the training phase.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 
 import pytest
+from fake_sglang import FakeSGLangEngine, fake_sglang_modules
 
-from rlite.backends.fsdp2.backend import FSDP2Backend
-from rlite.engines.sglang.fake import FakeSGLangEngine, fake_sglang_modules
 from rlite.loop import run_training
+from rlite.plugins.fsdp2.backend import FSDP2Backend
 from rlite.testing import tiny_config
 
 ALL = ["weights", "kv_cache", "cuda_graph"]

@@ -5,8 +5,9 @@ both ranks' prompts, and TP rank i of the engine loads the weight payload of tra
 from __future__ import annotations
 
 import torch
+from rank_workers import sglang_fake_run
 
-from rlite.testing import sglang_fake_run, spawn_ranks
+from rlite.testing import spawn_ranks
 from rlite.tokenizer import build_tiny_model_dir
 
 

@@ -97,7 +97,7 @@ def test_a_run_with_a_trained_draft_resumes_bitwise(tmp_path, dirs):
 
 
 def test_sglang_gets_the_draft_in_a_session_of_its_own(tmp_path, dirs, monkeypatch):
-    from rlite.engines.sglang.fake import FakeSGLangEngine, fake_sglang_modules
+    from fake_sglang import FakeSGLangEngine, fake_sglang_modules
 
     for name, module in fake_sglang_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
@@ -141,7 +141,7 @@ def test_sglang_refuses_a_draft_in_true_on_policy_mode_when_the_config_loads(tmp
     from rlite.testing import tiny_config
 
     pm = build_plugin_manager(autoload=False)
-    with pytest.raises(ConfigError, match=r"^rollout.engine=sglang \(plugin 'rlite.plugins.engines'\): rollout.draft: "
+    with pytest.raises(ConfigError, match=r"^rollout.engine=sglang \(plugin 'rlite.plugins.sglang'\): rollout.draft: "
                                           "SGLang's true on-policy mode"):
         tiny_config("m", tmp_path, "rollout.engine=sglang", "rollout.true_on_policy=true", "rollout.draft=ngram", pm=pm)
     tiny_config("m", tmp_path, "rollout.engine=sglang", "rollout.draft=ngram", pm=pm)  # either alone loads

@@ -349,7 +349,7 @@ class SyncAuditor:
 
     @hookimpl
     def after_weight_sync(self, step, weight_version, engine):
-        from rlite.backends.fsdp2.weights import iter_full_tensors
+        from rlite.plugins.fsdp2.weights import iter_full_tensors
 
         trainer = {n: t.clone() for n, t in iter_full_tensors(self.model.lm, lora_merge=False)}
         if self.previous is not None:  # the step changed the weights, so a stale engine would be caught

@@ -78,7 +78,7 @@ class _EngineSpy:
 
     @_hookimpl
     def after_weight_sync(self, engine):
-        from rlite.backends.fsdp2.weights import iter_full_tensors
+        from rlite.plugins.fsdp2.weights import iter_full_tensors
 
         self.trainer_weights = {n: t.clone() for n, t in iter_full_tensors(self.model.lm, lora_merge=False)}
         self.engine_weights = {n: t.clone() for n, t in engine.named_weights()}

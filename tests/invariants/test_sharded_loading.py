@@ -25,10 +25,10 @@ def model_dir(tmp_path_factory):
 
 
 def test_two_ranks_read_the_checkpoint_once_and_hold_the_plain_loads_weights(tmp_path, model_dir):
-    from rlite.backends.fsdp2.backend import PolicyModel
-    from rlite.backends.fsdp2.critic import ValueModel
     from rlite.config import LoraConfig, ModelConfig
     from rlite.hf_models import apply_lora, load_causal_lm
+    from rlite.plugins.fsdp2.backend import PolicyModel
+    from rlite.plugins.fsdp2.critic import ValueModel
 
     spawn_ranks(sharded_load, (2, str(tmp_path / "init"), model_dir, str(tmp_path), True), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -48,8 +48,8 @@ def world_of_one():
 
 
 def test_logprobs_entropy_and_gradients_equal_the_transformers_model(tmp_path, model_dir, world_of_one):
-    from rlite.backends.fsdp2.backend import policy_logprobs
     from rlite.hf_models import load_causal_lm
+    from rlite.plugins.fsdp2.backend import policy_logprobs
     from rlite.training.logprobs import PolicyModel
 
     pm = plugins()

@@ -78,8 +78,8 @@ def test_bf16_logprobs_match_the_transformers_bf16_model_and_a_step_follows_fp32
     where a bf16 ulp is 0.03; the bf16 and fp32 transformers models differ by about 1e-3 on this model),
     and differ from the fp32 backend's (the compute is bf16); one step moves the float32 weights as the
     fp32 backend's step does, to within 3% of the update."""
-    from rlite.backends.fsdp2.backend import policy_logprobs
     from rlite.hf_models import load_causal_lm
+    from rlite.plugins.fsdp2.backend import policy_logprobs
     from rlite.training.logprobs import PolicyModel
 
     hf_bf16 = load_causal_lm(ModelConfig(path=str(model_dir), dtype="bfloat16"))

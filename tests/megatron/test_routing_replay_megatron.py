@@ -17,12 +17,12 @@ import torch.distributed as dist  # noqa: E402
 
 import rlite.plugins.megatron as megatron_plugin  # noqa: E402
 from rlite.engines.base import SamplingParams  # noqa: E402
-from rlite.engines.transformers.engine import TransformersEngine  # noqa: E402
 from rlite.hf_models import load_causal_lm  # noqa: E402
 from rlite.moe_routing import RoutingPlan, RoutingStats  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
 from rlite.plugins.megatron.backend import left_aligned_columns  # noqa: E402
 from rlite.plugins.megatron.routing import moe_routers  # noqa: E402
+from rlite.plugins.transformers.engine import TransformersEngine  # noqa: E402
 from rlite.rollout import build_rollout_batch, model_inputs  # noqa: E402
 from rlite.testing import tiny_config  # noqa: E402
 from rlite.training.backend import ForwardSpec  # noqa: E402

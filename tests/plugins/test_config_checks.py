@@ -110,7 +110,7 @@ def test_a_wrapped_choice_is_checked_too() -> None:
     pm = build_plugin_manager(autoload=False)
     pm.register(Wrapper(), name="wrapper")
     lora = ["model.lora.enabled=true", "rollout.lora_sync=adapter"]
-    with pytest.raises(ConfigError, match=r"^rollout.engine.args.inner=transformers \(plugin 'rlite.plugins.engines'\): "
+    with pytest.raises(ConfigError, match=r"^rollout.engine.args.inner=transformers \(plugin 'rlite.plugins.transformers'\): "
                                           "rollout.lora_sync=adapter: the 'transformers' engine cannot serve adapters"):
         load_config(None, [*REQUIRED, "rollout.engine=wrapper", *lora], pm=pm)
     load_config(None, [*REQUIRED, "rollout.engine=wrapper", "rollout.engine.args.inner=sglang", *lora], pm=pm)

@@ -3,9 +3,10 @@
 #
 # Builds (once; reused while this script and requirements.txt are unchanged) a small venv:
 # CPU torch 2.13.0, sglang 0.5.23 with --no-deps, the dozen light packages in requirements.txt, and a
-# stub for triton. rlite itself is put on the path through a link (no install, so the main venv's
-# editable install is left alone). Then runs tests/unit/test_sglang_contract.py in it, where a
-# failed SGLang import is a failure, not a skip.
+# stub for triton. rlite itself is put on the path through links laid out as installed (trainer/ as
+# rlite, plugins/ as rlite/plugins, where the SGLang engine lives; no install, so the main venv's
+# editable install is left alone), and tests/workers, which holds the SGLang stand-in. Then runs
+# tests/unit/test_sglang_contract.py in it, where a failed SGLang import is a failure, not a skip.
 #
 #   bash tests/sglang_compat/run.sh            # venv in ${TMPDIR:-/tmp}/rlite-sglang-compat-venv
 #   RLITE_SGLANG_VENV=/path/venv bash tests/sglang_compat/run.sh
@@ -44,10 +45,14 @@ fi
 
 SHIM="$(mktemp -d)"
 trap 'rm -rf "$SHIM"' EXIT
-ln -s "$REPO/trainer" "$SHIM/rlite"
+mkdir "$SHIM/rlite"
+for entry in "$REPO"/trainer/*; do
+    ln -s "$entry" "$SHIM/rlite/"
+done
+ln -s "$REPO/plugins" "$SHIM/rlite/plugins"
 
 cd "$REPO"
-PYTHONPATH="$HERE/stubs:$SHIM" \
+PYTHONPATH="$HERE/stubs:$SHIM:$REPO/tests/workers" \
 RLITE_SGLANG_NARROW_IMPORT=1 \
 RLITE_REQUIRE_SGLANG=1 \
 OMP_NUM_THREADS=1 \

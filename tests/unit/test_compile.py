@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rlite.backends.fsdp2.compile as compile_module
+import rlite.plugins.fsdp2.compile as compile_module
 from rlite.testing import fixed_batch
 
 
@@ -34,8 +34,8 @@ def model_dir(tmp_path_factory):
 
 
 def _build(model_dir, plain: bool, compile_blocks: bool):
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
 
     return FSDP2Backend.build(ModelConfig(path=model_dir), ParallelismConfig(shard_single_process=not plain),
                               TrainingConfig(compile=compile_blocks), torch.device("cpu"), total_optimizer_steps=1)

@@ -4,7 +4,7 @@ On a GPU, reading a tensor's value on the host (``.item()``, ``.tolist()``, a bo
 ``torch.tensor`` of Python data) waits until every kernel queued before it has run, and the device then
 idles while the host launches the next ones. The same ops run on a CPU, so the check runs here: the
 update's forward, loss and backward of every micro-batch run under :class:`rlite.testing.HostSyncRecorder`,
-and only the host-side preparation of a micro-batch (:func:`rlite.backends.fsdp2.backend.forward_inputs`,
+and only the host-side preparation of a micro-batch (:func:`rlite.plugins.fsdp2.backend.forward_inputs`,
 which reads the batch's host tensors by design) may read values. The one exception is transformers' own
 mask construction, which reads the padding mask once per decoder call over whole sequences to decide
 whether sdpa may take ``is_causal`` (``transformers/masking_utils.py``): outside rlite's code, counted here
@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 import torch
 
-import rlite.backends.fsdp2.backend as fsdp2_backend
+import rlite.plugins.fsdp2.backend as fsdp2_backend
 import rlite.stages.update as update_stage
 from rlite.testing import HostSyncRecorder, fixed_batch
 
@@ -79,9 +79,9 @@ def _watched(backend, recorder, monkeypatch):
 @pytest.mark.parametrize("plain", [True, False], ids=["plain", "fsdp2"])
 @pytest.mark.parametrize("layout", ["shared-prompts", "full", "packed", "token-budget"])
 def test_the_micro_batch_loop_reads_no_device_value(model_dir, world_of_one, monkeypatch, plain, layout):
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
     from rlite.stages.update import LossSpec, update_policy
     from rlite.training.backend import ForwardSpec
 

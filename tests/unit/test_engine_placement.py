@@ -10,7 +10,7 @@ import torch
 
 from rlite.config import ConfigError, RolloutConfig
 from rlite.engines.placement import EngineContext
-from rlite.plugins.engines import (
+from rlite.plugins.transformers import (
     TransformersEngineConfig,
     engine_decode,
     engine_device,

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlite.engines.base import EngineError, SamplingParams
-from rlite.engines.transformers.engine import TransformersEngine
 from rlite.hf_models import skeleton_causal_lm
+from rlite.plugins.transformers.engine import TransformersEngine
 from rlite.tokenizer import build_tiny_model_dir
 
 PARAMS = SamplingParams(n=2, max_new_tokens=5, seed=11)
@@ -99,8 +99,8 @@ def test_a_run_reads_the_checkpoint_once_and_the_engine_samples_the_synced_weigh
 def test_the_spawned_engine_builds_without_weights_and_samples_the_synced_ones(tied_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from rlite.backends.fsdp2.weights import iter_full_tensors
-    from rlite.engines.transformers.process import ProcessEngine
+    from rlite.plugins.fsdp2.weights import iter_full_tensors
+    from rlite.plugins.transformers.process import ProcessEngine
 
     trainer_model = AutoModelForCausalLM.from_pretrained(tied_model_dir).eval()
     with torch.no_grad():

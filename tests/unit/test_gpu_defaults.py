@@ -3,7 +3,7 @@ checked here, on a CPU, for a CUDA device too), and the CPU keeps what it always
 
 - ``parallelism.shard_single_process=auto``: FSDP2 on a CPU; on one CUDA GPU the plain model unless
   ``cpu_offload`` or fp32 master weights with bf16 compute ask for FSDP2
-  (:func:`rlite.backends.fsdp2.sharding.shards_single_process`).
+  (:func:`rlite.plugins.fsdp2.sharding.shards_single_process`).
 - ``training.liger_fused_logprobs=auto``: liger's fused output layer on CUDA with liger-kernel >= 0.8.2, a
   backend that takes it and no entropy term in the loss; never on a CPU (:func:`rlite.run.build.resolve_liger`).
 - AdamW is torch's fused kernel, on every device, for the policy and the critic.
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlite.backends.fsdp2.sharding import shards_single_process
 from rlite.config import ConfigError
+from rlite.plugins.fsdp2.sharding import shards_single_process
 from rlite.run.build import resolve_liger
 
 
@@ -108,8 +108,8 @@ def test_a_plain_pure_bf16_model_trains(tmp_path):
     one GPU): plain bf16 parameters, gradients added in place, and an optimizer step that moves them."""
     import torch.distributed as dist
 
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
     from rlite.testing import fixed_batch
     from rlite.tokenizer import build_tiny_model_dir
     from rlite.training.backend import ForwardSpec

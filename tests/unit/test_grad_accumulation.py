@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from rlite.backends.fsdp2.backend import policy_logprobs as forward_logprobs
-from rlite.backends.fsdp2.lean_activations import apply_lean_activations
+from rlite.plugins.fsdp2.backend import policy_logprobs as forward_logprobs
+from rlite.plugins.fsdp2.lean_activations import apply_lean_activations
 from rlite.testing import fixed_batch, tiny_qwen2
 from rlite.training.backend import ForwardSpec
 from rlite.training.grad_accumulation import EmbeddingFunction, LinearFunction, accumulate_in_place

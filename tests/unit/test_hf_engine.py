@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlite.engines.base import SamplingParams
-from rlite.engines.transformers.engine import TransformersEngine
+from rlite.plugins.transformers.engine import TransformersEngine
 from rlite.tokenizer import build_tiny_model_dir
 
 
@@ -63,7 +63,7 @@ def test_lean_decode_loop_matches_generate(tmp_path):
 
 
 def test_inverse_cdf_sampler_draws_the_categorical_distribution():
-    from rlite.engines.transformers.engine import sample_categorical
+    from rlite.plugins.transformers.engine import sample_categorical
 
     # two rows with different distributions; unnormalised; a zero-probability (filtered) token
     probs = torch.tensor([[0.5, 0.0, 0.25, 0.125, 0.125], [1e-3, 2.0, 0.0, 0.999, 1.0]])
@@ -84,7 +84,7 @@ def test_inverse_cdf_sampler_draws_the_categorical_distribution():
 
 def test_inverse_cdf_sampler_rejects_invalid_rows():
     from rlite.engines.base import EngineError
-    from rlite.engines.transformers.engine import sample_categorical
+    from rlite.plugins.transformers.engine import sample_categorical
 
     for bad in ([float("nan"), 1.0], [0.0, 0.0], [float("inf"), 1.0]):
         with pytest.raises(EngineError, match="NaN, infinite or all zero"):

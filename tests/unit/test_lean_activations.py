@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from rlite.backends.fsdp2.lean_activations import RMSNormFunction, SwiGLUFunction, apply_lean_activations
+from rlite.plugins.fsdp2.lean_activations import RMSNormFunction, SwiGLUFunction, apply_lean_activations
 from rlite.testing import tiny_qwen2
 
 

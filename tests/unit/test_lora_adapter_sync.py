@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlite.backends.fsdp2.weights import iter_lora_adapter_tensors, lora_adapter_config
 from rlite.engines.base import EngineError, SamplingParams
-from rlite.engines.sglang.engine import SGLangEngine
+from rlite.plugins.fsdp2.weights import iter_lora_adapter_tensors, lora_adapter_config
+from rlite.plugins.sglang.engine import SGLangEngine
 from rlite.testing import tiny_qwen2
 
 
@@ -120,7 +120,7 @@ def test_adapter_sync_with_an_engine_that_cannot_serve_adapters_is_refused_when_
     from rlite.config import ConfigError
     from rlite.testing import tiny_config
 
-    with pytest.raises(ConfigError, match=r"^rollout.engine=transformers \(plugin 'rlite.plugins.engines'\): "
+    with pytest.raises(ConfigError, match=r"^rollout.engine=transformers \(plugin 'rlite.plugins.transformers'\): "
                                           "rollout.lora_sync=adapter: the 'transformers' engine cannot serve adapters"):
         tiny_config(tmp_path / "m", tmp_path / "run", "model.lora.enabled=true", "rollout.lora_sync=adapter")
 

@@ -103,8 +103,8 @@ def model_dir(tmp_path_factory):
 
 
 def test_first_training_forward_repeats_the_scoring_forward_bitwise_under_a_budget(model_dir, world_of_one):
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
     from rlite.stages.update import micro_batching, score_logprobs, split_minibatches
 
     torch.manual_seed(0)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlite.backends.fsdp2.backend import policy_logprobs
 from rlite.engines.base import Completion, SamplingParams
-from rlite.engines.sglang.payloads import completion_from_output
-from rlite.engines.transformers.engine import TransformersEngine
 from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats, decode_routed_experts
+from rlite.plugins.fsdp2.backend import policy_logprobs
+from rlite.plugins.sglang.payloads import completion_from_output
+from rlite.plugins.transformers.engine import TransformersEngine
 from rlite.rollout import build_rollout_batch, concat_batches, model_inputs
 from rlite.tokenizer import build_tiny_model_dir
 from rlite.training.backend import ForwardSpec

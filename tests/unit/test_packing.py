@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from rlite.backends.fsdp2.backend import policy_logprobs
+from rlite.plugins.fsdp2.backend import policy_logprobs
 from rlite.testing import fixed_batch, tiny_qwen2
 from rlite.training.backend import ForwardSpec
 from rlite.training.logprobs import PolicyModel
@@ -17,7 +17,7 @@ from rlite.training.packing import PackedRows
 
 
 def test_packed_rows_place_sequences_first_fit_longest_first_hand_computed():
-    from rlite.engines.transformers.engine import position_ids_from_mask
+    from rlite.plugins.transformers.engine import position_ids_from_mask
 
     mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 0]])
     ids = torch.arange(15).reshape(3, 5)
@@ -100,7 +100,7 @@ def test_packing_is_not_a_no_op_it_runs_fewer_positions(monkeypatch):
 
 
 def test_packed_critic_values_equal_the_padded_ones():
-    from rlite.backends.fsdp2.critic import ValueModel
+    from rlite.plugins.fsdp2.critic import ValueModel
     from rlite.rollout import model_inputs
 
     model = ValueModel(tiny_qwen2(vocab_size=250))
@@ -125,8 +125,8 @@ def test_packed_forward_replays_the_engines_routing_like_the_padded_one(moe_dir)
     from transformers import AutoModelForCausalLM
 
     from rlite.engines.base import SamplingParams
-    from rlite.engines.transformers.engine import TransformersEngine
     from rlite.moe_routing import RoutingPlan, RoutingStats
+    from rlite.plugins.transformers.engine import TransformersEngine
     from rlite.rollout import build_rollout_batch
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)

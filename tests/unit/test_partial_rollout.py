@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlite.engines.base import SamplingParams
-from rlite.engines.transformers.engine import TransformersEngine
+from rlite.plugins.transformers.engine import TransformersEngine
 from rlite.stages.partial import SegmentedGeneration, segment_seed
 from rlite.tokenizer import build_tiny_model_dir
 from rlite.workflows import TurnRunner, turn_format
@@ -159,7 +159,7 @@ def test_multiturn_turns_are_segmented_token_exact(model_dir, tokenizer):
 
 
 def test_spawned_engine_segments_like_the_in_process_one(model_dir, tokenizer):
-    from rlite.engines.transformers.process import ProcessEngine
+    from rlite.plugins.transformers.process import ProcessEngine
 
     params = SamplingParams(n=2, max_new_tokens=7, temperature=1.0, seed=4)
     local = SegmentedGeneration(make_engine(model_dir, tokenizer), 3, lambda: None).generate(PROMPTS, params)
@@ -175,8 +175,9 @@ def test_spawned_engine_segments_like_the_in_process_one(model_dir, tokenizer):
 def test_sglang_engine_continues_each_sequence_from_its_exact_input_ids():
     """Against the SGLang fake, whose tokens are a function of the input ids it is sent (it always runs
     to the token limit): every segment's tokens are that function of the prompt and the tokens so far."""
-    from rlite.engines.sglang.engine import SGLangEngine
-    from rlite.engines.sglang.fake import FakeSGLang
+    from fake_sglang import FakeSGLang
+
+    from rlite.plugins.sglang.engine import SGLangEngine
 
     fake = FakeSGLang()
     engine = SGLangEngine("unused", eos_token_ids=[1], backend=fake)

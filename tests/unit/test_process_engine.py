@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from rlite.backends.fsdp2.weights import iter_full_tensors
 from rlite.engines.base import EngineError, SamplingParams
-from rlite.engines.transformers.process import ProcessEngine
+from rlite.plugins.fsdp2.weights import iter_full_tensors
+from rlite.plugins.transformers.process import ProcessEngine
 
 torch.set_num_threads(1)
 
@@ -89,7 +89,7 @@ def test_weights_are_bitwise_equal_after_every_sync_and_shared(engine, trainer_m
 
 
 def test_generation_matches_the_in_process_engine(engine, trainer_model):
-    from rlite.engines.transformers.engine import TransformersEngine
+    from rlite.plugins.transformers.engine import TransformersEngine
 
     _perturb(trainer_model, 10)
     engine.update_weights(iter_full_tensors(trainer_model, lora_merge=False), 10)

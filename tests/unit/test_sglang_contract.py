@@ -18,11 +18,11 @@ import types
 
 import pytest
 import torch
+from fake_sglang import FakeSGLang, RuleBroken, pure_deserialize, pure_reconstruct
 
 from rlite.engines.base import EngineError, SamplingParams
-from rlite.engines.sglang.engine import SGLangEngine
-from rlite.engines.sglang.fake import FakeSGLang, RuleBroken, pure_deserialize, pure_reconstruct
-from rlite.engines.sglang.payloads import (
+from rlite.plugins.sglang.engine import SGLangEngine
+from rlite.plugins.sglang.payloads import (
     FLATTENED_BUCKET,
     REST_TAGS,
     WEIGHT_TAGS,
@@ -369,7 +369,7 @@ def fake_server(tmp_path, monkeypatch):
 
 
 def test_server_mode_launches_on_loopback_and_speaks_the_http_api(fake_server):
-    from rlite.engines.sglang.launch import ServerBackend
+    from rlite.plugins.sglang.launch import ServerBackend
 
     backend = ServerBackend(
         {
@@ -429,7 +429,7 @@ def test_a_launched_server_takes_a_fresh_key_that_only_rlite_sends(fake_server):
     import urllib.error
     import urllib.request
 
-    from rlite.engines.sglang.launch import ServerBackend
+    from rlite.plugins.sglang.launch import ServerBackend
 
     backends = [ServerBackend({"model_path": "/m"}, start_timeout_s=60.0, timeout_s=30.0) for _ in range(2)]
     try:
@@ -466,7 +466,7 @@ def test_a_users_config_file_is_merged_with_the_key_into_rlites_own_and_the_key_
 ):
     """With a ``config:`` argument of the user's, the key went on the server's command line (``ps`` shows it to
     every user of the node): SGLang reads one --config file, so rlite now writes one holding both."""
-    from rlite.engines.sglang.launch import ServerBackend
+    from rlite.plugins.sglang.launch import ServerBackend
 
     user = tmp_path / "sglang.yaml"
     user.write_text("# the user's server settings\nmem-fraction-static: 0.5\nchunked-prefill-size: 4096\n")
@@ -485,8 +485,8 @@ def test_a_users_config_file_is_merged_with_the_key_into_rlites_own_and_the_key_
 
 
 def test_a_users_config_file_that_is_no_mapping_is_refused_naming_it(tmp_path):
-    from rlite.errors import ConfigError  # the SGLang compat venv has no omegaconf
-    from rlite.engines.sglang.launch import ServerBackend
+    from rlite.api import ConfigError
+    from rlite.plugins.sglang.launch import ServerBackend
 
     user = tmp_path / "sglang.yaml"
     user.write_text("- just\n- a list\n")
@@ -498,7 +498,7 @@ def test_the_auth_config_file_is_readable_by_its_owner_only():
     import json
     import stat
 
-    from rlite.engines.sglang.launch import write_auth_config
+    from rlite.plugins.sglang.launch import write_auth_config
 
     path = write_auth_config("secret-key")
     try:
@@ -510,7 +510,7 @@ def test_the_auth_config_file_is_readable_by_its_owner_only():
 
 @pytest.mark.parametrize("mode", ["exit", "hang"])
 def test_server_mode_reports_a_server_that_dies_or_never_gets_healthy(fake_server, monkeypatch, mode):
-    from rlite.engines.sglang.launch import ServerBackend
+    from rlite.plugins.sglang.launch import ServerBackend
 
     monkeypatch.setenv("FAKE_SGLANG_MODE", mode)
     expected = "exited with code 3" if mode == "exit" else "not healthy within 2 s"
@@ -525,8 +525,8 @@ def test_a_server_that_dies_is_restarted_by_the_supervisor_with_the_trainers_wei
     import signal
 
     from rlite.engines.base import EngineDied
-    from rlite.engines.sglang.launch import ServerBackend
     from rlite.engines.supervisor import SupervisedEngine
+    from rlite.plugins.sglang.launch import ServerBackend
 
     backends = []
 
@@ -745,7 +745,7 @@ def recording_server():
 
 
 def _server_engine(url: str, *, tp_size: int = 1, timeout_s: float = 30.0) -> SGLangEngine:
-    from rlite.engines.sglang.launch import ServerBackend
+    from rlite.plugins.sglang.launch import ServerBackend
 
     backend = ServerBackend.connect(url, timeout_s=timeout_s, tp_size=tp_size)
     return SGLangEngine("unused", eos_token_ids=[1], tp_size=tp_size, fixed_base=True, backend=backend)
@@ -824,7 +824,7 @@ def test_server_mode_adapter_calls_time_out_and_report_a_dead_server(recording_s
 
 
 def test_server_command_spells_lists_as_separate_arguments():
-    from rlite.engines.sglang.launch import server_command
+    from rlite.plugins.sglang.launch import server_command
 
     cmd = server_command(
         {
@@ -914,7 +914,7 @@ def test_sglang_parses_rlites_lora_server_flags():
     from sglang.srt.arg_groups.arg_utils import add_cli_args_from_dataclass
     from sglang.srt.arg_groups.fields.lora import Lora
 
-    from rlite.engines.sglang.launch import server_command
+    from rlite.plugins.sglang.launch import server_command
 
     parser = argparse.ArgumentParser()
     add_cli_args_from_dataclass(parser, Lora)
@@ -935,8 +935,9 @@ def test_sglang_parses_rlites_lora_server_flags():
 def test_server_mode_checks_the_weights_through_sglangs_weights_checker_route(recording_server):
     """``POST /weights_checker {"action": "checksum"}`` answers ``{"success", "message", "ranks": [...]}``
     (``entrypoints/http_server.py``); the sync compares its checksums with the sent tensors'."""
-    from rlite.engines.sglang.fake import FakeSGLang
-    from rlite.engines.sglang.launch import ServerBackend
+    from fake_sglang import FakeSGLang
+
+    from rlite.plugins.sglang.launch import ServerBackend
 
     backend = ServerBackend.connect(recording_server.url, timeout_s=30.0)
     backend.metadata_cls = FlattenedTensorMetadataFields
@@ -967,7 +968,7 @@ def test_sglangs_patched_receiver_opens_rlites_cuda_handle_on_the_gpu_with_that_
 
     from torch.multiprocessing import reductions
 
-    from rlite.engines.sglang.payloads import CUDA_DEVICE_ARG, flattened_bucket_payload, serialize_payload
+    from rlite.plugins.sglang.payloads import CUDA_DEVICE_ARG, flattened_bucket_payload, serialize_payload
 
     saved = {name: getattr(reductions, name) for name in ("reduce_tensor", "rebuild_cuda_tensor")}
     for name, value in saved.items():  # restored after the test, with everything below
@@ -979,7 +980,7 @@ def test_sglangs_patched_receiver_opens_rlites_cuda_handle_on_the_gpu_with_that_
         return saved["rebuild_cuda_tensor"], args
 
     monkeypatch.setattr(reductions, "reduce_tensor", reduce_as_cuda)
-    monkeypatch.setattr("rlite.engines.sglang.payloads.cuda_device_uuid", lambda index: f"GPU-uuid-{index}")
+    monkeypatch.setattr("rlite.plugins.sglang.payloads.cuda_device_uuid", lambda index: f"GPU-uuid-{index}")
     payload = flattened_bucket_payload([("w", torch.ones(4))], metadata_cls=SGLANG.metadata)
     data = serialize_payload(payload, output_str=True)
 
@@ -1001,12 +1002,12 @@ def test_sglangs_patched_receiver_opens_rlites_cuda_handle_on_the_gpu_with_that_
     assert args[CUDA_DEVICE_ARG] == 1  # SGLang found the GPU by its UUID
 
 
-# -- speculative decoding: arguments, selectors, acceptance (rlite.engines.sglang.speculative) -------
+# -- speculative decoding: arguments, selectors, acceptance (rlite.plugins.sglang.speculative) -------
 
 
 def test_drafts_become_sglangs_speculative_arguments():
     from rlite.engines.base import DraftSpec
-    from rlite.engines.sglang.speculative import speculative_server_args
+    from rlite.plugins.sglang.speculative import speculative_server_args
 
     trained = speculative_server_args(DraftSpec("model", 3, model_path="/draft", trained=True))
     assert trained == {
@@ -1027,7 +1028,7 @@ def test_drafts_become_sglangs_speculative_arguments():
 
 def test_acceptance_is_read_from_meta_info_under_either_name():
     from rlite.engines.base import DraftSpec
-    from rlite.engines.sglang.speculative import speculation_from_outputs, top_logprobs_from_output
+    from rlite.plugins.sglang.speculative import speculation_from_outputs, top_logprobs_from_output
 
     draft = DraftSpec("model", 3, model_path="/d")
     outputs = [
@@ -1087,7 +1088,7 @@ def test_a_standalone_draft_needs_selectors_and_a_backed_up_or_synced_draft():
 
 def test_server_mode_sends_selectors_and_asks_for_top_logprobs(recording_server):
     from rlite.engines.base import DraftSpec
-    from rlite.engines.sglang.launch import ServerBackend
+    from rlite.plugins.sglang.launch import ServerBackend
 
     backend = ServerBackend.connect(recording_server.url, timeout_s=30.0)
     backend.metadata_cls = FlattenedTensorMetadataFields
@@ -1112,8 +1113,8 @@ def test_sglang_reads_rlites_speculative_flags_and_selector_requests():
     from sglang.srt.arg_groups.fields.spec import Spec
 
     from rlite.engines.base import DraftSpec
-    from rlite.engines.sglang.launch import server_command
-    from rlite.engines.sglang.speculative import speculative_server_args
+    from rlite.plugins.sglang.launch import server_command
+    from rlite.plugins.sglang.speculative import speculative_server_args
 
     parser = argparse.ArgumentParser()
     add_cli_args_from_dataclass(parser, Spec)
@@ -1147,7 +1148,7 @@ def test_sglang_reads_the_key_from_rlites_config_file_and_accepts_only_rlites_be
     from sglang.srt.utils.auth import AuthLevel, decide_request_auth
     from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 
-    from rlite.engines.sglang.launch import server_command, write_auth_config
+    from rlite.plugins.sglang.launch import server_command, write_auth_config
 
     assert re.search(r"^\s+api_key: A\[", _sglang_source("srt/arg_groups/fields/serving.py"), re.MULTILINE)
     path = write_auth_config("k-123")

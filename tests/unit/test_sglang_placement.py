@@ -14,12 +14,12 @@ import types
 
 import pytest
 import torch
+from fake_sglang import FakeSGLangEngine, fake_sglang_modules
 
 from rlite.config import ConfigError, ModelConfig, RolloutConfig
 from rlite.engines.placement import EngineContext, RankDevice
-from rlite.engines.sglang.fake import FakeSGLangEngine, fake_sglang_modules
-from rlite.engines.sglang.group import SGLangGroupMember
-from rlite.engines.sglang.placement import GIB, engine_weight_bytes, plan_engines
+from rlite.plugins.sglang.group import SGLangGroupMember
+from rlite.plugins.sglang.placement import GIB, engine_weight_bytes, plan_engines
 
 torch.set_num_threads(1)
 
@@ -115,7 +115,7 @@ def test_engine_weight_bytes_count_the_models_parameters_in_the_engines_dtype(tm
 def sglang_plugin(monkeypatch, tmp_path):
     for name, module in fake_sglang_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
-    from rlite.plugins.engines import SGLangEngineConfig, make_sglang_engine
+    from rlite.plugins.sglang import SGLangEngineConfig, make_sglang_engine
     from rlite.tokenizer import build_tiny_model_dir
 
     model_dir = build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2)
@@ -152,7 +152,7 @@ def test_an_engine_over_two_ranks_is_started_by_the_first_and_fed_by_both(sglang
 
 
 def test_placement_keys_cannot_hide_in_engine_kwargs():
-    from rlite.plugins.engines import SGLangEngineConfig
+    from rlite.plugins.sglang import SGLangEngineConfig
 
     with pytest.raises(ValueError, match="engine_kwargs.base_gpu_id: rlite puts each engine"):
         SGLangEngineConfig(engine_kwargs={"base_gpu_id": 3})
@@ -182,8 +182,8 @@ def test_the_backend_counts_adamws_moments_until_its_first_step(tmp_path):
 
 
 def _check_bytes_to_come(tmp_path, model_dir):
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import CriticConfig, LoraConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
 
     def build(**training):
         cfg = ModelConfig(path=model_dir, lora=LoraConfig(enabled=training.pop("lora", False), rank=4))

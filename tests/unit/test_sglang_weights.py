@@ -13,17 +13,18 @@ import sys
 
 import pytest
 import torch
-
-from rlite.engines.base import EngineError
-from rlite.engines.sglang.engine import SGLangEngine
-from rlite.engines.sglang.fake import (
+from fake_sglang import (
     FakeSGLang,
     FakeSGLangEngine,
     RuleBroken,
     fake_sglang_modules,
     open_cuda_payload,
 )
-from rlite.engines.sglang.payloads import (
+
+from rlite.engines.base import EngineError
+from rlite.loop import run_training
+from rlite.plugins.sglang.engine import SGLangEngine
+from rlite.plugins.sglang.payloads import (
     CUDA_DEVICE_ARG,
     FlattenedTensorMetadataFields,
     check_engine_weights,
@@ -31,7 +32,6 @@ from rlite.engines.sglang.payloads import (
     resolve_engine_dtype,
     serialize_payload,
 )
-from rlite.loop import run_training
 from rlite.testing import tiny_config
 
 torch.set_num_threads(1)
@@ -66,7 +66,7 @@ def cuda_reduction(monkeypatch):
         return reductions.rebuild_cuda_tensor, args
 
     monkeypatch.setattr(reductions, "reduce_tensor", reduce_as_cuda)
-    monkeypatch.setattr("rlite.engines.sglang.payloads.cuda_device_uuid", lambda index: f"GPU-uuid-{index}")
+    monkeypatch.setattr("rlite.plugins.sglang.payloads.cuda_device_uuid", lambda index: f"GPU-uuid-{index}")
 
 
 def test_cuda_handles_name_the_gpu_by_uuid_so_a_process_with_other_visible_devices_opens_the_right_one(
@@ -168,7 +168,7 @@ def test_a_quantizer_sglang_cannot_reload_is_a_config_error(tmp_path, model_dir,
 
 
 def test_the_fake_refuses_bf16_weights_for_fp8_parameters():
-    from rlite.engines.sglang.payloads import build_update_payloads
+    from rlite.plugins.sglang.payloads import build_update_payloads
 
     fake = FakeSGLang(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
     payloads = build_update_payloads([("model.layers.0.mlp.up_proj.weight", torch.ones(16, 16, dtype=torch.bfloat16))],

@@ -12,7 +12,7 @@ import torch
 
 from rlite.engines import speculative
 from rlite.engines.base import DraftSpec, EngineError, SamplingParams
-from rlite.engines.transformers.engine import TransformersEngine
+from rlite.plugins.transformers.engine import TransformersEngine
 from rlite.testing import chi_square_pvalue
 
 torch.set_num_threads(1)

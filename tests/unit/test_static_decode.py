@@ -1,4 +1,4 @@
-"""The transformers engine's fixed-shape decodes (``rlite.engines.transformers.decode``).
+"""The transformers engine's fixed-shape decodes (``rlite.plugins.transformers.decode``).
 
 ``static`` keeps every row and does its bookkeeping on the device; on a CPU its tokens and log-probs
 must equal the ``loop`` decode's bit for bit for the same seed (the loop is the reference). The
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from rlite.engines.base import EngineError, SamplingParams
-from rlite.engines.transformers import decode
-from rlite.engines.transformers.engine import TransformersEngine, seeded
+from rlite.plugins.transformers import decode
+from rlite.plugins.transformers.engine import TransformersEngine, seeded
 from rlite.rollout import left_pad
 from rlite.tokenizer import build_tiny_model_dir
 

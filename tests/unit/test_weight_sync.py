@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlite.backends.fsdp2.weights import iter_full_tensors
 from rlite.engines.base import EngineError
+from rlite.plugins.fsdp2.weights import iter_full_tensors
 from rlite.sync.buckets import (
     ALIGNMENT,
     bucket_checksum,
@@ -365,7 +365,7 @@ def test_receiver_rejects_buckets_outside_a_sync():
 
 def test_the_next_all_gather_starts_before_the_current_tensor_is_used_and_after_the_last_is_done(monkeypatch):
     # one all-gather in flight at a time: two at once on a gloo group corrupted the heap (weights.py)
-    import rlite.backends.fsdp2.weights as ws
+    import rlite.plugins.fsdp2.weights as ws
 
     events = []
     monkeypatch.setattr(ws, "_start_full", lambda t, views=False: events.append(("start", int(t))) or t)
@@ -382,7 +382,7 @@ def test_the_next_all_gather_starts_before_the_current_tensor_is_used_and_after_
 
 
 def test_a_consumer_that_stops_early_leaves_no_all_gather_in_flight(monkeypatch):
-    import rlite.backends.fsdp2.weights as ws
+    import rlite.plugins.fsdp2.weights as ws
 
     started, finished = [], []
     monkeypatch.setattr(ws, "_start_full", lambda t, views=False: started.append(int(t)) or t)

@@ -8,8 +8,8 @@ import torch
 
 from rlite.config import ConfigError
 from rlite.engines.base import SamplingParams
-from rlite.engines.transformers.engine import TransformersEngine
 from rlite.plugin_manager import build_plugin_manager
+from rlite.plugins.transformers.engine import TransformersEngine
 from rlite.plugins.workflows import (
     ArithmeticChain,
     ArithmeticChainConfig,
@@ -182,8 +182,9 @@ def test_budget_and_turn_limit_end_trajectories(engine, tokenizer):
 def test_sglang_engine_takes_and_returns_token_ids(tokenizer):
     """Against the SGLang fake, whose tokens are a function of the input ids it is sent: every later
     turn's tokens are that function of the exact context (prompt, sampled tokens, observation tokens)."""
-    from rlite.engines.sglang.engine import SGLangEngine
-    from rlite.engines.sglang.fake import FakeSGLang
+    from fake_sglang import FakeSGLang
+
+    from rlite.plugins.sglang.engine import SGLangEngine
 
     fake = FakeSGLang()
     engine = SGLangEngine("unused", eos_token_ids=[1], backend=fake)
@@ -207,7 +208,7 @@ def test_sglang_engine_takes_and_returns_token_ids(tokenizer):
 
 
 def test_spawned_engine_runs_the_same_turns(model_dir, engine, tokenizer):
-    from rlite.engines.transformers.process import ProcessEngine
+    from rlite.plugins.transformers.process import ProcessEngine
 
     fmt = turn_format(tokenizer, "user", True, [tokenizer.eos_token_id])
     runner = TurnRunner(Echo, tokenizer, fmt, max_turns=3, max_response_tokens=64)

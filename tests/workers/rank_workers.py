@@ -1,19 +1,21 @@
 """Functions that spawned ranks of rlite's own tests run, importable by name in the child processes
 (``tests/conftest.py`` puts this folder on ``sys.path``, which ``spawn`` hands to its children).
 
-They reach into the FSDP2 backend's models (the weight stream's self-check, the three models' full
-weights), which is why they live with the tests and not in :mod:`rlite.testing`, which the product
-(the audit) imports.
+They reach into rlite's own implementations (the FSDP2 backend's models: the weight stream's self-check,
+the three models' full weights; the SGLang stand-in, ``fake_sglang.py`` beside this file), which is why
+they live with the tests and not in :mod:`rlite.testing`, which the product (the audit) imports.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import torch
 
 from rlite.config import load_config
-from rlite.testing import fixed_batch
+from rlite.testing import fixed_batch, recorded_runs, tiny_config
 
 
 def fixed_batch_update(
@@ -53,10 +55,10 @@ def fixed_batch_update(
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         from rlite.algorithms import AdvantageInput
-        from rlite.backends.fsdp2.backend import FSDP2Backend
-        from rlite.backends.fsdp2.weights import stream_self_check
         from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
         from rlite.plugin_manager import build_plugin_manager
+        from rlite.plugins.fsdp2.backend import FSDP2Backend
+        from rlite.plugins.fsdp2.weights import stream_self_check
         from rlite.rollout import TrainTargets
         from rlite.stages.update import LossSpec, update_policy
         from rlite.training.backend import ForwardSpec
@@ -142,8 +144,8 @@ def sharded_load(rank: int, world_size: int, init_file: str, model_dir: str, out
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from rlite.backends.fsdp2.backend import FSDP2Backend
     from rlite.config import CriticConfig, LoraConfig, ModelConfig, ParallelismConfig, TrainingConfig
+    from rlite.plugins.fsdp2.backend import FSDP2Backend
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -273,3 +275,40 @@ def megatron_memory_steps(rank: int, world_size: int, init_file: str, model_dir:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, run_dir: str, out_dir: str,
+                    overrides: list[str]) -> None:  # fmt: skip
+    """A real run at ``world_size`` (gloo) with ``rollout.engine=sglang`` against the fake SGLang
+    (:mod:`fake_sglang`); each rank writes what its fake engines saw (ServerArgs, calls,
+    the weights each TP rank holds) to ``out_dir/rank<r>.pt``, rank 0 the exported model too."""
+    import torch.distributed as dist
+    from fake_sglang import FakeSGLangEngine, fake_sglang_modules
+
+    from rlite.loop import run_training
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    sys.modules.update(fake_sglang_modules())
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        run_training(tiny_config(model_dir, run_dir, "rollout.engine=sglang", *overrides))
+        dist.barrier()  # rank 0 may still be exporting; gloo aborts a rank whose peer tore the group down
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    engines = [
+        {"server_args": e.server_args, "calls": e.calls, "rank_weights": e.rank_weights}
+        for e in FakeSGLangEngine.instances
+    ]
+    torch.save({"engines": engines}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def recorded_runs_on_fake_sglang(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str,
+                                 runs: list[tuple[str, list[str]]]) -> None:  # fmt: skip
+    """:func:`rlite.testing.recorded_runs` where ``import sglang`` imports the stand-in (:mod:`fake_sglang`):
+    for spawned ranks only, whose modules are their own."""
+    from fake_sglang import fake_sglang_modules
+
+    sys.modules.update(fake_sglang_modules())
+    recorded_runs(rank, world_size, init_file, model_dir, out_dir, runs)

@@ -107,6 +107,10 @@ CAPABILITIES: tuple[Capability, ...] = (
                "compatibility rules", _flag, per_options=True),
     Capability("rollout_engine", "draft_methods", "tuple of `DraftSpec.method`s", "`()`",
                "the speculative drafts it runs", "config loader", _names),
+    Capability("rollout_engine", "from_model", "`fn(model, *, pad_token_id, eos_token_ids) -> RolloutEngine`",
+               "not used outside a run", "builds the engine around a Hugging Face model already loaded in this "
+               "process; the default engine's is what `rlite chat` and `rlite generate` decode with",
+               "`rlite chat`, `rlite generate`", callable),
     Capability("rollout_engine", "available", "`fn()`", "always available",
                "returns None where it can start on this machine, else what it needs (a short phrase)", "audit (another engine in the "
                "replica)", callable),

@@ -471,7 +471,7 @@ class TrainingConfig:
     metric is then computed without gradient by the chunked path (one more output-layer forward); an entropy term in
     the loss needs the chunked path's gradient. ``true`` requires it (an error where it cannot run), ``false`` never."""
     compile: bool = False
-    """``torch.compile`` each decoder block of the policy (fsdp2 backend; ``rlite.backends.fsdp2.compile``): the
+    """``torch.compile`` each decoder block of the policy (fsdp2 backend; ``rlite.plugins.fsdp2.compile``): the
     elementwise work around the matrix products fused per block, the same log-probs and gradients to float rounding.
     Off by default: compiling takes time at the start and at each new micro-batch shape (seconds to minutes), it pays
     only on a GPU where the elementwise ops cost a noticeable share of the step, and it cannot run the shared-prompt
@@ -561,7 +561,7 @@ class ParallelismConfig:
     """Recompute each decoder block's activations in backward instead of storing them."""
     lean_activations: bool = True
     """Save fewer activations in recognised SwiGLU MLPs and RMSNorms (Llama, Qwen2/3, Mistral) and recompute two
-    elementwise ops in backward instead: the same forward values, less memory (``rlite.backends.fsdp2.lean_activations``)."""
+    elementwise ops in backward instead: the same forward values, less memory (``rlite.plugins.fsdp2.lean_activations``)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3 style); False keeps them until backward."""
     shard_single_process: Union[bool, str] = "auto"
@@ -570,7 +570,7 @@ class ParallelismConfig:
     dtype than the master weights (``param_dtype`` != ``model.dtype``: FSDP2's mixed precision, which computes exactly
     as a bf16 model does and holds one block's bf16 copy at a time); otherwise (pure bf16, fp32) the model stays plain:
     none of FSDP2's per-micro-batch copies of each block's weights and gradients, which it makes even at world size 1,
-    and gradients added into ``.grad`` in place (``rlite.backends.fsdp2.sharding.shards_single_process`` argues each
+    and gradients added into ``.grad`` in place (``rlite.plugins.fsdp2.sharding.shards_single_process`` argues each
     case). ``true`` / ``false`` force it; a plain model needs ``param_dtype`` equal to ``model.dtype`` and no
     ``cpu_offload``. Several ranks always shard."""
     fused_grad_accumulation: bool = True

@@ -1,7 +1,8 @@
 """Drawing tokens from a policy's logits: the top-k / nucleus filter and an exact categorical draw.
 
-Shared by the transformers engine and speculative decoding (:mod:`rlite.engines.speculative`), which
-must draw exactly as the engine does.
+Shared by the transformers engine (:mod:`rlite.plugins.transformers`) and speculative decoding
+(:mod:`rlite.engines.speculative`), which must draw exactly as the engine does; a kit of :mod:`rlite.api`,
+for an engine of your own that samples as rlite's does.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
     a 49k vocabulary on one CPU core). The CDF is summed in float64, so even the smallest
     probabilities keep their mass; a token of probability 0 (filtered by top-k/top-p) is never drawn.
     The uniforms come from the CPU generator wherever the probabilities are: the same seed draws the same
-    numbers on a CPU and a GPU, and the same as the fixed-shape decodes (``rlite.engines.transformers.decode``).
+    numbers on a CPU and a GPU, and the same as the fixed-shape decodes (``rlite.plugins.transformers.decode``).
     """
     u = torch.rand(probs.shape[0], dtype=torch.float64).to(probs.device)
     chosen, valid = draw_from_cdf(probs, u)

@@ -1,7 +1,7 @@
 """The training-backend contract: all that the loop, weight sync, export, checkpointing and PPO's critic
 ask of a backend.
 
-FSDP2 (:mod:`rlite.backends.fsdp2`, built in) implements it; another backend (Megatron for MoE, a
+FSDP2 (:mod:`rlite.plugins.fsdp2`, built in) implements it; another backend (Megatron for MoE, a
 single-device toy) is a plugin that registers a factory through ``register_training_backends`` and
 returns an object with this interface. Nothing in rlite's core looks past it: when a backend needs a
 branch in the loop, the contract is missing a method, and the method goes here.

@@ -21,7 +21,7 @@ run on a GPU.
 
 It applies to parameters marked by :func:`accumulate_in_place` and only through rlite's own ops:
 :class:`LinearFunction` and :class:`EmbeddingFunction` (swapped into plain ``nn.Linear`` and
-``nn.Embedding`` modules), the lean SwiGLU and RMSNorm functions (:mod:`rlite.backends.fsdp2.lean_activations`) and
+``nn.Embedding`` modules), the lean SwiGLU and RMSNorm functions (:mod:`rlite.plugins.fsdp2.lean_activations`) and
 the fused output layer (:class:`rlite.training.logprobs.LinearLogprobFunction`). Any other op that uses a marked
 weight still returns its gradient, which autograd adds into the same ``.grad`` as usual.
 
@@ -48,7 +48,7 @@ def accumulate_in_place(model: nn.Module, skip: tuple[nn.Module, ...] | list[nn.
     """Mark every trainable parameter of ``model`` for in-place gradient accumulation and swap the
     forward of its plain ``nn.Linear`` and ``nn.Embedding`` modules for :class:`LinearFunction` and
     :class:`EmbeddingFunction`, except inside ``skip`` (blocks that ``torch.compile`` takes, which
-    cannot trace a backward writing ``.grad``: :mod:`rlite.backends.fsdp2.compile`). Returns how many
+    cannot trace a backward writing ``.grad``: :mod:`rlite.plugins.fsdp2.compile`). Returns how many
     parameters and modules it changed."""
     counts = {"parameters": 0, "linear": 0, "embedding": 0}
     skipped_modules = {id(m) for block in skip for m in block.modules()}

@@ -13,13 +13,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlite.backends.fsdp2.sharding import load_sharded
-from rlite.config import CriticConfig, ModelConfig, ParallelismConfig
-from rlite.rollout import ModelInputs, RolloutBatch, model_inputs, pad_to_width
-from rlite.training.backend import BackendBase, ForwardSpec
-from rlite.training.device import to_device
-from rlite.training.logprobs import causal_lm_of
-from rlite.training.packing import PackedRows
+from rlite.api import (
+    BackendBase,
+    CriticConfig,
+    ForwardSpec,
+    ModelConfig,
+    ModelInputs,
+    PackedRows,
+    ParallelismConfig,
+    RolloutBatch,
+    causal_lm_of,
+    model_inputs,
+    pad_to_width,
+    to_device,
+)
+from rlite.plugins.fsdp2.sharding import load_sharded
 
 
 class ValueModel(nn.Module):
@@ -97,7 +105,7 @@ class Critic(BackendBase):
 
     def values(self, batch: RolloutBatch, spec: ForwardSpec) -> torch.Tensor:
         """``[B, T]`` values on the critic's device; the inputs (and the packing) built from the batch's host
-        tensors and moved there asynchronously, as the policy's (:func:`rlite.backends.fsdp2.backend.policy_logprobs`)."""
+        tensors and moved there asynchronously, as the policy's (:func:`rlite.plugins.fsdp2.backend.policy_logprobs`)."""
         inputs = model_inputs(batch, exact_layout=spec.exact_layout)
         rows = PackedRows.of(inputs.attention_mask) if spec.pack_sequences and not spec.exact_layout else False
         inputs, rows = to_device((inputs, rows), self.device)

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import Completion, EngineError, SamplingParams
-from rlite.sync.buckets import iter_buckets, pack_bucket
+from rlite.api import Completion, EngineError, SamplingParams, iter_buckets, pack_bucket
 
 FLATTENED_BUCKET = "flattened_bucket"
 WEIGHT_TAGS = ["weights"]
@@ -202,7 +201,7 @@ def completion_from_output(
         raise EngineError(f"SGLang request ended with finish_reason {reason!r}")
     routed = None
     if routing is not None:
-        from rlite.moe_routing import completion_rows, decode_routed_experts
+        from rlite.api import completion_rows, decode_routed_experts
 
         payload = meta.get("routed_experts")
         if payload is None:
@@ -264,7 +263,7 @@ def sync_weights(
     """The SGLang weight-update call sequence; returns the number of buckets sent.
 
     ``engine`` has SGLang ``Engine``'s method names plus ``update_weight_version`` (None on the members
-    of an :class:`~rlite.engines.sglang.group.EngineGroup`: they only hand their payloads to the
+    of an :class:`~rlite.plugins.sglang.group.EngineGroup`: they only hand their payloads to the
     leader); buckets are packed on ``device`` (the GPU, so that they travel as CUDA-IPC handles). With a
     group, every rank packs the same stream on its own GPU and TP rank i of the engine loads rank i's
     payload. ``tensor_hash`` (SGLang's ``tensor_hash``): after the update the engine's checksums of the

@@ -1,6 +1,6 @@
 """The transformers rollout engine in its own spawned process, fed weights through shared memory.
 
-Colocated with the trainer, like :class:`~rlite.engines.transformers.engine.TransformersEngine`, and with the
+Colocated with the trainer, like :class:`~rlite.plugins.transformers.engine.TransformersEngine`, and with the
 same interface, but isolated: a crash or hang of the engine cannot take the trainer down, and every
 call has a timeout. The process is started with ``multiprocessing.get_context("spawn")`` and talks
 over one pipe.
@@ -37,17 +37,19 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import (
+from rlite.api import (
     Completion,
     DraftSpec,
     EngineCapabilities,
     EngineDied,
     EngineError,
     SamplingParams,
+    SharedBucketSender,
     SpeculationStats,
+    SyncServer,
+    SyncStats,
 )
-from rlite.engines.transformers.engine import give_storage, is_tied_output_layer
-from rlite.sync.transport import SharedBucketSender, SyncServer, SyncStats
+from rlite.plugins.transformers.engine import give_storage, is_tied_output_layer
 
 _DIRECT_SEND_BYTES = 16 << 10
 """Messages up to this size fit in the pipe's buffer and are written directly; larger ones are written
@@ -148,7 +150,7 @@ def _stop_process(process: mp.process.BaseProcess, conn: Connection, grace_s: fl
 
 
 class ProcessEngine:
-    """A :class:`~rlite.engines.transformers.engine.TransformersEngine` in a spawned process (same interface)."""
+    """A :class:`~rlite.plugins.transformers.engine.TransformersEngine` in a spawned process (same interface)."""
 
     def __init__(
         self,
@@ -194,7 +196,7 @@ class ProcessEngine:
         ``device``: where the engine samples. On a GPU the buckets are allocated in that GPU's memory and
         the child gets CUDA-IPC handles to them (its parameters become views of the buckets: the trainer's
         copy into a bucket is the whole sync); the weights travel in ``dtype``. ``decode``/``auto_decode``:
-        the transformers engine's (:class:`~rlite.engines.transformers.engine.TransformersEngine`).
+        the transformers engine's (:class:`~rlite.plugins.transformers.engine.TransformersEngine`).
         """
         device = torch.device(device)
         if engine_factory is None:
@@ -336,7 +338,7 @@ def build_transformers_engine(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from rlite.engines.transformers.engine import TransformersEngine, load_draft_model
+    from rlite.plugins.transformers.engine import TransformersEngine, load_draft_model
 
     hf_logging.disable_progress_bar()
 
@@ -344,7 +346,7 @@ def build_transformers_engine(
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     if weights_from_sync:
-        from rlite.hf_models import skeleton_causal_lm
+        from rlite.api import skeleton_causal_lm
 
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         model = skeleton_causal_lm(model_dir, dtype_name, attn_implementation, gguf_file, device=device)

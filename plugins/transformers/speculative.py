@@ -26,11 +26,19 @@ from dataclasses import dataclass
 
 import torch
 
-from rlite.engines.base import DraftSpec, EngineError, SamplingParams, SpeculationStats
-from rlite.engines.sampling import filter_logits, sample_categorical
-from rlite.engines.speculative import prompt_lookup, verify_proposals
-from rlite.hf_models import cache_kwarg
-from rlite.rollout import left_pad, position_ids_from_mask
+from rlite.api import (
+    DraftSpec,
+    EngineError,
+    SamplingParams,
+    SpeculationStats,
+    cache_kwarg,
+    filter_logits,
+    left_pad,
+    position_ids_from_mask,
+    prompt_lookup,
+    sample_categorical,
+    verify_proposals,
+)
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -34,9 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlite.engines.base import EngineError, SamplingParams
-from rlite.engines.sampling import draw_from_cdf, filter_logits
-from rlite.hf_models import cache_kwarg
+from rlite.api import EngineError, SamplingParams, cache_kwarg, draw_from_cdf, filter_logits
 
 CHECK_EVERY = 16
 """Tokens between two looks of the host at the stop flags (the only host synchronisation of a decode);
@@ -211,7 +209,7 @@ def prefill_and_first_step(engine, prompts: list[list[int]], ids: torch.Tensor, 
     """The loop's first step for every row: the prompts' cache (shared across each group's samples when
     the engine shares prefills) and the first token. Returns the cache (a :func:`decode_cache`, with
     room for every token to come), the next step's input ids and positions and the prompt's width."""
-    from rlite.rollout import position_ids_from_mask
+    from rlite.api import position_ids_from_mask
 
     positions = position_ids_from_mask(mask)
     reserve = params.max_new_tokens + 1

@@ -1,7 +1,8 @@
 """A stand-in for SGLang 0.5.23 that breaks where SGLang breaks, for CPU tests of the SGLang engine.
 
 SGLang cannot run a model without a GPU (``shared/notes/sglang-megatron.md`` §1), so rlite's SGLang
-engine is tested against this fake: it records every call and raises :class:`RuleBroken` where the
+engine (:mod:`rlite.plugins.sglang`) is tested against this fake, which ships with the tests, not with
+rlite (``tests/conftest.py`` puts this folder on ``sys.path``, for spawned ranks too): it records every call and raises :class:`RuleBroken` where the
 real engine would fail or silently do the wrong thing (the rules are SGLang 0.5.23's, read from its
 source; each ``_rule`` names what SGLang does). Two ways in:
 
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlite.engines.sglang.payloads import CUDA_DEVICE_ARG, FLATTENED_BUCKET, FlattenedTensorMetadataFields
+from rlite.plugins.sglang.payloads import CUDA_DEVICE_ARG, FLATTENED_BUCKET, FlattenedTensorMetadataFields
 
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
 """SGLang's ``GPU_MEMORY_ALL_TYPES`` (``srt/constants.py``)."""

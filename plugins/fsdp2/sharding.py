@@ -1,7 +1,7 @@
 """Sharding a model with FSDP2 and loading it sharded (the checkpoint read once, on rank 0).
 
-Used by the policy and reference models (:mod:`rlite.backends.fsdp2.backend`) and the critic
-(:mod:`rlite.backends.fsdp2.critic`) alike.
+Used by the policy and reference models (:mod:`rlite.plugins.fsdp2.backend`) and the critic
+(:mod:`rlite.plugins.fsdp2.critic`) alike.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from rlite.backends.fsdp2.compile import decoder_blocks
-from rlite.config import ModelConfig, ParallelismConfig
-from rlite.hf_models import DTYPES, load_causal_lm
-from rlite.training.logprobs import PolicyModel
+from rlite.api import ModelConfig, ParallelismConfig, PolicyModel, load_causal_lm
+from rlite.plugins.fsdp2.compile import decoder_blocks
 
 
 def decoder_layers(policy: PolicyModel) -> list[nn.Module]:
@@ -73,7 +71,7 @@ def apply_fsdp(policy: PolicyModel, cfg: ParallelismConfig, mesh=None, *, sharde
     single process whose ``parallelism.shard_single_process`` resolves to plain) keeps the plain module."""
     if not sharded:
         return policy
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype), reduce_dtype=getattr(torch, cfg.reduce_dtype))
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -109,7 +107,7 @@ def load_sharded(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
         return apply_fsdp(wrap(load_causal_lm(model_cfg)).to(device), par_cfg, sharded=sharded)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from rlite.hf_models import empty_causal_lm
+    from rlite.api import empty_causal_lm
 
     full_state, full_buffers = {}, {}
     if dist.get_rank() == 0:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import Completion, EngineCapabilities, EngineError, SamplingParams
+from rlite.api import Completion, EngineCapabilities, EngineError, SamplingParams, thread_group
 
 
 class EngineGroup:
@@ -43,8 +43,6 @@ class EngineGroup:
         """Every rank's ``obj`` on the leader, in rank order (None on the members)."""
         import torch.distributed as dist
 
-        from rlite.distributed import thread_group
-
         if not self.is_leader:
             dist.send_object_list([obj], dst=self.leader, group=thread_group())
             return None
@@ -58,8 +56,6 @@ class EngineGroup:
     def scatter(self, objs: Sequence[Any] | None) -> Any:
         """``objs[i]`` of the leader on the group's i-th rank."""
         import torch.distributed as dist
-
-        from rlite.distributed import thread_group
 
         if self.is_leader:
             for rank, obj in zip(self.ranks[1:], list(objs)[1:]):
@@ -115,7 +111,7 @@ class SGLangGroupMember:
         return generate_for_group(None, self.group, prompts, params)
 
     def update_weights(self, named_tensors, version: int) -> None:
-        from rlite.engines.sglang.speculative import sync_policy_and_draft
+        from rlite.plugins.sglang.speculative import sync_policy_and_draft
 
         sync_policy_and_draft(None, named_tensors or (), version, self.draft, bucket_bytes=self.bucket_bytes,
                               tp_size=self.group.size, metadata_cls=self.metadata_cls, output_str=False,

@@ -11,7 +11,7 @@ hooks around each block run eagerly between graphs, and rlite's own code outside
 shared-prompt forward's bookkeeping, the chunked output layer, routing replay) stays ordinary Python.
 A new micro-batch shape recompiles once; after that the graph's batch and sequence sizes are symbolic.
 
-Inside compiled blocks, rlite's hand-written activation savers (:mod:`rlite.backends.fsdp2.lean_activations`)
+Inside compiled blocks, rlite's hand-written activation savers (:mod:`rlite.plugins.fsdp2.lean_activations`)
 and in-place gradient accumulation (:mod:`rlite.training.grad_accumulation`) are left out: the
 compiler decides what to save and recompute itself, and a backward that writes ``.grad`` as a side
 effect cannot be traced (it would cut the graph at every matrix product). Outside the blocks (the
@@ -33,7 +33,7 @@ COMPILE_BACKEND = "inductor"
 
 def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
     """The decoder blocks of a Hugging Face causal LM (plain or peft-wrapped)."""
-    from rlite.training.logprobs import causal_lm_of
+    from rlite.api import causal_lm_of
 
     layers = getattr(causal_lm_of(lm).get_decoder(), "layers", None)
     if layers is None:

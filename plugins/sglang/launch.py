@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import EngineDied, EngineError
-from rlite.engines.sglang.payloads import serialize_payload
+from rlite.api import ConfigError, EngineDied, EngineError
+from rlite.plugins.sglang.payloads import serialize_payload
 
 # --------------------------------------------------------------------------------------------------
 # backends: SGLang in this process, or an HTTP server
@@ -217,7 +217,10 @@ def read_user_config(path: str) -> dict[str, Any]:
     """The user's SGLang ``--config`` file (``rollout.engine.args.config``): a YAML mapping of server flags."""
     import yaml
 
+<<<<<<< HEAD:trainer/engines/sglang/launch.py
     from rlite.errors import ConfigError  # not rlite.config: the SGLang compat venv has no omegaconf
+=======
+>>>>>>> house-plugins:plugins/sglang/launch.py
 
     try:
         with open(path) as handle:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import EngineError
+from rlite.api import EngineError
 
 try:  # torch.distributed is missing from some builds (e.g. macOS wheels without it)
     from torch.distributed._functional_collectives import AsyncCollectiveTensor

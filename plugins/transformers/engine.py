@@ -9,7 +9,7 @@ fixed ``[B, P + T]`` buffer each step (no KV cache). The trainer scores the same
 rollout log-probs equal the trainer's bit for bit (``../docs/mismatch.md``). It costs T full forwards.
 
 With a speculative draft (``draft=DraftSpec(...)``) every sample goes through
-:mod:`rlite.engines.transformers.speculative` instead: the same distribution and log-probs, fewer
+:mod:`rlite.plugins.transformers.speculative` instead: the same distribution and log-probs, fewer
 forwards of the policy (``../docs/speculative.md``).
 """
 
@@ -21,20 +21,22 @@ from pathlib import Path
 
 import torch
 
-from rlite.engines.base import (
+from rlite.api import (
     DRAFT_PREFIX,
     Completion,
     DraftSpec,
     EngineCapabilities,
     EngineError,
+    RouterHooks,
     SamplingParams,
     SpeculationStats,
+    cache_kwarg,
+    filter_logits,
+    left_pad,
+    position_ids_from_mask,
+    sample_categorical,
 )
-from rlite.engines.sampling import filter_logits, sample_categorical
-from rlite.engines.transformers.decode import DECODE_MODES, decode_cache, decode_graph, decode_static
-from rlite.hf_models import cache_kwarg
-from rlite.moe_routing import RouterHooks
-from rlite.rollout import left_pad, position_ids_from_mask
+from rlite.plugins.transformers.decode import DECODE_MODES, decode_cache, decode_graph, decode_static
 
 
 def _can_share(target: torch.Tensor, tensor: torch.Tensor, *, meta: bool = False,
@@ -80,7 +82,7 @@ class TransformersEngine:
         ``decode``: ``loop`` (a KV cache that finished rows leave: the CPU's fastest), ``generate``
         (transformers' own), ``static`` (every row kept, no host synchronisation per token) or ``graph``
         (``static`` with each token's step replayed from a CUDA graph: a GPU's fastest), see
-        :mod:`rlite.engines.transformers.decode`. ``auto_decode``: ``decode`` was chosen for the
+        :mod:`rlite.plugins.transformers.decode`. ``auto_decode``: ``decode`` was chosen for the
         engine, not by the user: a call that records MoE routing decodes with the loop, and a model whose
         step cannot be captured as a graph decodes ``static`` (said once), instead of failing."""
         if decode not in DECODE_MODES:
@@ -127,7 +129,7 @@ class TransformersEngine:
         elif self.decode == "graph" and self.device.type != "cuda":
             why = f"CUDA graphs need a CUDA device; the engine's model is on {self.device}"
         elif self.decode == "graph":
-            from rlite.engines.transformers.decode import graph_decode_refusal
+            from rlite.plugins.transformers.decode import graph_decode_refusal
 
             why = graph_decode_refusal(self.model)
         if why is not None:
@@ -494,7 +496,7 @@ def load_draft_model(draft: DraftSpec | None, attn_implementation: str = "sdpa",
     if draft is None or draft.method != "model":
         return None
     if weights_from_sync and draft.trained:
-        from rlite.hf_models import skeleton_causal_lm
+        from rlite.api import skeleton_causal_lm
 
         return skeleton_causal_lm(draft.model_path, draft.dtype, attn_implementation, device=device)
     from transformers import AutoModelForCausalLM
@@ -510,7 +512,7 @@ SPECULATIVE_METHODS = ("model", "ngram")
 
 def build_speculator(model: torch.nn.Module, draft: DraftSpec, draft_model: torch.nn.Module | None, pad_token_id: int):
     """The speculative decoder of an engine: its draft's proposer and the policy that verifies."""
-    from rlite.engines.transformers.speculative import SpeculativeDecoder, build_proposer
+    from rlite.plugins.transformers.speculative import SpeculativeDecoder, build_proposer
 
     if draft.method not in SPECULATIVE_METHODS:
         raise EngineError(

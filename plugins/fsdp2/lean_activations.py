@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlite.training.grad_accumulation import matmul_grad, vector_grad
+from rlite.api import matmul_grad, vector_grad
 
 RMSNORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
@@ -116,7 +116,7 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
 
 def apply_lean_activations(model: nn.Module, skip: tuple[nn.Module, ...] | list[nn.Module] = ()) -> dict[str, int]:
     """Swap in the lean forwards on every recognised module of ``model`` but those inside ``skip`` (blocks
-    that ``torch.compile`` takes: :mod:`rlite.backends.fsdp2.compile`); return how many of each."""
+    that ``torch.compile`` takes: :mod:`rlite.plugins.fsdp2.compile`); return how many of each."""
     counts = {"swiglu_mlp": 0, "rmsnorm": 0}
     skipped = {id(m) for block in skip for m in block.modules()}
     for module in model.modules():

@@ -4,7 +4,7 @@
 single process on a CPU (the very code path that N ranks run); gradients of several micro-batches
 accumulate in the sharded ``.grad`` of each parameter. A single process on one GPU keeps the model
 plain unless FSDP2 implements what the run asks for (``parallelism.shard_single_process=auto``,
-:func:`rlite.backends.fsdp2.sharding.shards_single_process`); a plain model's weight gradients are added
+:func:`rlite.plugins.fsdp2.sharding.shards_single_process`); a plain model's weight gradients are added
 into ``.grad`` in place (:mod:`rlite.training.grad_accumulation`). Log-probs are returned on the device
 the model computes on, where the loss is computed (:func:`policy_logprobs`).
 """
@@ -19,21 +19,29 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from rlite.backends.fsdp2.compile import compile_decoder_blocks, decoder_blocks
-from rlite.backends.fsdp2.sharding import load_sharded
-from rlite.config import CriticConfig, ModelConfig, ParallelismConfig, TrainingConfig
-from rlite.hf_models import apply_lora
-from rlite.rollout import ModelInputs, RolloutBatch, model_inputs, pad_to_width
-from rlite.training.backend import (
+from rlite.api import (
     BackendBase,
     BackendCapabilities,
+    CriticConfig,
+    ForwardPlan,
     ForwardSpec,
     LoraAdapter,
+    ModelConfig,
+    ModelInputs,
+    ParallelismConfig,
+    PolicyModel,
+    RolloutBatch,
+    TrainingConfig,
+    apply_lora,
+    build_lr_scheduler,
+    causal_lm_of,
+    model_inputs,
     optimizer_state_bytes_to_come,
+    pad_to_width,
+    to_device,
 )
-from rlite.training.device import to_device
-from rlite.training.logprobs import ForwardPlan, PolicyModel, causal_lm_of
-from rlite.training.schedule import build_lr_scheduler
+from rlite.plugins.fsdp2.compile import compile_decoder_blocks, decoder_blocks
+from rlite.plugins.fsdp2.sharding import load_sharded
 
 
 def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any]) -> None:
@@ -49,14 +57,14 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
                  compile_blocks: bool = False):  # fmt: skip
     """The policy (``trainable``) or the frozen reference model, loaded sharded (:func:`load_sharded`).
     ``compile_blocks`` (``training.compile``, the policy only): each decoder block through ``torch.compile``
-    (:mod:`rlite.backends.fsdp2.compile`), where lean activations and in-place accumulation stay out."""
+    (:mod:`rlite.plugins.fsdp2.compile`), where lean activations and in-place accumulation stay out."""
 
     def wrap(lm: nn.Module) -> PolicyModel:
         if trainable and model_cfg.lora.enabled:
             lm = apply_lora(lm, model_cfg.lora)
         compiled = decoder_blocks(lm) if compile_blocks else []
         if par_cfg.lean_activations and trainable:
-            from rlite.backends.fsdp2.lean_activations import apply_lean_activations
+            from rlite.plugins.fsdp2.lean_activations import apply_lean_activations
 
             apply_lean_activations(lm, skip=compiled)
         lm.config.use_cache = False
@@ -73,7 +81,7 @@ def build_policy(model_cfg: ModelConfig, par_cfg: ParallelismConfig, device: tor
 
     policy = load_sharded(model_cfg, par_cfg, device, wrap)
     if trainable and par_cfg.fused_grad_accumulation and not isinstance(policy, FSDPModule):
-        from rlite.training.grad_accumulation import accumulate_in_place
+        from rlite.api import accumulate_in_place
 
         accumulate_in_place(policy, skip=decoder_blocks(policy.lm) if compile_blocks else ())
     return policy
@@ -157,7 +165,7 @@ class FSDP2Backend(BackendBase):
         params = [p for p in policy.parameters() if p.requires_grad]
         adamw = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
         if train_cfg.optimizer_offload == "disk":
-            from rlite.training.optim_offload import DiskOffloadAdamW
+            from rlite.api import DiskOffloadAdamW
 
             if offload_dir is None:
                 raise ValueError("training.optimizer_offload=disk: the backend was built without a folder for the moments")
@@ -179,14 +187,14 @@ class FSDP2Backend(BackendBase):
 
     # -- weights out ------------------------------------------------------------------------------
     def full_weights(self, *, views: bool = False):
-        from rlite.backends.fsdp2.weights import iter_full_tensors
+        from rlite.plugins.fsdp2.weights import iter_full_tensors
 
         return iter_full_tensors(self.model.lm, lora_merge=self.lora, views=views and not self.lora)
 
     def lora_adapter(self) -> LoraAdapter | None:
         if not self.lora:
             return None
-        from rlite.backends.fsdp2.weights import iter_lora_adapter_tensors, lora_adapter_config
+        from rlite.plugins.fsdp2.weights import iter_lora_adapter_tensors, lora_adapter_config
 
         return LoraAdapter(iter_lora_adapter_tensors(self.model.lm), lora_adapter_config(self.model.lm))
 
@@ -198,7 +206,7 @@ class FSDP2Backend(BackendBase):
         return FrozenPolicy(build_policy(self.model_cfg, self.par_cfg, self.device, trainable=False), self.device)
 
     def build_critic(self, cfg: CriticConfig):
-        from rlite.backends.fsdp2.critic import Critic
+        from rlite.plugins.fsdp2.critic import Critic
 
         critic = Critic.build(self.model_cfg, self.par_cfg, cfg, self.device)
         self.critics.append(critic)

@@ -28,7 +28,7 @@ uint8 buffer, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx
 (``numel`` and the indices count bytes). The buffer is rlite's :func:`pack_bucket` layout, each tensor
 at a 64-byte-aligned offset, so every ``view(dtype)`` on the receiving side is aligned. A CUDA buffer
 pickles to a CUDA-IPC handle (no copy) that names its GPU by UUID, as SGLang's patched reductions do
-(:func:`~rlite.engines.sglang.payloads.reduce_tensor_by_device_uuid`). Tensors travel in the engine's
+(:func:`~rlite.plugins.sglang.payloads.reduce_tensor_by_device_uuid`). Tensors travel in the engine's
 dtype (the sync casts them: ``EngineCapabilities.weight_dtype``), or as FP8 with block scales when the
 engine runs quantized rollouts (``quantization_config``). A fresh buffer is made for every bucket and dropped after
 SGLang has loaded it: SGLang does not synchronize the device before answering, so reusing a buffer
@@ -43,8 +43,8 @@ on different GPUs: NCCL refuses two ranks of one communicator on the same device
 layout, so it does not use that path.)
 
 An engine may run on the GPUs of several trainer ranks (``group``,
-:mod:`rlite.engines.sglang.group`): this rank drives it, the others hand it their prompts and their
-weight payloads, and TP rank i loads trainer rank i's (:mod:`rlite.engines.sglang.placement` lays the
+:mod:`rlite.plugins.sglang.group`): this rank drives it, the others hand it their prompts and their
+weight payloads, and TP rank i loads trainer rank i's (:mod:`rlite.plugins.sglang.placement` lays the
 engines out).
 
 Adapter-only LoRA sync (:meth:`SGLangEngine.update_lora_adapter`) works in both modes: the adapter goes
@@ -53,7 +53,7 @@ through ``load_lora_adapter_from_tensors`` under a versioned name, and every req
 
 A speculative draft (``draft=DraftSpec(...)``) becomes SGLang's ``STANDALONE`` / ``EAGLE`` / ``NGRAM``
 arguments; a trained draft's weights follow the policy's in a session of their own (``selector``),
-and acceptance is read from every request's ``meta_info`` (:mod:`rlite.engines.sglang.speculative`).
+and acceptance is read from every request's ``meta_info`` (:mod:`rlite.plugins.sglang.speculative`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from rlite.engines.base import (
+from rlite.api import (
     Completion,
     DraftSpec,
     EngineCapabilities,
@@ -74,9 +74,9 @@ from rlite.engines.base import (
     SamplingParams,
     SpeculationStats,
 )
-from rlite.engines.sglang.group import EngineGroup, generate_for_group
-from rlite.engines.sglang.launch import InProcessBackend, ServerBackend
-from rlite.engines.sglang.payloads import (
+from rlite.plugins.sglang.group import EngineGroup, generate_for_group
+from rlite.plugins.sglang.launch import InProcessBackend, ServerBackend
+from rlite.plugins.sglang.payloads import (
     REST_TAGS,
     WEIGHT_TAGS,
     check_reply,
@@ -86,7 +86,7 @@ from rlite.engines.sglang.payloads import (
     sampling_params_for,
     sglang_metadata_cls,
 )
-from rlite.engines.sglang.speculative import (
+from rlite.plugins.sglang.speculative import (
     speculation_from_outputs,
     speculative_server_args,
     sync_policy_and_draft,
@@ -136,14 +136,14 @@ class SGLangEngine:
         ``routed_experts = (num_hidden_layers, top_k)`` of an MoE model starts SGLang with
         ``enable_return_routed_experts`` so that a rollout can report every token's experts.
         ``dtype`` is resolved as SGLang resolves it (``"auto"``: the checkpoint's) and passed explicitly;
-        weights are sent in it. ``base_gpu_id``: the GPU of TP rank 0 (:mod:`rlite.engines.sglang.placement`).
+        weights are sent in it. ``base_gpu_id``: the GPU of TP rank 0 (:mod:`rlite.plugins.sglang.placement`).
         ``quantization_config``: the Hugging Face ``quantization_config`` of the pre-quantized weights the
         engine is sent (rollout quantization); the engine starts with it as a model override and runs
         quantized kernels. ``verify_weights``: after every sync, compare SGLang's checksums of the tensors
         it holds unchanged with the sent bytes. ``group``: the trainer ranks on the engine's GPUs (this
         rank leads; the others' prompts and payloads come through it). ``backend`` replaces SGLang
         altogether (tests). ``draft`` starts SGLang with speculative decoding
-        (:mod:`rlite.engines.sglang.speculative`).
+        (:mod:`rlite.plugins.sglang.speculative`).
         """
         self.routing_layout = routed_experts
         self.draft = draft
@@ -368,7 +368,7 @@ W8A8-INT8 replaces its weight with a transposed copy and has no ``restore_weight
 
 
 def check_reloadable_quantization(quantization_config: dict[str, Any]) -> None:
-    from rlite.config import ConfigError  # not at module level: the SGLang compat venv has no omegaconf
+    from rlite.api import ConfigError
 
     method = quantization_config.get("quant_method")
     if method not in RELOADABLE_QUANTIZATION:
@@ -383,7 +383,7 @@ def check_reloadable_quantization(quantization_config: dict[str, Any]) -> None:
 def with_quantization_config(overrides: str | dict | None, quantization_config: dict[str, Any]) -> str:
     """SGLang's ``json_model_override_args`` with ``quantization_config`` set (a user's other overrides
     kept): the engine then builds FP8 linear layers from a checkpoint config that declares none."""
-    from rlite.config import ConfigError
+    from rlite.api import ConfigError
 
     merged = json.loads(overrides) if isinstance(overrides, str) else dict(overrides or {})
     if "quantization_config" in merged and merged["quantization_config"] != quantization_config:

@@ -31,8 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlite.config import ConfigError
-from rlite.engines.placement import RankDevice
+from rlite.api import ConfigError, RankDevice
 
 GIB = 1 << 30
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlite.engines.base import DRAFT_PREFIX, DraftSpec, EngineError, SpeculationStats
+from rlite.api import DRAFT_PREFIX, DraftSpec, EngineError, SpeculationStats
 
 ALGORITHMS = {"model": "STANDALONE", "eagle": "EAGLE", "ngram": "NGRAM"}
 """``DraftSpec.method`` -> SGLang's ``speculative_algorithm``."""
@@ -80,11 +80,11 @@ def split_draft_stream(
 def sync_policy_and_draft(
     engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, draft: DraftSpec | None, **common
 ) -> None:
-    """:func:`~rlite.engines.sglang.payloads.sync_weights` for an engine that may run a draft worker: the
+    """:func:`~rlite.plugins.sglang.payloads.sync_weights` for an engine that may run a draft worker: the
     policy with ``selector="target"`` (checked against SGLang's checksums when ``common`` has a
     ``tensor_hash``), a trained draft's tensors with ``selector="draft"``, then the version once. Without
     a draft worker, one session to SGLang's default selector. ``engine`` is None on a group's members."""
-    from rlite.engines.sglang.payloads import set_weight_version, sync_weights
+    from rlite.plugins.sglang.payloads import set_weight_version, sync_weights
 
     if not has_draft_weights(draft):
         sync_weights(engine, named_tensors, version, **common)
