@@ -217,11 +217,6 @@ def read_user_config(path: str) -> dict[str, Any]:
     """The user's SGLang ``--config`` file (``rollout.engine.args.config``): a YAML mapping of server flags."""
     import yaml
 
-<<<<<<< HEAD:trainer/engines/sglang/launch.py
-    from rlite.errors import ConfigError  # not rlite.config: the SGLang compat venv has no omegaconf
-=======
->>>>>>> house-plugins:plugins/sglang/launch.py
-
     try:
         with open(path) as handle:
             settings = yaml.safe_load(handle)
