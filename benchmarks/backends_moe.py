@@ -35,22 +35,24 @@ CHILD = r"""
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
 import rlite.loop as loop
+import rlite.run.policy as policy
 from rlite.config import load_config
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.recorder import Recorder
 # CPU seconds (one thread: the process's own work, much less sensitive to a loaded machine than wall
-# time): at each step's log_metrics, and of each policy update
+# time): at each metrics row logged, and of each policy update
 marks, train_cpu = [], []
-log_metrics, update_policy = loop.log_metrics, loop.update_policy
-def timed_log_metrics(*args, **kwargs):
+log_row, update_policy = Recorder.log, policy.update_policy
+def timed_log_row(self, *args, **kwargs):
     marks.append(time.process_time())
-    return log_metrics(*args, **kwargs)
+    return log_row(self, *args, **kwargs)
 def timed_update_policy(*args, **kwargs):
     start = time.process_time()
     try:
         return update_policy(*args, **kwargs)
     finally:
         train_cpu.append(time.process_time() - start)
-loop.log_metrics, loop.update_policy = timed_log_metrics, timed_update_policy
+Recorder.log, policy.update_policy = timed_log_row, timed_update_policy
 spec = json.loads(sys.argv[1])
 pm = build_plugin_manager()
 cfg = load_config(spec["config"], spec["overrides"], pm)

@@ -51,7 +51,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -167,8 +167,7 @@ def final_eval_worker(name: str, run_dir: Path, steps: int, seed: int) -> None:
     try:
         assert run.start_step == steps, f"loaded step {run.start_step}, expected {steps}"
         result = {"rollout_weights": evaluate(run, steps)}
-        run.quantizer = None
-        run.sync_weights(version=steps + 1)
+        replace(run.weight_sync, quantizer=None).send(run.engine, steps + 1)  # the trainer's fp32 weights
         result["trainer_fp32_weights"] = evaluate(run, steps)
     finally:
         run.engine.shutdown()

@@ -37,7 +37,7 @@ def varied_batch(seed: int = 0):
     import torch
 
     from rlite.engines.base import Completion
-    from rlite.rollout import build_rollout_batch
+    from rlite.rollout import ScoredBatch, Scores, build_rollout_batch
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 250, (int(torch.randint(8, 41, (1,), generator=g)),), generator=g).tolist()
@@ -50,8 +50,8 @@ def varied_batch(seed: int = 0):
             ids = torch.randint(3, 250, (length,), generator=g).tolist()
             completions.append(Completion(p, ids, [0.0] * length, "stop", 0))
     batch = build_rollout_batch(prompts, completions, [{"answer": ""}] * 16, 0, pad_token_id=0)
-    batch.scores = torch.randint(0, 3, (len(completions),), generator=g).float()
-    return batch
+    scores = torch.randint(0, 3, (len(completions),), generator=g).float()
+    return ScoredBatch.of(batch, Scores(scores=scores, correct=scores > 0, reward_components=scores[:, None]))
 
 
 def child(mode: str, steps: int, micro: int, budget: int, hidden: int, layers: int) -> dict:
@@ -80,14 +80,14 @@ def child(mode: str, steps: int, micro: int, budget: int, hidden: int, layers: i
     batch = varied_batch()
     advantages, returns = grpo.implementation(AdvantageInput(batch.scores, batch.group_ids, batch.response_mask),
                                               grpo.config_cls())
-    batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
+    targets = TrainTargets(advantages, returns, batch.response_mask.clone())
     spec = ForwardSpec(micro_batch_size=micro, temperature=1.0, chunk_size=256, exact_layout=False,
                        pack_sequences=mode != "padded", max_tokens_per_micro_batch=budget if mode == "packed+budget" else 0)
     loss = LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), "token-mean", None, None, 0.0, 0.0)
     times, cpu, metrics = [], [], {}
     for step in range(steps + 1):
         start, start_cpu = time.perf_counter(), time.process_time()
-        metrics, _ = update_policy(backend, batch, spec, loss, minibatches=1, epochs=1, dp_size=1)
+        metrics = update_policy(backend, batch, targets, spec, loss, minibatches=1, epochs=1, dp_size=1).metrics
         if step:
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)

@@ -62,8 +62,8 @@ SETTINGS = {
 
 
 def fixed_job(shape: dict, vocab: int, seed: int = 0):
-    """The job's batch: ``prompts`` prompts of random length, ``group`` completions of exactly ``response``
-    tokens each, GRPO advantages of random rewards (every sequence in the loss)."""
+    """The job's batch and its targets: ``prompts`` prompts of random length, ``group`` completions of exactly
+    ``response`` tokens each, GRPO advantages of random rewards (every sequence in the loss)."""
     import torch
 
     from rlite.algorithms import AdvantageInput
@@ -78,12 +78,11 @@ def fixed_job(shape: dict, vocab: int, seed: int = 0):
                               [0.0] * shape["response"], "length", 0)
                    for p in range(len(prompts)) for _ in range(shape["group"])]
     batch = build_rollout_batch(prompts, completions, [{}] * len(prompts), 0, pad_token_id=0)
-    batch.scores = torch.rand(len(batch), generator=g, dtype=torch.float64)
+    scores = torch.rand(len(batch), generator=g, dtype=torch.float64)
     grpo = build_plugin_manager(autoload=False).registry("advantage_estimator").get("grpo")
-    advantages, returns = grpo.implementation(AdvantageInput(batch.scores, batch.group_ids, batch.response_mask),
+    advantages, returns = grpo.implementation(AdvantageInput(scores, batch.group_ids, batch.response_mask),
                                               grpo.config_cls())
-    batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
-    return batch
+    return batch, TrainTargets(advantages, returns, batch.response_mask.clone())
 
 
 def child(spec: dict) -> dict:
@@ -95,7 +94,7 @@ def child(spec: dict) -> dict:
     from rlite.distributed import init_distributed
     from rlite.plugin_manager import build_plugin_manager
     from rlite.plugins.fsdp2.backend import FSDP2Backend
-    from rlite.run.build import forward_spec
+    from rlite.run.policy import forward_spec
     from rlite.stages.update import LossSpec, update_policy
     from rlite.tokenizer import build_tiny_model_dir
 
@@ -114,7 +113,7 @@ def child(spec: dict) -> dict:
     fwd = forward_spec(cfg, ctx.device.type, backend.capabilities)
     ppo = pm.registry("policy_loss").get("ppo_clip")
     loss = LossSpec(ppo.implementation, ppo.config_cls(), "token-mean", float(shape["response"]), None, 0.0, 0.0)
-    batch = fixed_job(shape, shape["model"]["vocab_size"])
+    batch, targets = fixed_job(shape, shape["model"]["vocab_size"])
     tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())
     cuda = ctx.device.type == "cuda"
     seconds = []
@@ -122,7 +121,7 @@ def child(spec: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        metrics, _ = update_policy(backend, batch, fwd, loss, minibatches=1, epochs=1, dp_size=1)
+        metrics = update_policy(backend, batch, targets, fwd, loss, minibatches=1, epochs=1, dp_size=1).metrics
         if cuda:
             torch.cuda.synchronize()
         if step >= spec["warmup"]:

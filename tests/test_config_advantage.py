@@ -6,15 +6,14 @@ through that function, so they agree."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 
 from rlite.api import hookimpl
 from rlite.config import ConfigError, load_config
 from rlite.config.advantage import advantage_choice
-from rlite.loop import group_relative
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.recorder import group_relative
 
 BASE = ["model.path=x", "data.task=addition"]
 
@@ -60,7 +59,7 @@ def test_the_declarations_read_in_one_place(pm, overrides, needs_group, group_ba
             advantage.needs_critic, advantage.needs_greedy_baseline) == (needs_group, group_baseline, optional, critic,
                                                                          greedy)  # fmt: skip
     # the loop watches exactly the estimators whose baseline is the group's
-    assert group_relative(SimpleNamespace(pm=pm, config=cfg)) is group_baseline
+    assert group_relative(cfg, pm) is group_baseline
 
 
 def test_one_sample_per_prompt_is_refused_only_where_the_options_need_a_group(pm):

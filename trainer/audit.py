@@ -263,7 +263,7 @@ class Probe:
 
         self.run = run
         probe = self
-        loss_fn = run.loss.policy_loss
+        loss_fn = run.policy.loss.policy_loss
 
         def recording_loss(logprobs, old_logprobs, advantages, response_mask, cfg):
             if probe.first_call:
@@ -272,8 +272,8 @@ class Probe:
                 probe.ratio_gaps.append(float(gap))
             return loss_fn(logprobs, old_logprobs, advantages, response_mask, cfg)
 
-        run.loss.policy_loss = recording_loss
-        train_mode = run.backend.train_mode
+        run.policy.loss.policy_loss = recording_loss
+        train_mode = run.policy.backend.train_mode
 
         def arming_train_mode():
             # update_policy's first call, once a step, on the thread that trains: the next loss call is the
@@ -282,7 +282,7 @@ class Probe:
             probe.first_call = True
             return train_mode()
 
-        run.backend.train_mode = arming_train_mode
+        run.policy.backend.train_mode = arming_train_mode
         engine = run.engine
         update_weights, update_lora = engine.update_weights, getattr(engine, "update_lora_adapter", None)
 
@@ -303,11 +303,8 @@ class Probe:
         class Hooks:
             @hookimpl
             def after_weight_sync(self, step, weight_version, engine):
-                from rlite.stages.sync import sync_weights_to_engine
-
                 recorder = RecordingEngine(engine.capabilities)
-                sync_weights_to_engine(recorder, run.backend, lora_sync=run.config.rollout.lora_sync,
-                                       quantizer=run.quantizer, version=weight_version, draft=run.draft)
+                run.weight_sync.send(recorder, weight_version)
                 probe.syncs.append((step, engine.weight_version, recorder.digest == probe.received))
 
         self.hooks = Hooks()
@@ -338,7 +335,7 @@ def replica_run(cfg: RunConfig, pm, probe: Probe | None = None) -> list[dict[str
                 if probe is not None:
                     probe.remove()
                 run.engine.shutdown()
-                run.backend.close()
+                run.policy.close()
         finished = True
     finally:
         shutdown_distributed(ctx, finished=finished)
@@ -400,20 +397,20 @@ def update_worker(rank: int, world_size: int, init_file: str, out_file: str, spe
             reward_weights=torch.ones(1, dtype=torch.float64),
         ), estimator_cfg)
         ref = -torch.rand(len(batch), width, generator=g) * 3 * batch.response_mask
-        batch.targets = TrainTargets(advantages.float(), returns.float(), batch.response_mask.clone(),
-                                     ref_logprobs=ref if spec.kl[1] else None)
+        targets = TrainTargets(advantages.float(), returns.float(), batch.response_mask.clone(),
+                               ref_logprobs=ref if spec.kl[1] else None)
         layout = backend.data_layout()
         per_rank = len(batch) // layout.size
-        local = batch.select(slice(layout.rank * per_rank, (layout.rank + 1) * per_rank))
+        mine = slice(layout.rank * per_rank, (layout.rank + 1) * per_rank)
         policy_loss, policy_cfg = spec.policy_loss
-        metrics, _ = update_policy(
-            backend, local,
+        metrics = update_policy(
+            backend, batch.select(mine), targets.select(mine),
             ForwardSpec(micro_batch_size=micro, temperature=1.0, chunk_size=16, exact_layout=False),
             LossSpec(policy_loss, policy_cfg, cfg.algorithm.loss_agg_mode,
                      float(cfg.algorithm.loss_agg_horizon or cfg.rollout.max_new_tokens), spec.kl[0], spec.kl[1],
                      cfg.algorithm.entropy_coef),
             minibatches=1, epochs=1, dp_size=layout.size, dp_group=layout.group,
-        )
+        ).metrics
         params = {name: t.detach().clone() for name, t in backend.full_weights()}
         if rank == 0:
             torch.save({"metrics": metrics, "params": params}, out_file)
@@ -489,9 +486,6 @@ def check_formulas(cfg: RunConfig, pm) -> list[Check]:
 
 def run_audit(config_path: str | None, overrides: list[str], pm, workdir: Path | None = None) -> tuple[list[Check], str]:
     """All checks of the module docstring; returns them and the replica's note."""
-    from rlite.config.advantage import advantage_choice
-    from rlite.plugin_manager import resolve_choice
-
     base = load_config(config_path, overrides, pm=pm)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="rlite-audit-"))
     model_dir, note = build_replica_model(model_family(base.model), workdir / "model")
@@ -502,23 +496,44 @@ def run_audit(config_path: str | None, overrides: list[str], pm, workdir: Path |
         return load_config(config_path, [*overrides, *adjusted, *replica_overrides(base, model_dir, workdir / run_dir, steps)],
                            pm=pm)
 
-    checks: list[Check] = []
     straight_cfg = replica("straight", 3)
     probe = Probe()
     try:
         straight = replica_run(straight_cfg, pm, probe)
     except (ConfigError, RuntimeError, ValueError, OSError, ImportError) as exc:
         return [Check("replica run", FAIL, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")], note
-    algo = straight_cfg.algorithm
-    if algo.old_logprob_mode == "bypass" and not straight_cfg.rollout.true_on_policy:
-        checks.append(Check("on-policy ratio", SKIP, "bypass mode: pi_old is the engine's (ratio pi/pi_rollout)"))
-    else:
-        worst = max(probe.ratio_gaps, default=math.inf)
-        checks.append(Check("on-policy ratio", PASS if worst == 0.0 and len(probe.ratio_gaps) == 3 else FAIL,
-                            f"max |lp - old| in each step's first micro-batch: {probe.ratio_gaps}"))
+    checks = [ratio_check(straight_cfg, probe)]
+    checks += invariance_checks(straight_cfg, pm, workdir)
+    checks.append(sync_check(base, straight_cfg, probe))
+    checks.append(mismatch_check(base, straight_cfg, straight))
+    checks.extend(check_formulas(straight_cfg, pm))
+    replica_run(replica("resumed", 2), pm)
+    resumed = replica_run(replica("resumed", 3), pm)
+    same = comparable(resumed) == comparable(straight)
+    differing = sorted({k for a, b in zip(comparable(resumed), comparable(straight)) for k in a if a.get(k) != b.get(k)})
+    checks.append(Check("resume == uninterrupted (3 steps)", PASS if same else FAIL,
+                        "metrics of every step identical" if same else f"differ in {differing[:6]}"))
+    return checks, note
 
+
+def ratio_check(cfg: RunConfig, probe: Probe) -> Check:
+    """The PPO ratio of each step's first micro-batch is exactly 1 (unless pi_old is the engine's)."""
+    if cfg.algorithm.old_logprob_mode == "bypass" and not cfg.rollout.true_on_policy:
+        return Check("on-policy ratio", SKIP, "bypass mode: pi_old is the engine's (ratio pi/pi_rollout)")
+    worst = max(probe.ratio_gaps, default=math.inf)
+    return Check("on-policy ratio", PASS if worst == 0.0 and len(probe.ratio_gaps) == 3 else FAIL,
+                 f"max |lp - old| in each step's first micro-batch: {probe.ratio_gaps}")
+
+
+def invariance_checks(cfg: RunConfig, pm, workdir: Path) -> list[Check]:
+    """One optimizer step of the configured backend, estimator, loss and KL: world size 2 equals 1, and 4
+    micro-batches equal 1 (in float32 when the run computes in a lower precision)."""
+    from rlite.config.advantage import advantage_choice
+    from rlite.plugin_manager import resolve_choice
+
+    algo = cfg.algorithm
     spec = UpdateSpec(
-        cfg=straight_cfg,
+        cfg=cfg,
         estimator=advantage_choice(algo, pm.registries).resolved,
         policy_loss=resolve_choice(pm.registry("policy_loss"), algo.policy_loss),
         kl=(pm.registry("kl_estimator").get(algo.kl.estimator).implementation,
@@ -526,12 +541,12 @@ def run_audit(config_path: str | None, overrides: list[str], pm, workdir: Path |
     )
     spec.cfg.training.lr, spec.cfg.training.eps, spec.cfg.training.grad_clip = 1e-2, 1.0, 0.0
     precision = ""
-    dtypes = {straight_cfg.model.dtype, straight_cfg.parallelism.param_dtype, straight_cfg.parallelism.reduce_dtype}
+    dtypes = {cfg.model.dtype, cfg.parallelism.param_dtype, cfg.parallelism.reduce_dtype}
     if dtypes != {"float32"}:  # equal only up to the rounding of a reordered bf16 sum: the check runs in float32
         precision = (f"in float32 (the run computes in {'/'.join(sorted(dtypes - {'float32'}))}, whose rounding of "
                      "reordered sums is beyond these tolerances); ")
         spec.cfg.model.dtype = spec.cfg.parallelism.param_dtype = spec.cfg.parallelism.reduce_dtype = "float32"
-    whole = None
+    checks, whole = [], None
     for name, world_size, micro, what in (
         ("world size 2 == world size 1", 2, 4, "2 ranks x 2 micro-batches vs 1 x 1"),
         (f"micro-batch x accumulation ({algo.loss_agg_mode})", 1, 4, "4 micro-batches of 4 vs 1 of 16"),
@@ -542,42 +557,40 @@ def run_audit(config_path: str | None, overrides: list[str], pm, workdir: Path |
         except Exception as exc:  # a rank that fails: the row says why
             ok, text = False, f"the step failed: {type(exc).__name__}: {str(exc).splitlines()[-1] if str(exc) else ''}"
         checks.append(Check(name, PASS if ok else FAIL, f"{precision}{what}: {text}"))
+    return checks
 
+
+def sync_check(base: RunConfig, cfg: RunConfig, probe: Probe) -> Check:
+    """Every step's sync reached the engine as that step's version, every byte as sent."""
     versions_ok = [version == step for step, version, _ in probe.syncs]
     digests_ok = [same for _, _, same in probe.syncs]
-    configured_engine, engine = base.rollout.engine.name, straight_cfg.rollout.engine.name
+    configured_engine, engine = base.rollout.engine.name, cfg.rollout.engine.name
     stand_in = f" ({engine} engine standing in for {configured_engine}: its sync path is not exercised)" \
         if engine != configured_engine else ""
-    checks.append(Check("weight sync: version and checksum", PASS if probe.syncs and all(versions_ok) and all(digests_ok)
-                        and len(probe.syncs) == 3 else FAIL,
-                        f"steps {[s for s, _, _ in probe.syncs]}: engine versions {[v for _, v, _ in probe.syncs]}, "
-                        f"sha256 of received == sent {digests_ok}{stand_in}"))
+    return Check("weight sync: version and checksum", PASS if probe.syncs and all(versions_ok) and all(digests_ok)
+                 and len(probe.syncs) == 3 else FAIL,
+                 f"steps {[s for s, _, _ in probe.syncs]}: engine versions {[v for _, v, _ in probe.syncs]}, "
+                 f"sha256 of received == sent {digests_ok}{stand_in}")
 
-    kls = [row.get("mismatch/k3_kl", math.nan) for row in straight if "reward/mean" in row]
-    bitwise = [row.get("mismatch/bitwise_equal_fraction", math.nan) for row in straight if "reward/mean" in row]
-    bound = 5e-2 if straight_cfg.rollout.quantization.name != "none" else 1e-3
-    if straight_cfg.rollout.true_on_policy:
+
+def mismatch_check(base: RunConfig, cfg: RunConfig, rows: list[dict[str, Any]]) -> Check:
+    """The engine's log-probs against the trainer's, each step: bitwise equal (true on-policy) or within a k3 KL
+    bound; skipped when another engine stood in for the configured one."""
+    kls = [row.get("mismatch/k3_kl", math.nan) for row in rows if "reward/mean" in row]
+    bitwise = [row.get("mismatch/bitwise_equal_fraction", math.nan) for row in rows if "reward/mean" in row]
+    bound = 5e-2 if cfg.rollout.quantization.name != "none" else 1e-3
+    if cfg.rollout.true_on_policy:
         ok = all(b == 1.0 for b in bitwise)
     else:
         ok = all(math.isfinite(k) and k <= bound for k in kls)
-    measured = (f"k3 KL per step {[f'{k:.2e}' for k in kls]} (bound {'bitwise' if straight_cfg.rollout.true_on_policy else bound}), "
+    measured = (f"k3 KL per step {[f'{k:.2e}' for k in kls]} (bound {'bitwise' if cfg.rollout.true_on_policy else bound}), "
                 f"bitwise-equal fraction {[round(b, 3) for b in bitwise]}")
+    configured_engine, engine = base.rollout.engine.name, cfg.rollout.engine.name
+    quantizer = cfg.rollout.quantization.name
     if engine != configured_engine:  # the stand-in's numbers say nothing about the configured engine's kernels
-        checks.append(Check(f"mismatch ({configured_engine}, quantizer {straight_cfg.rollout.quantization.name})", SKIP,
-                            f"{configured_engine} did not run in the replica; the {engine} engine standing in measured {measured}"))
-    else:
-        checks.append(Check(f"mismatch ({engine}, quantizer {straight_cfg.rollout.quantization.name})",
-                            PASS if ok and kls else FAIL, measured))
-
-    checks.extend(check_formulas(straight_cfg, pm))
-
-    replica_run(replica("resumed", 2), pm)
-    resumed = replica_run(replica("resumed", 3), pm)
-    same = comparable(resumed) == comparable(straight)
-    differing = sorted({k for a, b in zip(comparable(resumed), comparable(straight)) for k in a if a.get(k) != b.get(k)})
-    checks.append(Check("resume == uninterrupted (3 steps)", PASS if same else FAIL,
-                        "metrics of every step identical" if same else f"differ in {differing[:6]}"))
-    return checks, note
+        return Check(f"mismatch ({configured_engine}, quantizer {quantizer})", SKIP,
+                     f"{configured_engine} did not run in the replica; the {engine} engine standing in measured {measured}")
+    return Check(f"mismatch ({engine}, quantizer {quantizer})", PASS if ok and kls else FAIL, measured)
 
 
 def print_table(checks: list[Check], title: str) -> None:

@@ -395,17 +395,42 @@ def build_prompt_set(
         raise ValueError(f"{key}: {source} holds no rows")
     where = where or (lambda i: f"{source} row {i + 1}")
     columns = list(rows[0])
+    check_columns(rows[0], source=source, key=key, prompt_key=prompt_key, answer_key=answer_key)
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.chat_template is true but the tokenizer has no chat template; set it to false")
+    kept = formatted_prompts(rows, tokenizer, source=source, key=key, prompt_key=prompt_key, answer_key=answer_key,
+                             chat_template=chat_template, system_prompt=system_prompt, where=where)
+    items = tokenized_items(rows, kept, tokenizer, source=source, max_prompt_tokens=max_prompt_tokens)
+    if not items:
+        if not kept:
+            raise ValueError(f"{key}: every prompt of {source} is empty (column {prompt_key!r})")
+        raise ValueError(
+            f"{key}: every prompt of {source} is longer than data.max_prompt_tokens={max_prompt_tokens}"
+        )
+    logger.info("%s: %d prompts", source, len(items))
+    return PromptSet(items=items, source=source, num_dropped=len(rows) - len(items), columns=columns)
+
+
+def check_columns(first: dict[str, Any], *, source: str, key: str, prompt_key: str, answer_key: str) -> None:
+    """The prompt and answer columns (dotted paths into nested columns too) are in the ``first`` row."""
+    columns = list(first)
     for column, setting in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
         try:
-            column_value(rows[0], column)
+            column_value(first, column)
         except KeyError as exc:
             nested = f": {exc.args[0]}" if "." in column and column.split(".")[0] in columns else ""
             raise ValueError(
                 f"{key}: {source} has no column {column!r} ({setting}){nested}. Columns present: {', '.join(columns)}."
             ) from None
-    if chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("data.chat_template is true but the tokenizer has no chat template; set it to false")
-    kept: list[tuple[int, Any, Any, str]] = []  # (row index, prompt, answer, text)
+
+
+def formatted_prompts(
+    rows: Sequence[dict[str, Any]], tokenizer, *, source: str, key: str, prompt_key: str, answer_key: str,
+    chat_template: bool, system_prompt: str | None, where: Callable[[int], str],
+) -> list[tuple[int, Any, Any, str]]:
+    """``(row index, prompt, answer, text)`` of every row whose prompt is not empty (the empty ones are counted
+    in a warning); ``text``: the prompt as the model sees it (:func:`format_prompt`)."""
+    kept: list[tuple[int, Any, Any, str]] = []
     empty: list[int] = []
     for i, row in enumerate(rows):
         try:
@@ -427,6 +452,13 @@ def build_prompt_set(
             "%s: dropped %d of %d rows whose prompt (%s) is empty, the first at %s",
             source, len(empty), len(rows), prompt_key, where(empty[0]),
         )  # fmt: skip
+    return kept
+
+
+def tokenized_items(rows: Sequence[dict[str, Any]], kept: list[tuple[int, Any, Any, str]], tokenizer, *,
+                    source: str, max_prompt_tokens: int) -> list[PromptItem]:
+    """The ``kept`` prompts tokenised, those over ``max_prompt_tokens`` dropped (counted in a warning); each
+    item's row gets the prompt under ``"prompt"`` and the answer under ``"answer"``."""
     all_ids = tokenizer([text for *_, text in kept], add_special_tokens=False)["input_ids"] if kept else []
     items = []
     too_long = 0
@@ -446,14 +478,7 @@ def build_prompt_set(
             len(rows),
             max_prompt_tokens,
         )
-    if not items:
-        if not kept:
-            raise ValueError(f"{key}: every prompt of {source} is empty (column {prompt_key!r})")
-        raise ValueError(
-            f"{key}: every prompt of {source} is longer than data.max_prompt_tokens={max_prompt_tokens}"
-        )
-    logger.info("%s: %d prompts", source, len(items))
-    return PromptSet(items=items, source=source, num_dropped=len(rows) - len(items), columns=columns)
+    return items
 
 
 def _describe(spec: str | Sequence[str]) -> str:

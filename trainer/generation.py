@@ -338,7 +338,7 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path, out_dir: Path) -> None:
     from rlite.run.build import load_tokenizer
     from rlite.run.checkpoint import load_checkpoint
     from rlite.run.export import export_hf
-    from rlite.run.lifecycle import model_state
+    from rlite.run.policy import model_state
 
     pm = build_manager()
     ctx = init_distributed()

@@ -272,11 +272,13 @@ def after_rollout(step: int, batch: RolloutBatch) -> None:
 
 @hookspec
 def after_rewards(step: int, batch: RolloutBatch) -> None:
-    """Called after ``batch.scores`` are filled in, before advantages. May modify the scores. Runs on the
+    """Called once the rewards have scored the batch, before advantages. May modify the scores. Runs on the
     producer thread with asynchronous rollouts (see :func:`after_rollout`).
 
     :param step: the 1-based training step.
-    :param batch: the samples with their scalar rewards in ``batch.scores``.
+    :param batch: the samples with their scores, a :class:`rlite.rollout.ScoredBatch`: the
+        :class:`RolloutBatch`'s fields plus the scalar rewards in ``batch.scores``, ``correct``,
+        ``reward_components`` and, for an estimator that asks for it, the greedy ``baseline_*``.
     """
 
 

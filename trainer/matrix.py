@@ -363,13 +363,13 @@ def every_call_probe():
     class EveryCallProbe(Probe):
         def instrument(self, run) -> None:
             super().instrument(run)
-            recording = run.loss.policy_loss
+            recording = run.policy.loss.policy_loss
 
             def every_call(*args):
                 self.first_call = True
                 return recording(*args)
 
-            run.loss.policy_loss = every_call
+            run.policy.loss.policy_loss = every_call
 
     return EveryCallProbe()
 

@@ -314,31 +314,33 @@ class PerfMeter:
         self.peak_tflops, self.peak_source = (peak if peak is not None else (None, None))
 
     @classmethod
-    def for_run(cls, run: Any) -> PerfMeter:
-        """From a :class:`rlite.run.state.Run`: the policy's shape (``backend.hf_config()``), the passes its
-        config makes, the GPUs and the peak."""
-        cfg = run.config
+    def for_run(cls, cfg: Any, hf_config: Any, ctx: Any, *, critic: bool, reference: bool,
+                routing_metrics: bool) -> PerfMeter:
+        """From the run's config and the policy's Hugging Face config: the policy's shape, the passes the config
+        makes (``critic``, ``reference``: whether the run trains a critic and scores a reference;
+        ``routing_metrics``: two more forwards a step), the GPUs (``ctx``, the run's
+        :class:`~rlite.distributed.DistContext`) and the peak."""
         try:
-            shape = model_shape(run.backend.hf_config())
+            shape = model_shape(hf_config)
         except UnsupportedModel as exc:
             log.warning("perf/model_flops, perf/model_tflops and perf/mfu not reported: %s", exc)
             shape = None
-        critic = None
-        if run.critic is not None and shape is not None:
-            critic = shape.with_head(1)
+        critic_shape = None
+        if critic and shape is not None:
+            critic_shape = shape.with_head(1)
             if cfg.algorithm.critic.path and cfg.algorithm.critic.path != cfg.model.path:
                 from transformers import AutoConfig
 
-                critic = model_shape(AutoConfig.from_pretrained(cfg.algorithm.critic.path)).with_head(1)
+                critic_shape = model_shape(AutoConfig.from_pretrained(cfg.algorithm.critic.path)).with_head(1)
         passes = TrainerPasses(
-            update_epochs=cfg.algorithm.epochs_per_step, lora=cfg.model.lora.enabled, reference=run.reference is not None,
-            routing_forwards=2 if run.routing is not None and run.routing.metrics else 0, critic=critic,
+            update_epochs=cfg.algorithm.epochs_per_step, lora=cfg.model.lora.enabled, reference=reference,
+            routing_forwards=2 if routing_metrics else 0, critic=critic_shape,
         )  # fmt: skip
         precision = matmul_precision(cfg.model.dtype, cfg.parallelism.param_dtype)
-        peak = resolve_peak(cfg.logging.peak_tflops, run.ctx.device, precision)
-        if peak is not None and shape is not None and run.ctx.is_main:
+        peak = resolve_peak(cfg.logging.peak_tflops, ctx.device, precision)
+        if peak is not None and shape is not None and ctx.is_main:
             log.info("perf/mfu: against %.1f TFLOP/s per GPU (%s)", *peak)
-        return cls(shape, passes, gpus=run.ctx.world_size, peak=peak)
+        return cls(shape, passes, gpus=ctx.world_size, peak=peak)
 
     def step_metrics(self, sums: SequenceSums, times: dict[str, float], *, pi_old_recomputed: bool) -> dict[str, float]:
         """This step's ``perf/*`` metrics: ``sums`` of the global batch, ``times`` its ``time/*`` metrics."""

@@ -161,29 +161,6 @@ def concat_rows(parts: list[Any], prompt_widths: list[int], widths: tuple[int, i
 
 
 @dataclass
-class TrainTargets:
-    """What the loss needs beyond the samples, per row, filled by :mod:`rlite.stages.targets`."""
-
-    advantages: torch.Tensor = column(pad=RESPONSE)
-    """[B, T] advantage of each response token (0 outside the response)."""
-    returns: torch.Tensor = column(pad=RESPONSE)
-    """[B, T] return targets (the critic's regression target; equal to the advantages without one)."""
-    loss_mask: torch.Tensor = column(pad=RESPONSE)
-    """[B, T] 1 for the tokens in the loss (response mask, minus truncated samples and rejected tokens)."""
-    old_logprobs: torch.Tensor | None = column(pad=RESPONSE, default=None)
-    """[B, T] pi_old of the PPO ratio; ``None``: the first training forward's (ratio exactly 1)."""
-    ref_logprobs: torch.Tensor | None = column(pad=RESPONSE, default=None)
-    """[B, T] reference-model log-probs (KL term)."""
-    is_weights: torch.Tensor | None = column(pad=RESPONSE, default=None)
-    """[B, T] importance weights of the mismatch corrections multiplying the per-token loss."""
-    old_values: torch.Tensor | None = column(pad=RESPONSE, default=None)
-    """[B, T] the critic's values before the update (PPO with GAE)."""
-
-    def select(self, rows: torch.Tensor | list[int]) -> TrainTargets:
-        return select_rows(self, rows.tolist() if isinstance(rows, torch.Tensor) else list(rows))
-
-
-@dataclass
 class EnvResults:
     """What the environments of a multi-turn rollout (:mod:`rlite.workflows`) said about each trajectory."""
 
@@ -204,7 +181,11 @@ class EnvResults:
 
 @dataclass
 class RolloutBatch:
-    """Samples of one step on one rank; tensors have B rows (groups contiguous)."""
+    """The samples of one step on one rank, as the rollout (stage 1) made them, built whole by
+    :func:`build_rollout_batch`; tensors have B rows (groups contiguous). What the later stages make of
+    them are their own products: the rewards' :class:`Scores` (together: a :class:`ScoredBatch`), the
+    targets' :class:`TrainTargets`. The optional fields are what only some runs sample (MoE routing, a
+    draft's top log-probs, multi-turn and asynchronous rollouts)."""
 
     prompt_ids: torch.Tensor = column(pad=PROMPT, fill=PAD_TOKEN)
     """[B, P] left-padded prompt tokens."""
@@ -226,22 +207,9 @@ class RolloutBatch:
     fields (``finish_reasons``, ``response_lengths``, ``env``); a reward function sees both
     (:func:`rlite.rewards.reward_sample`)."""
     completion_texts: list[str] = column(default_factory=list)
-    """Decoded completions (filled before rewards)."""
-    scores: torch.Tensor | None = column(default=None)
-    """[B] scalar rewards (filled by the reward step)."""
-    correct: torch.Tensor | None = column(default=None)
-    """[B] bool: the answer is right (:func:`rlite.tasks.is_correct`; filled by the reward step)."""
-    reward_components: torch.Tensor | None = column(default=None)
-    """[B, K] each reward function's unweighted value (``scores`` is their weighted sum)."""
-    baseline_texts: list[str] = column(default_factory=list)
-    """The decoded greedy completion of each sample's prompt (with ``baseline_scores``; else empty)."""
-    baseline_scores: torch.Tensor | None = column(default=None)
-    """[B] reward of one greedy completion of each sample's prompt; only for an advantage estimator
-    registered with ``needs_greedy_baseline=True`` (ReMax)."""
+    """Decoded completions."""
     weight_versions: list[int] = column(default_factory=list)
     """Weight version each sample was drawn with."""
-    targets: TrainTargets | None = column(default=None)
-    """Advantages, loss mask and the log-probs of the loss (filled before the update)."""
     routed_experts: torch.Tensor | None = column(pad=SEQUENCE, fill=-1, default=None)
     """[B, P + T, L, K] experts the engine routed each token to in every decoder layer (int16; -1
     where nothing was recorded: padding, dense layers, each response's last token), on the grid of
@@ -278,6 +246,67 @@ class RolloutBatch:
         return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
 
 
+@dataclass(kw_only=True)
+class Scores:
+    """Stage 2's product: what the reward functions made of each row of a :class:`RolloutBatch`
+    (:meth:`rlite.stages.scoring.RolloutScoring.score`)."""
+
+    scores: torch.Tensor = column()
+    """[B] scalar rewards: the weighted sum of ``reward_components``."""
+    correct: torch.Tensor = column()
+    """[B] bool: the answer is right (:func:`rlite.tasks.is_correct`, or a multi-turn environment's ``correct``)."""
+    reward_components: torch.Tensor = column()
+    """[B, K] each reward function's unweighted value."""
+    baseline_texts: list[str] = column(default_factory=list)
+    """The decoded greedy completion of each sample's prompt (with ``baseline_scores``; else empty)."""
+    baseline_scores: torch.Tensor | None = column(default=None)
+    """[B] reward of one greedy completion of each sample's prompt; only for an advantage estimator
+    registered with ``needs_greedy_baseline=True`` (ReMax)."""
+
+
+@dataclass
+class ScoredBatch(RolloutBatch, Scores):
+    """A step's samples with their :class:`Scores`, each field declared once, in its own class: what the
+    ``after_rewards`` hook sees (it may change the scores) and what the targets, the update and the report
+    take. Built whole by :meth:`of`; its rows move together (:func:`select_rows`, :func:`concat_rows`)."""
+
+    @classmethod
+    def of(cls, batch: RolloutBatch, scores: Scores) -> ScoredBatch:
+        """``batch``'s samples with ``scores``, row for row (the same tensors, not copies)."""
+        values = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch)}
+        values.update({f.name: getattr(scores, f.name) for f in fields(Scores)})
+        return cls(**values)
+
+
+@dataclass
+class TrainTargets:
+    """Stage 3's product: what the loss needs beyond the samples, per row (:mod:`rlite.stages.targets`)."""
+
+    advantages: torch.Tensor = column(pad=RESPONSE)
+    """[B, T] advantage of each response token (0 outside the response)."""
+    returns: torch.Tensor = column(pad=RESPONSE)
+    """[B, T] return targets (the critic's regression target; equal to the advantages without one)."""
+    loss_mask: torch.Tensor = column(pad=RESPONSE)
+    """[B, T] 1 for the tokens in the loss (response mask, minus truncated samples and rejected tokens)."""
+    old_logprobs: torch.Tensor | None = column(pad=RESPONSE, default=None)
+    """[B, T] pi_old of the PPO ratio; ``None``: the first training forward's (ratio exactly 1)."""
+    ref_logprobs: torch.Tensor | None = column(pad=RESPONSE, default=None)
+    """[B, T] reference-model log-probs (KL term)."""
+    is_weights: torch.Tensor | None = column(pad=RESPONSE, default=None)
+    """[B, T] importance weights of the mismatch corrections multiplying the per-token loss."""
+    old_values: torch.Tensor | None = column(pad=RESPONSE, default=None)
+    """[B, T] the critic's values before the update (PPO with GAE)."""
+
+    def __len__(self) -> int:
+        return self.loss_mask.shape[0]
+
+    def select(self, rows: slice | torch.Tensor | list[int]) -> TrainTargets:
+        """Some rows (the update's mini- and micro-batches, cut as the batch is): every field by its :class:`RowLayout`."""
+        if isinstance(rows, slice):
+            return select_rows(self, list(range(len(self)))[rows])
+        return select_rows(self, rows.tolist() if isinstance(rows, torch.Tensor) else list(rows))
+
+
 def build_rollout_batch(
     prompts: list[list[int]],
     completions: list[Completion],
@@ -286,12 +315,14 @@ def build_rollout_batch(
     pad_token_id: int,
     fixed_width: int | None = None,
     loss_masks: list[list[int]] | None = None,
+    completion_texts: list[str] | None = None,
 ) -> RolloutBatch:
     """Pack engine completions (grouped by prompt) into padded tensors.
 
     ``fixed_width`` pads responses to exactly that many columns (true on-policy layout).
     ``loss_masks``: per completion, 1 for its sampled tokens and 0 for observation tokens (multi-turn);
     the batch's ``response_mask`` is then these and ``response_attention_mask`` marks every token.
+    ``completion_texts``: the decoded completions (default: none).
     """
     prompt_rows = [prompts[c.prompt_index] for c in completions]
     prompt_ids, prompt_mask = left_pad(prompt_rows, pad_token_id)
@@ -328,6 +359,7 @@ def build_rollout_batch(
         group_ids=torch.tensor([group_offset + c.prompt_index for c in completions], dtype=torch.long),
         finish_reasons=[c.finish_reason for c in completions],
         samples=[samples[c.prompt_index] for c in completions],
+        completion_texts=list(completion_texts or []),
         weight_versions=[c.weight_version for c in completions],
         routed_experts=routing_grid(completions, [len(r) for r in prompt_rows], prompt_ids.shape[1], width),
         response_attention_mask=attention,

@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlite.rollout import RolloutBatch
+from rlite.rollout import ScoredBatch, TrainTargets
 
 
 def _number(value: float) -> float | None:
@@ -39,11 +39,12 @@ def _number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def train_sample_rows(batch: RolloutBatch, step: int, count: int, reward_names: list[str] | None = None,
-                      tokenizer=None) -> list[dict[str, Any]]:  # fmt: skip
-    """The first ``count`` rollouts of a scored batch whose targets are filled, as rows; ``reward_names``:
-    the reward functions, one per column of ``batch.reward_components``; ``tokenizer``: decodes each
-    prompt's tokens into ``prompt_text`` (special tokens kept: the template's markers are part of it)."""
+def train_sample_rows(batch: ScoredBatch, targets: TrainTargets | None, step: int, count: int,
+                      reward_names: list[str] | None = None, tokenizer=None) -> list[dict[str, Any]]:  # fmt: skip
+    """The first ``count`` rollouts of a scored batch, with their ``targets`` (for each one's advantage), as
+    rows; ``reward_names``: the reward functions, one per column of ``batch.reward_components``;
+    ``tokenizer``: decodes each prompt's tokens into ``prompt_text`` (special tokens kept: the template's
+    markers are part of it)."""
     rows = []
     lengths = batch.response_lengths
     for i in range(min(count, len(batch))):
@@ -58,13 +59,13 @@ def train_sample_rows(batch: RolloutBatch, step: int, count: int, reward_names: 
         row |= {
             "answer": batch.samples[i].get("answer"),
             "completion": batch.completion_texts[i] if batch.completion_texts else None,
-            "reward": None if batch.scores is None else _number(batch.scores[i]),
+            "reward": _number(batch.scores[i]),
         }
-        if batch.reward_components is not None and reward_names:
+        if reward_names:
             row["rewards"] = {k: _number(v) for k, v in zip(reward_names, batch.reward_components[i].tolist())}
-        if batch.targets is not None:
+        if targets is not None:
             mask = batch.response_mask[i]
-            advantage = (batch.targets.advantages[i] * mask).sum() / mask.sum().clamp(min=1)
+            advantage = (targets.advantages[i] * mask).sum() / mask.sum().clamp(min=1)
             row["advantage"] = _number(advantage)
         row["response_length"] = int(lengths[i])
         row["finish_reason"] = batch.finish_reasons[i]

@@ -396,6 +396,31 @@ def _supervise(command: list[str], stdin: str, limits: SandboxLimits, pass_fds: 
     for fd in pass_fds:
         os.close(fd)  # the child holds it now; its end-of-file means the sandbox is gone
     deadline = start + limits.timeout_s
+    outputs, status_raw, stopped = _exchange(process, stdin, limits, deadline, status_fd)
+    if stopped:
+        _kill_group(process, status_fd is not None)
+    try:
+        process.wait(timeout=KILL_WAIT_S if stopped else max(KILL_WAIT_S, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        stopped = stopped or "timeout"
+        _kill_group(process, status_fd is not None)
+        process.wait(timeout=KILL_WAIT_S)
+    for stream in (process.stdin, process.stdout, process.stderr):
+        if not stream.closed:
+            stream.close()
+    wall = time.monotonic() - start
+    stdout, stderr = (bytes(b[: limits.output_bytes]).decode("utf-8", "replace") for b in outputs)
+    if stopped:
+        detail = f"killed after {limits.timeout_s:g}s" if stopped == "timeout" else f"output passed {limits.output_bytes} bytes"
+        return SandboxResult(stopped, None, None, stdout, stderr, wall, detail=detail)
+    return _ended(process.returncode, status_raw if status_fd is not None else None, stdout, stderr, wall, limits)
+
+
+def _exchange(process: subprocess.Popen, stdin: str, limits: SandboxLimits, deadline: float,
+              status_fd: int | None) -> tuple[list[bytearray], bytearray, str]:
+    """Write ``stdin`` to the process and read its stdout, stderr and (``status_fd``) the sandbox's status until
+    all close, the ``deadline`` passes (``"timeout"``) or the output passes the limit (``"output_limit"``):
+    ``([stdout, stderr], status, why it stopped early or "")``."""
     outputs = {process.stdout: bytearray(), process.stderr: bytearray()}
     pending_stdin = memoryview(stdin.encode())
     selector = selectors.DefaultSelector()
@@ -412,7 +437,7 @@ def _supervise(command: list[str], stdin: str, limits: SandboxLimits, pass_fds: 
         selector.register(status_fd, selectors.EVENT_READ)
     open_streams = len(outputs) + (status_fd is not None)
     stopped = ""
-    while open_streams:
+    while open_streams and not stopped:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             stopped = "timeout"
@@ -428,8 +453,7 @@ def _supervise(command: list[str], stdin: str, limits: SandboxLimits, pass_fds: 
                     selector.unregister(process.stdin)
                     process.stdin.close()
                 continue
-            fd = key.fd
-            chunk = os.read(fd, 65536)
+            chunk = os.read(key.fd, 65536)
             if not chunk:
                 selector.unregister(key.fileobj)
                 open_streams -= 1
@@ -441,34 +465,22 @@ def _supervise(command: list[str], stdin: str, limits: SandboxLimits, pass_fds: 
             if sum(len(b) for b in outputs.values()) > limits.output_bytes:
                 stopped = "output_limit"
                 break
-        if stopped:
-            break
-    if stopped:
-        _kill_group(process, status_fd is not None)
-    try:
-        process.wait(timeout=KILL_WAIT_S if stopped else max(KILL_WAIT_S, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        stopped = stopped or "timeout"
-        _kill_group(process, status_fd is not None)
-        process.wait(timeout=KILL_WAIT_S)
     selector.close()
-    for stream in (process.stdin, process.stdout, process.stderr):
-        if not stream.closed:
-            stream.close()
-    wall = time.monotonic() - start
-    stdout, stderr = (bytes(b[: limits.output_bytes]).decode("utf-8", "replace") for b in outputs.values())
-    if stopped:
-        detail = f"killed after {limits.timeout_s:g}s" if stopped == "timeout" else f"output passed {limits.output_bytes} bytes"
-        return SandboxResult(stopped, None, None, stdout, stderr, wall, detail=detail)
-    if status_fd is None:  # unisolated: the process itself is the program
-        code = process.returncode
-        status = {"exit": code} if code >= 0 else {"signal": -code}
+    return list(outputs.values()), status_raw, stopped
+
+
+def _ended(returncode: int, status_raw: bytearray | None, stdout: str, stderr: str, wall: float,
+           limits: SandboxLimits) -> SandboxResult:
+    """The result of a program that ended by itself: from its exit status (``status_raw`` ``None``: unisolated,
+    the process itself is the program), else from the status the sandbox reported."""
+    if status_raw is None:
+        status = {"exit": returncode} if returncode >= 0 else {"signal": -returncode}
     else:
         try:
             status = json.loads(bytes(status_raw).decode().splitlines()[0])
         except (IndexError, ValueError):
             return SandboxResult("setup", None, None, stdout, stderr, wall,
-                                 detail=f"the sandbox ended without a status (exit status {process.returncode}): {stderr[-500:]}")
+                                 detail=f"the sandbox ended without a status (exit status {returncode}): {stderr[-500:]}")
     if "setup_error" in status:
         return SandboxResult("setup", None, None, stdout, stderr, wall, detail=status["setup_error"])
     if status.get("wall_timeout"):

@@ -72,12 +72,13 @@ def tiny_qwen2(vocab_size: int = 96, *, tie: bool = False, seed: int = 0, hidden
 
 def fixed_batch(num_prompts: int, samples: int, prompt_len: int, max_len: int, vocab: int, seed: int = 0,
                 routing: tuple[int, int, int] | None = None):
-    """A deterministic RolloutBatch with ragged prompts and responses and scores with spread.
+    """A deterministic :class:`~rlite.rollout.ScoredBatch` with ragged prompts and responses and scores with
+    spread (one reward function, whose value is the score; an answer is right where it scored above 0).
 
     ``routing = (layers, experts, top_k)``: every completion also carries an engine's routing (``top_k``
     distinct experts per token and MoE layer, drawn at random), as an MoE engine reports it."""
     from rlite.engines.base import Completion
-    from rlite.rollout import build_rollout_batch
+    from rlite.rollout import ScoredBatch, Scores, build_rollout_batch
 
     g = torch.Generator().manual_seed(seed)
     prompts = [
@@ -97,8 +98,8 @@ def fixed_batch(num_prompts: int, samples: int, prompt_len: int, max_len: int, v
                                       for _ in range(tokens * layers)]).reshape(tokens, layers, top_k)
             completions.append(Completion(p, ids, [0.0] * length, "length", 0, routed_experts=routed))
     batch = build_rollout_batch(prompts, completions, [{"answer": ""}] * num_prompts, 0, pad_token_id=0)
-    batch.scores = torch.randint(0, 3, (len(completions),), generator=g).float()
-    return batch
+    scores = torch.randint(0, 3, (len(completions),), generator=g).float()
+    return ScoredBatch.of(batch, Scores(scores=scores, correct=scores > 0, reward_components=scores[:, None]))
 
 
 def run_in_subprocess_env(**extra: str) -> dict[str, str]:

@@ -83,6 +83,30 @@ def build_byte_tokenizer():
     return tokenizer
 
 
+def tiny_model_config(family: str, num_experts: int | None, common: dict, *, head_dim: int, experts_per_token: int,
+                      expert_intermediate: int):
+    """The Hugging Face config and model class of :func:`build_tiny_model_dir`'s model: ``common`` settings, a
+    dense ``family`` model, or with ``num_experts`` a Qwen3 MoE one."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    if num_experts is None and family == "llama":
+        return LlamaConfig(**common), LlamaForCausalLM
+    if num_experts is None:
+        return Qwen2Config(**common), Qwen2ForCausalLM
+    config = Qwen3MoeConfig(
+        **common, head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=experts_per_token,
+        moe_intermediate_size=expert_intermediate, norm_topk_prob=True,
+    )
+    return config, Qwen3MoeForCausalLM
+
+
 def build_tiny_model_dir(
     path: str | Path,
     hidden: int = 64,
@@ -108,45 +132,24 @@ def build_tiny_model_dir(
     0.1M parameters and loads with plain ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained``.
     """
     import torch
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
+    from transformers import GenerationConfig
 
     tokenizer = build_byte_tokenizer()
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     if family not in ("qwen2", "llama"):
         raise ValueError(f"family must be qwen2 or llama, got {family!r}")
-    if num_experts is None and family == "llama":
-        config, model_cls = LlamaConfig(**common), LlamaForCausalLM
-    elif num_experts is None:
-        config, model_cls = Qwen2Config(**common), Qwen2ForCausalLM
-    else:
-        config = Qwen3MoeConfig(
-            **common, head_dim=hidden // heads, num_experts=num_experts, num_experts_per_tok=experts_per_token,
-            moe_intermediate_size=expert_intermediate or intermediate // 2, norm_topk_prob=True,
-        )
-        model_cls = Qwen3MoeForCausalLM
+    config, model_cls = tiny_model_config(
+        family, num_experts, dict(
+            vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        head_dim=hidden // heads, experts_per_token=experts_per_token,
+        expert_intermediate=expert_intermediate or intermediate // 2,
+    )  # fmt: skip
     # A private generator keeps the caller's global RNG untouched and the weights a pure function of seed.
     fork_devices: list[int] = []
     with torch.random.fork_rng(devices=fork_devices):

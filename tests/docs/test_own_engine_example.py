@@ -48,9 +48,8 @@ def _train_one_step(backend) -> None:
     batch = fixed_batch(num_prompts=2, samples=4, prompt_len=6, max_len=7, vocab=96)
     advantages, returns = grpo.implementation(AdvantageInput(batch.scores, batch.group_ids, batch.response_mask),
                                               grpo.config_cls())  # fmt: skip
-    batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
     update_policy(
-        backend, batch, ForwardSpec(micro_batch_size=8, temperature=1.0, chunk_size=16, exact_layout=False),
+        backend, batch, TrainTargets(advantages, returns, batch.response_mask.clone()), ForwardSpec(micro_batch_size=8, temperature=1.0, chunk_size=16, exact_layout=False),
         LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), "token-mean", 7.0, None, 0.0, 0.0),
         minibatches=1, epochs=1, dp_size=1, dp_group=None,
     )  # fmt: skip

@@ -106,14 +106,13 @@ def test_a_replacement_that_dies_while_starting_counts_as_a_restart_and_the_next
             raise outcome
         return outcome
 
-    supervised = SupervisedEngine(StubEngine("first", dies=True), start, max_restarts=2)
     synced = []
-    supervised.resync = synced.append
+    supervised = SupervisedEngine(StubEngine("first", dies=True), start, max_restarts=2,
+                                  resync=lambda engine, version: synced.append(version))
     assert supervised.generate([], None) == "replacement 2"
     assert supervised.restarts == 2 and synced == [0]
 
     supervised = SupervisedEngine(StubEngine("first", dies=True), start=lambda: (_ for _ in ()).throw(
-        EngineDied("killed while starting")), max_restarts=1)
-    supervised.resync = synced.append
+        EngineDied("killed while starting")), max_restarts=1, resync=lambda engine, version: synced.append(version))
     with pytest.raises(EngineGaveUp, match=r"died again while starting after 1 restart\(s\).*killed while starting"):
         supervised.generate([], None)

@@ -48,10 +48,10 @@ def _batch_and_specs(advantage_scale=1.0):
     batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=96)
     advantages, returns = grpo.implementation(AdvantageInput(batch.scores, batch.group_ids, batch.response_mask),
                                               grpo.config_cls())  # fmt: skip
-    batch.targets = TrainTargets(advantages * advantage_scale, returns, batch.response_mask.clone())
+    targets = TrainTargets(advantages * advantage_scale, returns, batch.response_mask.clone())
     fwd = ForwardSpec(micro_batch_size=8, temperature=1.0, chunk_size=16, exact_layout=False)
     loss = LossSpec(ppo_clip.implementation, ppo_clip.config_cls(), "token-mean", 7.0, None, 0.0, 0.0)
-    return batch, fwd, loss
+    return batch, targets, fwd, loss
 
 
 def _weights(backend):
@@ -66,7 +66,7 @@ def test_a_nan_gradient_is_skipped_and_the_other_update_is_exactly_the_one_alone
     from rlite.tokenizer import build_tiny_model_dir
 
     model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
-    batch, fwd, loss = _batch_and_specs()
+    batch, targets, fwd, loss = _batch_and_specs()
     backend = _backend(model_dir)
     before = _weights(backend)
     backward, calls = backend.backward, []
@@ -79,8 +79,8 @@ def test_a_nan_gradient_is_skipped_and_the_other_update_is_exactly_the_one_alone
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
 
     backend.backward = poisoned_backward
-    outcomes = []
-    metrics, _ = update_policy(backend, batch, fwd, loss, minibatches=2, epochs=1, dp_size=1, outcomes=outcomes)
+    update = update_policy(backend, batch, targets, fwd, loss, minibatches=2, epochs=1, dp_size=1)
+    metrics, outcomes = update.metrics, update.outcomes
     assert metrics["train/skipped_nonfinite"] == 1.0
     assert outcomes[1] is None and outcomes[0]["grad_norm"] != outcomes[0]["grad_norm"]  # NaN
     after = _weights(backend)
@@ -89,8 +89,9 @@ def test_a_nan_gradient_is_skipped_and_the_other_update_is_exactly_the_one_alone
     assert backend.scheduler.last_epoch == 1  # one scheduler step, the applied update's
 
     alone = _backend(model_dir)
-    second = batch.select(slice(len(batch) // 2, len(batch)))
-    alone_metrics, _ = update_policy(alone, second, fwd, loss, minibatches=1, epochs=1, dp_size=1)
+    second = slice(len(batch) // 2, len(batch))
+    alone_metrics = update_policy(alone, batch.select(second), targets.select(second), fwd, loss, minibatches=1,
+                                  epochs=1, dp_size=1).metrics
     assert metrics["actor/grad_norm"] == alone_metrics["actor/grad_norm"] > 0  # averaged over applied updates only
     expected = _weights(alone)
     assert all(torch.equal(after[n], expected[n]) for n in expected)
@@ -103,11 +104,11 @@ def test_a_nan_loss_skips_the_update_and_leaves_weights_and_optimizer_untouched(
     from rlite.tokenizer import build_tiny_model_dir
 
     model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
-    batch, fwd, loss = _batch_and_specs(advantage_scale=float("nan"))
+    batch, targets, fwd, loss = _batch_and_specs(advantage_scale=float("nan"))
     backend = _backend(model_dir)
     before = _weights(backend)
-    outcomes = []
-    metrics, _ = update_policy(backend, batch, fwd, loss, minibatches=1, epochs=1, dp_size=1, outcomes=outcomes)
+    update = update_policy(backend, batch, targets, fwd, loss, minibatches=1, epochs=1, dp_size=1)
+    metrics, outcomes = update.metrics, update.outcomes
     # no average of the skipped step's numbers; what the micro-batching computed is reported regardless
     assert {k: v for k, v in metrics.items() if not k.startswith("batching/")} == {"train/skipped_nonfinite": 1.0}
     assert len(outcomes) == 1 and outcomes[0]["loss"] != outcomes[0]["loss"]
@@ -119,30 +120,29 @@ def test_a_nan_loss_skips_the_update_and_leaves_weights_and_optimizer_untouched(
 
 
 def _critic_and_batch(model_dir, returns_scale=1.0):
-    """A fresh fsdp2 critic (its own AdamW, lr 1e-2) and the GRPO batch with its value targets: V_old as
-    the critic scores it, returns scaled by ``returns_scale``."""
+    """A fresh fsdp2 critic (its own AdamW, lr 1e-2), the GRPO batch and its value targets: V_old as the critic
+    scores it, returns scaled by ``returns_scale``."""
     import dataclasses
 
     from rlite.config import CriticConfig
-    from rlite.stages.update import score_values
+    from rlite.stages.minibatches import score_values
 
-    batch, fwd, _ = _batch_and_specs()
+    batch, targets, fwd, _ = _batch_and_specs()
     critic = _backend(model_dir).build_critic(CriticConfig(enabled=True, lr=1e-2, grad_clip=1.0))
     head = critic.model.value_head.weight
     head = head.to_local() if hasattr(head, "to_local") else head  # (one rank: its shard is the whole head)
     with torch.no_grad():  # a value head that is not all zeros: every parameter gets a gradient
         head.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(1)))
     old_values = score_values(critic, batch, fwd, minibatches=2)
-    batch.targets = dataclasses.replace(batch.targets, returns=batch.targets.returns * returns_scale,
-                                        old_values=old_values)
-    return critic, batch, fwd
+    targets = dataclasses.replace(targets, returns=targets.returns * returns_scale, old_values=old_values)
+    return critic, batch, targets, fwd
 
 
-def _update_critic(critic, batch, fwd, minibatches, outcomes=None):
+def _update_critic(critic, batch, targets, fwd, minibatches):
     from rlite.stages.update import update_critic
 
-    return update_critic(critic, batch, fwd, value_clip=0.2, agg_mode="token-mean", horizon=7.0,
-                         minibatches=minibatches, dp_size=1, outcomes=outcomes)
+    return update_critic(critic, batch, targets, fwd, value_clip=0.2, agg_mode="token-mean", horizon=7.0,
+                         minibatches=minibatches, dp_size=1)
 
 
 def _critic_weights(critic):
@@ -157,7 +157,7 @@ def test_a_nan_critic_gradient_is_skipped_and_counted_like_the_policys(tmp_path,
     from rlite.tokenizer import build_tiny_model_dir
 
     model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
-    critic, batch, fwd = _critic_and_batch(model_dir)
+    critic, batch, targets, fwd = _critic_and_batch(model_dir)
     before = _critic_weights(critic)
     backward, calls = critic.backward, []
 
@@ -169,17 +169,17 @@ def test_a_nan_critic_gradient_is_skipped_and_counted_like_the_policys(tmp_path,
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
 
     critic.backward = poisoned_backward
-    outcomes = []
-    metrics = _update_critic(critic, batch, fwd, minibatches=2, outcomes=outcomes)
+    update = _update_critic(critic, batch, targets, fwd, minibatches=2)
+    metrics, outcomes = update.metrics, update.outcomes
     assert metrics["critic/skipped_nonfinite"] == 1.0 and critic.skipped_steps == 1
     assert outcomes[1] is None and outcomes[0]["grad_norm"] != outcomes[0]["grad_norm"]  # NaN
     after = _critic_weights(critic)
     assert all(torch.isfinite(t).all() for t in after.values())
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
-    alone, _, _ = _critic_and_batch(model_dir)
-    second = batch.select(slice(len(batch) // 2, len(batch)))
-    alone_metrics = _update_critic(alone, second, fwd, minibatches=1)
+    alone, _, _, _ = _critic_and_batch(model_dir)
+    second = slice(len(batch) // 2, len(batch))
+    alone_metrics = _update_critic(alone, batch.select(second), targets.select(second), fwd, minibatches=1).metrics
     assert alone_metrics["critic/skipped_nonfinite"] == 0.0
     for name in ("critic/grad_norm", "critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean"):
         assert metrics[name] == alone_metrics[name], name  # averaged over the applied update only
@@ -191,10 +191,10 @@ def test_a_nan_critic_loss_skips_the_update_and_leaves_weights_and_optimizer_unt
     from rlite.tokenizer import build_tiny_model_dir
 
     model_dir = str(build_tiny_model_dir(tmp_path / "tiny", hidden=32, layers=2))
-    critic, batch, fwd = _critic_and_batch(model_dir, returns_scale=float("nan"))
+    critic, batch, targets, fwd = _critic_and_batch(model_dir, returns_scale=float("nan"))
     before = _critic_weights(critic)
-    outcomes = []
-    metrics = _update_critic(critic, batch, fwd, minibatches=1, outcomes=outcomes)
+    update = _update_critic(critic, batch, targets, fwd, minibatches=1)
+    metrics, outcomes = update.metrics, update.outcomes
     assert metrics == {"critic/skipped_nonfinite": 1.0}  # no average of the skipped update's numbers
     assert len(outcomes) == 1 and outcomes[0]["loss"] != outcomes[0]["loss"]
     assert all(torch.equal(before[n], t) for n, t in _critic_weights(critic).items())

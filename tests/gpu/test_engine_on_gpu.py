@@ -60,7 +60,7 @@ class SyncChecker:
             return
         inner = getattr(engine, "engine", engine)  # the supervisor's engine
         held = dict(inner.named_weights())
-        for name, weight in self.run.backend.full_weights():
+        for name, weight in self.run.policy.backend.full_weights():
             if name not in held:
                 continue  # a tied output layer, listed once
             mine = held[name]
@@ -110,7 +110,7 @@ def test_a_grpo_run_samples_on_the_gpu_by_default_and_learns(tmp_path, model_dir
                 assert engine.graph_failure is None, f"the decode step was not captured: {engine.graph_failure}"
         finally:
             run.engine.shutdown()
-            run.backend.close()
+            run.policy.backend.close()
             shutdown_distributed(run.ctx)
     finally:
         set_plugin_manager(None)

@@ -91,16 +91,16 @@ def test_bf16_grpo_run_learns_on_held_out_prompts(tmp_path, model_dir, pm_with_d
     def record_input_dtype(module, args, kwargs):
         compute_dtypes.add((args[0] if args else kwargs["hidden_states"]).dtype)
 
-    first_block = run.backend.model.causal_lm.get_decoder().layers[0]
+    first_block = run.policy.backend.model.causal_lm.get_decoder().layers[0]
     hook = first_block.register_forward_pre_hook(record_input_dtype, with_kwargs=True)
-    before = {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}
+    before = {n: p.detach().full_tensor().clone() for n, p in run.policy.backend.model.named_parameters()}
     try:
         train(run)
     finally:
         hook.remove()
         run.engine.shutdown()
         shutdown_distributed(run.ctx)
-    after = {n: p.detach().full_tensor() for n, p in run.backend.model.named_parameters()}
+    after = {n: p.detach().full_tensor() for n, p in run.policy.backend.model.named_parameters()}
     assert all(t.device.type == "cuda" and t.dtype == torch.float32 for t in after.values()), "fp32 master weights on the GPU"
     assert compute_dtypes == {torch.bfloat16}, f"the decoder must compute in bf16, saw {compute_dtypes}"
     assert all(not torch.equal(before[n], after[n]) for n in before), "every parameter should move"

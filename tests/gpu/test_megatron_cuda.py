@@ -109,13 +109,13 @@ def test_megatron_trains_on_cuda_with_bitwise_weight_sync(tmp_path, model_dir, m
     pm.register(auditor, name="sync-auditor")
     run = build_run(tiny_config(model_dir, tmp_path / "run", *RUN, "training.steps=3", "algorithm.kl.coef=0.01", *precision,
                                 pm=pm), pm)
-    auditor.backend = run.backend
+    auditor.backend = run.policy.backend
     try:
         assert run.ctx.device.type == "cuda"
         train(run)
     finally:
         run.engine.shutdown()
-        run.backend.close()
+        run.policy.backend.close()
         shutdown_distributed(run.ctx)
     assert checked == [1, 2, 3]
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]

@@ -52,7 +52,7 @@ def _backend(precision: str, device, **training):
 
 def _default_spec(tmp_path, micro_batch_size: int):
     """The ForwardSpec a default run builds on this GPU (liger when installed, shared prompts)."""
-    from rlite.run.build import forward_spec
+    from rlite.run.policy import forward_spec
     from rlite.testing import tiny_config
     from rlite.training.backend import BackendCapabilities
 
@@ -126,8 +126,8 @@ def test_the_plain_single_gpu_model_learns(tmp_path, model_dir, precision, measu
         )
         run = build_run(cfg, pm)
         try:
-            assert not isinstance(run.backend.model, FSDPModule), "one GPU, one precision: the plain model"
-            params = dict(run.backend.model.named_parameters())
+            assert not isinstance(run.policy.backend.model, FSDPModule), "one GPU, one precision: the plain model"
+            params = dict(run.policy.backend.model.named_parameters())
             assert all(p.device.type == "cuda" and p.dtype == getattr(torch, model_dtype) for p in params.values())
             before = {n: p.detach().clone() for n, p in params.items()}
             train(run)
@@ -187,7 +187,7 @@ def test_the_update_loop_does_not_wait_for_the_gpu(ctx, monkeypatch, precision, 
     batch = fixed_batch(num_prompts=8, samples=4, prompt_len=10, max_len=8, vocab=250)
     advantages, returns = grpo.implementation(AdvantageInput(batch.scores, batch.group_ids, batch.response_mask),
                                               grpo.config_cls())
-    batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
+    targets = TrainTargets(advantages, returns, batch.response_mask.clone())
     recorder = HostSyncRecorder()
     planner = fsdp2_backend.forward_inputs
 
@@ -214,7 +214,7 @@ def test_the_update_loop_does_not_wait_for_the_gpu(ctx, monkeypatch, precision, 
     loss = LossSpec(ppo.implementation, ppo.config_cls(), "token-mean", 8.0, None, 0.0, 0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        metrics, _ = update_policy(backend, batch, spec, loss, minibatches=1, epochs=1, dp_size=1)
+        metrics = update_policy(backend, batch, targets, spec, loss, minibatches=1, epochs=1, dp_size=1).metrics
     cuda_syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     ours = [found for found in recorder.found if "masking_utils" not in found[1]]
     micro_batches = int(metrics["batching/micro_batches"])

@@ -134,7 +134,7 @@ def test_overlapping_modes_give_the_default_engine_its_own_copy(tmp_path, model_
             assert (run.engine.shared_bytes > 0) is shares
         finally:
             run.engine.shutdown()
-            run.backend.close()
+            run.policy.backend.close()
             shutdown_distributed(run.ctx)
     said = [r.getMessage() for r in caplog.records if "keeps its own copy" in r.getMessage()]
     assert len(said) == 1 and "rollout.mode=one_step_off" in said[0]

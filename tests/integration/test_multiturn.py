@@ -43,16 +43,9 @@ class DigitTurns:
 
 
 class Plugin:
-    def __init__(self) -> None:
-        self.batches = []
-
     @hookimpl
     def register_rollout_workflows(self, register):
         register("digit_turns", lambda cfg, tokenizer: DigitTurns())
-
-    @hookimpl
-    def after_rewards(self, step, batch):
-        self.batches.append(batch)  # its targets (loss mask, advantages) are filled in before the update
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +53,15 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
-def test_multiturn_reward_rises_and_observations_stay_out_of_the_loss(tmp_path, model_dir):
+def test_multiturn_reward_rises_and_observations_stay_out_of_the_loss(tmp_path, model_dir, monkeypatch):
+    from rlite.stages.targets import Targets
+
+    prepared = []  # each step's batch and the targets the update trains with (stage 3's product)
+    prepare = Targets.prepare
+    monkeypatch.setattr(Targets, "prepare", lambda self, batch: prepared.append((batch, prepare(self, batch))) or
+                        prepared[-1][1])
     pm = build_plugin_manager(autoload=False)
-    plugin = Plugin()
-    pm.register(plugin, name="digit-turns")
+    pm.register(Plugin(), name="digit-turns")
     set_plugin_manager(pm)
     try:
         cfg = load_config(CONFIGS / "multiturn_arithmetic.yaml", [
@@ -85,12 +83,13 @@ def test_multiturn_reward_rises_and_observations_stay_out_of_the_loss(tmp_path, 
     assert all(r["reward/accuracy"] == r["rollout/env/correct"] for r in rows)
     assert max(r["reward/accuracy"] for r in rows) > 0
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
-    for batch in plugin.batches:
+    assert len(prepared) == 12
+    for batch, targets in ((batch, result.targets) for batch, result in prepared):
         observed = batch.response_present - batch.response_mask
         assert observed.sum() > 0
-        assert (batch.targets.loss_mask * observed).sum() == 0  # no observation token in the loss
-        assert (batch.targets.advantages * observed).abs().sum() == 0
-        assert ((batch.targets.loss_mask > 0) <= (batch.response_mask > 0)).all()
+        assert (targets.loss_mask * observed).sum() == 0  # no observation token in the loss
+        assert (targets.advantages * observed).abs().sum() == 0
+        assert ((targets.loss_mask > 0) <= (batch.response_mask > 0)).all()
 
 
 @pytest.mark.parametrize("recipe", ["multiturn_arithmetic", "multiturn_calculator"])

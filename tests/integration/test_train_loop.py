@@ -78,13 +78,13 @@ def test_reward_rises_on_held_out_prompts_and_parameters_change(tmp_path, model_
         pm=pm_with_digit_reward,
     )
     run = build_run(cfg, get_plugin_manager())
-    before = {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}
+    before = {n: p.detach().full_tensor().clone() for n, p in run.policy.backend.model.named_parameters()}
     try:
         train(run)
     finally:
         run.engine.shutdown()
         shutdown_distributed(run.ctx)
-    after = {n: p.detach().full_tensor() for n, p in run.backend.model.named_parameters()}
+    after = {n: p.detach().full_tensor() for n, p in run.policy.backend.model.named_parameters()}
     assert all(not torch.equal(before[n], after[n]) for n in before), "every parameter should move"
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     evals = [r for r in rows if "eval/sampled_reward" in r]
@@ -216,7 +216,7 @@ def test_unsharded_single_process_equals_fully_shard_bitwise(tmp_path, model_dir
                         "parallelism.fused_grad_accumulation=false", "training.steps=2", pm=pm)
     run = build_run(plain, get_plugin_manager())
     try:
-        assert not any(hasattr(p, "full_tensor") for p in run.backend.model.parameters()), "a plain module"
+        assert not any(hasattr(p, "full_tensor") for p in run.policy.backend.model.parameters()), "a plain module"
         train(run)
     finally:
         run.engine.shutdown()
@@ -303,7 +303,7 @@ def test_lora_trains_only_adapters_and_engine_samples_merged_weights(tmp_path, m
                       "training.lr=5e-2", "training.steps=3", "rewards=[even_chars]",
                       "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6", pm=pm_with_digit_reward)
     run = build_run(cfg, get_plugin_manager())
-    named = lambda: {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}  # noqa: E731
+    named = lambda: {n: p.detach().full_tensor().clone() for n, p in run.policy.backend.model.named_parameters()}  # noqa: E731
     before = named()
     try:
         train(run)
@@ -413,10 +413,10 @@ def test_fsdp_options_train(tmp_path, model_dir, pm_with_digit_reward, options):
     cfg = tiny_config(model_dir, tmp_path / "run", "rewards=[even_chars]", "training.steps=3",
                       "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6", *options, pm=pm_with_digit_reward)
     run = build_run(cfg, get_plugin_manager())
-    before = {n: p.detach().full_tensor().clone() for n, p in run.backend.model.named_parameters()}
+    before = {n: p.detach().full_tensor().clone() for n, p in run.policy.backend.model.named_parameters()}
     try:
         train(run)
-        after = {n: p.detach().full_tensor() for n, p in run.backend.model.named_parameters()}
+        after = {n: p.detach().full_tensor() for n, p in run.policy.backend.model.named_parameters()}
         # master weights stay float32 whatever the compute dtype
         assert all(p.dtype == torch.float32 for p in after.values())
     finally:

@@ -97,7 +97,7 @@ def test_first_minibatch_of_an_on_policy_step_has_ratio_exactly_one(tmp_path, mo
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.plugins.fsdp2.backend import FSDP2Backend
     from rlite.plugins.policy_losses import PPOClipConfig, ppo_clip_loss
-    from rlite.stages.update import micro_batches, score_logprobs, split_minibatches
+    from rlite.stages.minibatches import micro_batches, score_logprobs, split_minibatches
     from rlite.testing import fixed_batch
     from rlite.training.backend import ForwardSpec
 

@@ -79,7 +79,7 @@ def test_logprobs_entropy_and_gradients_equal_the_transformers_model(tmp_path, m
 
 
 def test_first_training_forward_repeats_the_scoring_forward_bitwise(tmp_path, model_dir, world_of_one):
-    from rlite.stages.update import micro_batches, score_logprobs, split_minibatches
+    from rlite.stages.minibatches import micro_batches, score_logprobs, split_minibatches
 
     pm = plugins()
     cfg = tiny_config(model_dir, tmp_path, *RUN, pm=pm)
@@ -125,12 +125,12 @@ def test_trains_through_the_loop_with_bitwise_weight_sync(tmp_path, model_dir):
     pm.register(auditor, name="sync-auditor")
     run = build_run(tiny_config(model_dir, tmp_path / "run", *RUN, "training.steps=3", "algorithm.kl.coef=0.01",
                                 pm=pm), pm)
-    auditor.backend = run.backend
+    auditor.backend = run.policy.backend
     try:
         train(run)
     finally:
         run.engine.shutdown()
-        run.backend.close()
+        run.policy.backend.close()
         shutdown_distributed(run.ctx)
     assert auditor.checked == [1, 2, 3]
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]

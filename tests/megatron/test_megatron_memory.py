@@ -282,12 +282,12 @@ def test_bf16_trains_through_the_loop_with_the_engine_on_the_masters(tmp_path, m
     run = build_run(tiny_config(model_dir, tmp_path / "run", "parallelism.backend=megatron", *BF16,
                                 "rewards=[even_chars]", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6",
                                 "training.steps=3", f"rollout.engine.args.dtype={engine_dtype}", pm=pm), pm)
-    auditor.backend = run.backend
+    auditor.backend = run.policy.backend
     try:
         train(run)
     finally:
         run.engine.shutdown()
-        run.backend.close()
+        run.policy.backend.close()
         shutdown_distributed(run.ctx)
     assert auditor.checked == [1, 2, 3]
 

@@ -11,7 +11,7 @@ import pytest
 from rlite.api import ConfigError, Logger, hookimpl
 from rlite.plugin_manager import build_plugin_manager
 from rlite.plugins import loggers as builtin
-from rlite.run.build import build_loggers
+from rlite.run.recorder import build_loggers
 from rlite.testing import tiny_config
 
 

@@ -49,9 +49,7 @@ def _targets(batch):
     grpo = build_plugin_manager(autoload=False).registry("advantage_estimator").get("grpo")
     advantages, returns = grpo.implementation(AdvantageInput(batch.scores, batch.group_ids, batch.response_mask),
                                               grpo.config_cls())
-    batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone(),
-                                 ref_logprobs=torch.zeros_like(batch.response_mask))
-    return batch
+    return TrainTargets(advantages, returns, batch.response_mask.clone(), ref_logprobs=torch.zeros_like(batch.response_mask))
 
 
 def _watched(backend, recorder, monkeypatch):
@@ -90,7 +88,7 @@ def test_the_micro_batch_loop_reads_no_device_value(model_dir, world_of_one, mon
     pm = build_plugin_manager(autoload=False)
     ppo = pm.registry("policy_loss").get("ppo_clip")
     k3 = pm.registry("kl_estimator").get("k3").implementation
-    batch = _targets(fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250))
+    batch = fixed_batch(num_prompts=4, samples=4, prompt_len=6, max_len=7, vocab=250)
     spec = ForwardSpec(micro_batch_size=4, temperature=0.9, chunk_size=8, exact_layout=False,
                        share_prompts=layout == "shared-prompts", pack_sequences=layout == "packed",
                        max_tokens_per_micro_batch=40 if layout == "token-budget" else 0)
@@ -98,7 +96,8 @@ def test_the_micro_batch_loop_reads_no_device_value(model_dir, world_of_one, mon
     _watched(backend, recorder, monkeypatch)
     # a KL term and an entropy bonus: every part of the loss runs
     loss = LossSpec(ppo.implementation, ppo.config_cls(), "seq-mean-token-mean", 7.0, k3, 0.1, 0.01)
-    metrics, first = update_policy(backend, batch, spec, loss, minibatches=2, epochs=1, dp_size=1)
+    update = update_policy(backend, batch, _targets(batch), spec, loss, minibatches=2, epochs=1, dp_size=1)
+    metrics, first = update.metrics, update.first_pass_logprobs
     assert metrics["actor/grad_norm"] > 0 and first.abs().sum() > 0, "the loop ran and trained"
     ours = [(op, where) for op, where in recorder.found if TRANSFORMERS_MASKS not in where]
     assert ours == [], f"the loop waits for the device at {ours}"
@@ -138,11 +137,13 @@ def test_loss_inputs_follow_the_log_probs_and_stay_put_on_their_device():
     from rlite.stages.update import loss_inputs
     from rlite.training.device import to_device
 
-    batch = _targets(fixed_batch(num_prompts=2, samples=2, prompt_len=4, max_len=5, vocab=50))
-    assert loss_inputs(batch, torch.device("cpu")) is batch
-    moved = to_device(batch.targets, torch.device("meta"))  # a device without data: only placement is checked
+    batch = fixed_batch(num_prompts=2, samples=2, prompt_len=4, max_len=5, vocab=50)
+    targets = _targets(batch)
+    same, same_targets = loss_inputs(batch, targets, torch.device("cpu"))
+    assert same is batch and same_targets is targets
+    moved = to_device(targets, torch.device("meta"))  # a device without data: only placement is checked
     assert all(t.device.type == "meta" for t in dataclasses.astuple(moved) if isinstance(t, torch.Tensor))
-    meta = loss_inputs(batch, torch.device("meta"))
-    assert meta.targets.advantages.device.type == meta.rollout_logprobs.device.type == "meta"
+    meta, meta_targets = loss_inputs(batch, targets, torch.device("meta"))
+    assert meta_targets.advantages.device.type == meta.rollout_logprobs.device.type == "meta"
     assert meta.prompt_ids.device.type == "cpu", "only what the loss reads moves"
-    assert to_device(batch.targets, torch.device("cpu")) is batch.targets
+    assert to_device(targets, torch.device("cpu")) is targets

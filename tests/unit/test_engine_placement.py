@@ -84,10 +84,10 @@ def test_the_engine_built_for_a_run_samples_in_the_trainers_compute_dtype(tmp_pa
     try:
         engine = run.engine
         assert engine.shared_bytes == 0 and engine.decode == "loop"
-        trainer = dict(run.backend.full_weights())
+        trainer = dict(run.policy.backend.full_weights())
         for name, param in engine.model.named_parameters():
             assert param.dtype == torch.bfloat16 and torch.equal(param, trainer[name].to(torch.bfloat16)), name
     finally:
         run.engine.shutdown()
-        run.backend.close()
+        run.policy.backend.close()
         shutdown_distributed(run.ctx)

@@ -76,7 +76,7 @@ def test_a_run_reads_the_checkpoint_once_and_the_engine_samples_the_synced_weigh
         assert count_from_pretrained == [tied_model_dir], "the trainer reads the checkpoint; the engine does not"
         engine = run.engine
         assert engine.weight_version == 0
-        trainer = dict(run.backend.full_weights())
+        trainer = dict(run.policy.backend.full_weights())
         checkpoint = load_file(f"{tied_model_dir}/model.safetensors")
         params = dict(engine.model.named_parameters())
         assert set(params) <= set(trainer)
@@ -92,7 +92,7 @@ def test_a_run_reads_the_checkpoint_once_and_the_engine_samples_the_synced_weigh
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
     finally:
         run.engine.shutdown()
-        run.backend.close()
+        run.policy.backend.close()
         shutdown_distributed(run.ctx)
 
 

@@ -5,7 +5,7 @@ checked here, on a CPU, for a CUDA device too), and the CPU keeps what it always
   ``cpu_offload`` or fp32 master weights with bf16 compute ask for FSDP2
   (:func:`rlite.plugins.fsdp2.sharding.shards_single_process`).
 - ``training.liger_fused_logprobs=auto``: liger's fused output layer on CUDA with liger-kernel >= 0.8.2, a
-  backend that takes it and no entropy term in the loss; never on a CPU (:func:`rlite.run.build.resolve_liger`).
+  backend that takes it and no entropy term in the loss; never on a CPU (:func:`rlite.run.policy.resolve_liger`).
 - AdamW is torch's fused kernel, on every device, for the policy and the critic.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from rlite.config import ConfigError
 from rlite.plugins.fsdp2.sharding import shards_single_process
-from rlite.run.build import resolve_liger
+from rlite.run.policy import resolve_liger
 
 
 @pytest.mark.parametrize(
@@ -93,11 +93,11 @@ def test_the_cpu_defaults_are_what_they_were(tmp_path):
     assert cfg.training.compile is False and cfg.training.max_tokens_per_micro_batch == 0
     run = build_run(cfg, get_plugin_manager())
     try:
-        assert isinstance(run.backend.model, FSDPModule), "FSDP2 at world size 1 on a CPU, as before"
-        assert isinstance(run.critic.model, FSDPModule)
-        assert run.forward.use_liger is False
-        assert run.backend.optimizer.defaults["fused"] is True
-        assert run.critic.optimizer.defaults["fused"] is True
+        assert isinstance(run.policy.backend.model, FSDPModule), "FSDP2 at world size 1 on a CPU, as before"
+        assert isinstance(run.policy.critic.model, FSDPModule)
+        assert run.policy.forward.use_liger is False
+        assert run.policy.backend.optimizer.defaults["fused"] is True
+        assert run.policy.critic.optimizer.defaults["fused"] is True
     finally:
         run.engine.shutdown()
         shutdown_distributed(run.ctx)

@@ -79,10 +79,8 @@ def test_the_summary_counts_the_steps_without_signal(tmp_path):
      (["algorithm.advantage=gae", "algorithm.critic.enabled=true"], False), (["algorithm.advantage=remax"], False)],
 )  # fmt: skip
 def test_only_group_relative_estimators_are_watched(pm, tmp_path, overrides, watched):
-    from types import SimpleNamespace
-
-    from rlite.loop import group_relative
+    from rlite.run.recorder import group_relative
     from rlite.testing import tiny_config
 
     cfg = tiny_config(tmp_path / "model", tmp_path / "run", *overrides, pm=pm)
-    assert group_relative(SimpleNamespace(pm=pm, config=cfg)) is watched
+    assert group_relative(cfg, pm) is watched

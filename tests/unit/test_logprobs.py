@@ -155,7 +155,7 @@ def test_liger_path_routes_scaled_hidden_through_fused_cross_entropy(tmp_path, m
 
 def test_liger_option_on_cpu_is_a_clear_config_error(tmp_path):
     from rlite.config import ConfigError
-    from rlite.run.build import check_liger
+    from rlite.run.policy import check_liger
     from rlite.testing import tiny_config
 
     cfg = tiny_config(tmp_path, tmp_path / "run", "training.liger_fused_logprobs=true", pm=False)
@@ -251,7 +251,7 @@ def test_liger_older_than_0_8_2_is_refused(found):
     """liger-kernel < 0.8.2 returns wrong weight gradients for reduction="none" with a per-token upstream
     gradient (linkedin/Liger-Kernel#1298): exactly rlite's use, so an older install is a config error."""
     from rlite.config import ConfigError
-    from rlite.run.build import check_liger_version
+    from rlite.run.policy import check_liger_version
 
     with pytest.raises(ConfigError, match=r"training.liger_fused_logprobs: liger-kernel .* 'liger-kernel>=0.8.2'"):
         check_liger_version(found)
@@ -259,7 +259,7 @@ def test_liger_older_than_0_8_2_is_refused(found):
 
 @pytest.mark.parametrize("found", ["0.8.2", "0.8.5", "0.9", "1.0.0rc1"])
 def test_liger_0_8_2_and_later_pass_the_version_check(found):
-    from rlite.run.build import check_liger_version
+    from rlite.run.policy import check_liger_version
 
     check_liger_version(found)
 

@@ -77,7 +77,7 @@ class RowwiseModel:
 
 
 def test_scoring_with_a_budget_puts_every_row_back_in_its_place():
-    from rlite.stages.update import score_logprobs
+    from rlite.stages.minibatches import score_logprobs
 
     batch = fixed_batch(num_prompts=6, samples=4, prompt_len=6, max_len=7, vocab=250)
     whole = score_logprobs(RowwiseModel(), batch, ForwardSpec(len(batch), 1.0, 16, False), minibatches=2)
@@ -105,7 +105,7 @@ def model_dir(tmp_path_factory):
 def test_first_training_forward_repeats_the_scoring_forward_bitwise_under_a_budget(model_dir, world_of_one):
     from rlite.config import ModelConfig, ParallelismConfig, TrainingConfig
     from rlite.plugins.fsdp2.backend import FSDP2Backend
-    from rlite.stages.update import micro_batching, score_logprobs, split_minibatches
+    from rlite.stages.minibatches import micro_batching, score_logprobs, split_minibatches
 
     torch.manual_seed(0)
     backend = FSDP2Backend.build(ModelConfig(path=model_dir), ParallelismConfig(), TrainingConfig(lr=1e-2),

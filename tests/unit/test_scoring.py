@@ -40,27 +40,29 @@ def test_a_multi_turn_sample_reaches_the_rewards_with_its_environments_results_a
     calls = []
     env = EnvResults(rewards=torch.tensor([0.5, 2.0], dtype=torch.float64), turns=torch.tensor([3, 1]),
                      metrics=[{"correct": 1.0}, {"correct": 0.0}])
-    scored = batch(env)
-    stats = scoring(calls).score(scored)
+    samples = batch(env)
+    scores, stats = scoring(calls).score(samples)
     assert calls == [
         {"prompt": "a", "answer": "1", "env_reward": 0.5, "turns": 3, "env_metrics": {"correct": 1.0},
          "response_length": 3, "finish_reason": "length"},
         {"prompt": "b", "answer": "2", "env_reward": 2.0, "turns": 1, "env_metrics": {"correct": 0.0},
          "response_length": 1, "finish_reason": "stop"},
     ]  # fmt: skip
-    assert scored.samples == ROWS  # the functions' changes stay in their copies
-    assert scored.scores.tolist() == [3.5, 3.0]
-    assert scored.correct.tolist() == [True, False]  # the environment's `correct`, not the task's check
+    assert samples.samples == ROWS  # the functions' changes stay in their copies
+    assert scores.scores.tolist() == [3.5, 3.0]
+    assert scores.reward_components.tolist() == [[3.5], [3.0]]
+    assert scores.correct.tolist() == [True, False]  # the environment's `correct`, not the task's check
     assert stats["rollout/turns"] == 2.0 and stats["rollout/env_reward"] == 1.25
     assert stats["rollout/env/correct"] == 0.5
 
 
 def test_a_single_turn_sample_has_no_environment_keys():
     calls = []
-    scored = batch(None)
-    stats = scoring(calls).score(scored)
+    samples = batch(None)
+    scores, stats = scoring(calls).score(samples)
     assert [sorted(c) for c in calls] == [["answer", "finish_reason", "prompt", "response_length"]] * 2
-    assert scored.samples == ROWS and "rollout/turns" not in stats
+    assert samples.samples == ROWS and "rollout/turns" not in stats
+    assert scores.baseline_scores is None and scores.baseline_texts == []  # no greedy baseline was drawn
 
 
 def test_reward_samples_wants_one_length_and_reason_per_row():

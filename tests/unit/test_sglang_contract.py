@@ -536,14 +536,13 @@ def test_a_server_that_dies_is_restarted_by_the_supervisor_with_the_trainers_wei
         backends.append(backend)
         return _engine_on(backend)
 
-    engine = SupervisedEngine(start(), start, max_restarts=1)
     synced = []
 
-    def resync(version):
+    def resync(supervisor, version):
         synced.append(version)
-        engine.engine.update_weights(iter(named_tensors(1)), version)
+        supervisor.engine.update_weights(iter(named_tensors(1)), version)
 
-    engine.resync = resync
+    engine = SupervisedEngine(start(), start, max_restarts=1, resync=resync)
     try:
         engine.update_weights(iter(named_tensors(1)), 1)
         first = backends[0]

@@ -103,13 +103,14 @@ def fixed_batch_update(
         advantages, returns = grpo.implementation(
             AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), grpo.config_cls()
         )
-        batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
+        targets = TrainTargets(advantages, returns, batch.response_mask.clone())
         layout = backend.data_layout()
         per_rank = len(batch) // layout.size
-        local = batch.select(slice(layout.rank * per_rank, (layout.rank + 1) * per_rank))
-        metrics, _ = update_policy(
+        mine = slice(layout.rank * per_rank, (layout.rank + 1) * per_rank)
+        metrics = update_policy(
             backend,
-            local,
+            batch.select(mine),
+            targets.select(mine),
             ForwardSpec(micro_batch_size=micro_batch_size, temperature=1.0, chunk_size=16, exact_layout=False,
                         share_prompts=share_prompts, routing=plan, max_tokens_per_micro_batch=max_tokens,
                         pack_sequences=pack),
@@ -118,7 +119,7 @@ def fixed_batch_update(
             epochs=1,
             dp_size=layout.size,
             dp_group=layout.group,
-        )
+        ).metrics
         params = {name: t.detach().clone() for name, t in backend.full_weights()}
         stream_exact = async_gather = None
         if not backend_choice:
@@ -232,8 +233,7 @@ def megatron_memory_steps(rank: int, world_size: int, init_file: str, model_dir:
             advantages, returns = grpo.implementation(
                 AdvantageInput(batch.scores, batch.group_ids, batch.response_mask), grpo.config_cls()
             )
-            batch.targets = TrainTargets(advantages, returns, batch.response_mask.clone())
-            batches.append(batch)
+            batches.append((batch, TrainTargets(advantages, returns, batch.response_mask.clone())))
 
         for name, overrides in variants.items():
             run_cfg = load_config(None, [
@@ -246,12 +246,13 @@ def megatron_memory_steps(rank: int, world_size: int, init_file: str, model_dir:
                 factory, backend_cfg = resolve_choice(pm.registry("training_backend"), run_cfg.parallelism.backend)
                 return factory(run_cfg, backend_cfg, torch.device("cpu"), 2)
 
-            def step(backend, batch):
+            def step(backend, batch_and_targets):
+                batch, targets = batch_and_targets
                 layout = backend.data_layout()
                 per_rank = len(batch) // layout.size
-                local = batch.select(slice(layout.rank * per_rank, (layout.rank + 1) * per_rank))
-                update_policy(backend, local, spec, loss, minibatches=1, epochs=1, dp_size=layout.size,
-                              dp_group=layout.group)
+                mine = slice(layout.rank * per_rank, (layout.rank + 1) * per_rank)
+                update_policy(backend, batch.select(mine), targets.select(mine), spec, loss, minibatches=1, epochs=1,
+                              dp_size=layout.size, dp_group=layout.group)
                 return {n: t.detach().clone() for n, t in backend.full_weights()}
 
             backend = build()

@@ -3,8 +3,9 @@ trainer's current weights, and the call that failed is made again.
 
 :class:`SupervisedEngine` wraps any engine; only :class:`~rlite.engines.base.EngineDied` (the process
 is gone) leads to a restart, any other :class:`~rlite.engines.base.EngineError` is passed on. The new
-engine receives the weights through the ordinary sync (``resync(version)``), so it samples with the
-version the trainer last synced, checksums verified by the sync protocol. An engine that dies while
+engine receives the weights through the ordinary sync (``resync(engine, version)``, given at construction:
+the run's weight sync, into the supervisor itself, so that a death during it restarts again), so it samples
+with the version the trainer last synced, checksums verified by the sync protocol. An engine that dies while
 starting (the first one, :meth:`SupervisedEngine.launch`, or a replacement) is started again the same
 way and counts as a restart. After ``max_restarts`` restarts the next death raises :class:`EngineGaveUp`.
 """
@@ -28,14 +29,17 @@ class SupervisedEngine:
     """Forwards every call to the engine it holds (same interface and capabilities); restarts it when
     its process dies."""
 
-    def __init__(self, engine: RolloutEngine, start: Callable[[], RolloutEngine], max_restarts: int) -> None:
+    def __init__(self, engine: RolloutEngine, start: Callable[[], RolloutEngine], max_restarts: int,
+                 resync: Callable[[RolloutEngine, int], None] | None = None, restarts: int = 0) -> None:
         self.engine = engine
         self.start = start
         """Builds a fresh engine like the first (the engine factory with the run's arguments)."""
         self.max_restarts = max_restarts
-        self.restarts = 0
-        self.resync: Callable[[int], None] | None = None
-        """Syncs the trainer's weights into the engine as a version (the run's ``sync_weights``)."""
+        self.restarts = restarts
+        """Restarts so far (those while starting the first engine included)."""
+        self.resync = resync
+        """Syncs the trainer's weights into an engine as a version (the run's
+        :meth:`~rlite.stages.sync.WeightSync.send`); ``None``: a death cannot be recovered from."""
         self.version = 0
         """The weight version last asked for: what the trainer's weights are."""
 
@@ -54,9 +58,10 @@ class SupervisedEngine:
         return getattr(engine, name)
 
     @classmethod
-    def launch(cls, start: Callable[[], RolloutEngine], max_restarts: int) -> SupervisedEngine:
+    def launch(cls, start: Callable[[], RolloutEngine], max_restarts: int,
+               resync: Callable[[RolloutEngine, int], None] | None = None) -> SupervisedEngine:
         """Start the first engine with ``start``; one that dies while starting is started again, counted
-        against ``max_restarts`` like a death later in the run."""
+        against ``max_restarts`` like a death later in the run. ``resync``: as the constructor takes it."""
         restarts = 0
         while True:
             try:
@@ -66,9 +71,7 @@ class SupervisedEngine:
                 restarts = cls._count_restart(died, restarts, max_restarts, "while starting")
                 log.warning("rollout engine died while starting (%s); starting it again (%d of %d)",
                             str(died).splitlines()[0], restarts, max_restarts)  # fmt: skip
-        supervised = cls(engine, start, max_restarts)
-        supervised.restarts = restarts
-        return supervised
+        return cls(engine, start, max_restarts, resync, restarts)
 
     @staticmethod
     def _count_restart(died: EngineDied, restarts: int, max_restarts: int, when: str = "") -> int:
@@ -137,6 +140,6 @@ class SupervisedEngine:
                 break
             except EngineDied as again:  # the replacement died while starting: the same as any death
                 died, when = again, "while starting"
-        self.resync(self.version)  # the sync protocol's checksums verify every byte the new engine got
+        self.resync(self, self.version)  # the sync protocol's checksums verify every byte the new engine got
         log.warning("rollout engine restarted (pid %s), weights v%d synced and verified",
                     getattr(self.engine, "pid", "in-process"), self.engine.weight_version)  # fmt: skip

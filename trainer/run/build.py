@@ -1,5 +1,9 @@
-"""Building a run from its config: data, the training backend and its reference/critic, the loss, the
-engine (last, so a failure before it leaves no engine process behind), and resuming from a checkpoint.
+"""Building a run from its config (:func:`build_run`): data, the models (:func:`rlite.run.policy.build_models`),
+the loss, the engine (last, so a failure before it leaves no engine process behind), resuming from a
+checkpoint, then each of the run's components from its own builder: the policy
+(:func:`rlite.run.policy.build_policy`), the targets (:func:`build_targets`), the rollouts
+(:func:`build_rollouts`), the weight sync (:func:`build_weight_sync`), the recorder
+(:func:`rlite.run.recorder.build_recorder`) and the checkpointer.
 
 :class:`~rlite.run.state.Run` holds what :func:`rlite.loop.train` works with; every field names its type.
 """
@@ -17,34 +21,36 @@ from pathlib import Path
 import torch
 
 from rlite.config import ConfigError, RunConfig, config_to_yaml
-from rlite.config.advantage import advantage_choice
-from rlite.data import PromptSampler, load_prompt_splits
+from rlite.config.advantage import AdvantageChoice, advantage_choice
+from rlite.data import PromptSampler, PromptSet, load_prompt_splits
 from rlite.distributed import DataLayout, DistContext, init_distributed, new_side_group
 from rlite.drafts import DraftContext, SpeculativeDraft
 from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
 from rlite.engines.supervisor import SupervisedEngine
-from rlite.kl_control import build_kl_controller
-from rlite.metrics import Logger, MetricsSink, StepTimer, trim_metrics_file
+from rlite.kl_control import KLController, build_kl_controller
+from rlite.metrics import MetricsSink, StepTimer
 from rlite.mismatch import build_corrections, needs_current_logprobs
+from rlite.perf import PerfMeter
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
-from rlite.provenance import append_metrics_record
 from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner, reward_samples
 from rlite.run.checkpoint import find_resume_checkpoint
-from rlite.run.lifecycle import check_resume_config, maybe_resume
+from rlite.run.checkpointer import Checkpointer
+from rlite.run.faults import Preemption
+from rlite.run.lifecycle import Resumed, check_resume_config, maybe_resume
 from rlite.run.limits import check_run_fits
+from rlite.run.policy import Policy, build_loss, build_models, build_policy, forward_spec
+from rlite.run.recorder import build_recorder, open_run_logs
 from rlite.run.state import Run
 from rlite.run_files import link_in_folder, make_run_folder, refusal, refuse_link_or_special, replace_run_file
-from rlite.samples import SampleWriter
 from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import RolloutOptions, Rollouts
 from rlite.stages.evaluate import Evaluation
-from rlite.stages.routing import replay_plan, routing_setup
+from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.scoring import RolloutScoring
-from rlite.stages.sync import check_sync_mode
-from rlite.stages.targets import TargetsSpec
-from rlite.stages.update import LossSpec
-from rlite.training.backend import BackendCapabilities, ForwardSpec, TrainingBackend
+from rlite.stages.sync import WeightSync
+from rlite.stages.targets import Targets, TargetsSpec
+from rlite.training.backend import TrainingBackend
 from rlite.workflows import TurnRunner, turn_format
 
 log = logging.getLogger("rlite")
@@ -72,10 +78,84 @@ def check_run_folder(run_dir: Path) -> None:
         raise refusal(*found)
 
 
-def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool = False) -> Run:
-    """Everything a run needs, resumed from ``checkpoint.resume``'s checkpoint. ``evaluation_only``
-    (``rlite eval``): the run folder's config, metrics and loggers are left as they are."""
+def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool = False,
+              preemption: Preemption | None = None) -> Run:
+    """Everything a run needs, resumed from ``checkpoint.resume``'s checkpoint: the models first, the engine
+    last (a failure before it leaves no engine process behind), then the components that need both, and the
+    first weight sync. ``evaluation_only`` (``rlite eval``): the run folder's config, metrics and loggers are
+    left as they are. ``preemption``: the signal handlers' flag (:func:`rlite.loop.run_training`'s)."""
     started = time.perf_counter()
+    ctx, resume_from = prepare_run(cfg, evaluation_only)
+    tokenizer = load_tokenizer(cfg)
+    train_prompts, eval_prompts = load_data(cfg, pm, ctx, tokenizer)
+    rewards = build_rewards(cfg, pm, train_prompts)  # before any model loads: a bad reward fails fast
+    models = build_models(cfg, pm, ctx)
+    layout = models.backend.data_layout()
+    sampler = PromptSampler(
+        train_prompts.items, cfg.rollout.prompts_per_step, layout.rank, layout.size, cfg.data.seed, cfg.data.shuffle
+    )
+    turns = build_turn_runner(cfg, pm, tokenizer)
+    corrections = build_corrections(cfg.algorithm.corrections, pm.registry("mismatch_correction"))
+    loss_time = needs_current_logprobs(corrections)
+    loss = build_loss(cfg, pm, turns, corrections if loss_time else [])
+    forward = forward_spec(cfg, ctx.device.type, models.backend.capabilities)
+    advantage = advantage_choice(cfg.algorithm, pm.registries)
+    targets_spec = build_targets_spec(cfg, advantage, [] if loss_time else corrections, rewards.weights)
+    kl_controller = build_kl_controller(cfg.algorithm.kl)
+    if layout.leader:  # the replica's leader scores its batches
+        rewards.start()
+    draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
+    weight_sync = build_weight_sync(cfg, pm, models.backend, draft)
+    resumed = maybe_resume(resume_from, models, sampler, kl_controller, ctx, pm, draft=draft)
+    provenance = run_provenance(cfg, pm, ctx, resume_from, resumed.step)
+    loggers = open_run_logs(cfg, pm, ctx, resumed.step, provenance, training=not evaluation_only)
+    engine, engine_metrics = launch_engine(cfg, pm, ctx, layout, tokenizer, models.backend, weight_sync, draft)
+    timer = StepTimer()
+    try:
+        weight_sync.check(engine, cfg.rollout.engine.name)
+        routing = routing_setup(cfg, models.backend, engine, layout, pm)
+        policy = build_policy(cfg, models, dataclasses.replace(forward, routing=replay_plan(routing)), loss,
+                              layout=layout, hooks=pm.hook, timer=timer)
+        targets = build_targets(targets_spec, policy, kl_controller, layout, routing)
+        options = rollout_options(cfg, engine, layout, draft=draft, record_routing=routing is not None, turns=turns,
+                                  greedy_baseline=advantage.needs_greedy_baseline)
+        scoring = RolloutScoring(rewards, layout, cfg.training.accuracy_threshold)
+        rollouts = build_rollouts(cfg, engine, sampler, scoring, tokenizer, layout, pm.hook, timer, options,
+                                  engine_metrics=engine_metrics, resumed=resumed)
+        perf = None if evaluation_only else PerfMeter.for_run(
+            cfg, policy.backend.hf_config(), ctx, critic=policy.critic is not None,
+            reference=policy.reference is not None, routing_metrics=routing is not None and routing.metrics,
+        )  # model FLOPs of the trainer's passes, MFU against the device's peak
+        recorder = build_recorder(cfg, pm, ctx, loggers=loggers, timer=timer, perf=perf, start_step=resumed.step,
+                                  started=started, reward_names=rewards.names, tokenizer=tokenizer,
+                                  training=not evaluation_only)
+        preemption = preemption if preemption is not None else Preemption(0.0)
+        run = Run(
+            config=cfg, ctx=ctx, pm=pm, run_dir=Path(cfg.logging.run_dir), tokenizer=tokenizer, start_step=resumed.step,
+            resumed_from=resume_from, preemption=preemption, engine=engine, draft=draft, rollouts=rollouts,
+            targets=targets, policy=policy, weight_sync=weight_sync, recorder=recorder,
+            evaluation=Evaluation(engine, tokenizer, scoring, options, layout, eval_prompts,
+                                  cfg.training.eval_max_prompts, sample_count=cfg.logging.samples_per_step
+                                  if recorder.samples is not None else 0, engine_metrics=engine_metrics),
+            checkpointer=Checkpointer(
+                run_dir=Path(cfg.logging.run_dir), rank=ctx.rank, keep_last=cfg.checkpoint.keep_last,
+                resume=cfg.checkpoint.resume, provenance=provenance, policy=policy, rollouts=rollouts,
+                targets=targets, draft=draft, sampler=sampler, hooks=pm.hook, timer=timer, preemption=preemption,
+            ),
+        )  # fmt: skip
+        weight_sync.send(engine, resumed.step)
+    except BaseException:
+        engine.shutdown()
+        rewards.close()
+        raise
+    return run
+
+
+def prepare_run(cfg: RunConfig, evaluation_only: bool) -> tuple[DistContext, Path | None]:
+    """Before anything loads: the input paths checked, the process set up (distributed, threads, allocator,
+    seed), the run folder checked and made, the checkpoint to resume from found (its checksums verified) and
+    checked against this config, and (a training run, main rank) this run's ``config.yaml`` written; the
+    process context and that checkpoint (``None``: a fresh run)."""
     check_input_paths(cfg)  # before anything loads or the run folder is touched
     ctx = init_distributed()
     if cfg.training.num_threads is not None:
@@ -100,7 +180,12 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
                               "point it at a folder you can write") from None
     if ctx.is_main and not evaluation_only:
         write_run_config(run_dir, config_to_yaml(cfg))
-    tokenizer = load_tokenizer(cfg)
+    return ctx, resume_from
+
+
+def load_data(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, tokenizer) -> tuple[PromptSet, PromptSet | None]:
+    """The training and held-out prompts (``data``), the run's context and memory checked against the longest
+    (before any model allocates)."""
     try:
         train_prompts, eval_prompts = load_prompt_splits(cfg.data, tokenizer)
     except (FileNotFoundError, ValueError, KeyError) as exc:  # bad data files: the messages name the key
@@ -108,161 +193,64 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     longest_prompt = max((len(p.prompt_ids) for split in (train_prompts, eval_prompts) if split is not None
                           for p in split.items), default=None)
     check_run_fits(cfg, ctx.device, ctx.world_size, longest_prompt, pm)  # context and memory, before models allocate
-    rewards = build_rewards(cfg, pm, train_prompts)  # before any model loads: a bad reward fails fast
+    return train_prompts, eval_prompts
+
+
+def build_targets_spec(cfg: RunConfig, advantage: AdvantageChoice, corrections: list,
+                       reward_weights: list[float]) -> TargetsSpec:
+    """The algorithm's choices that shape stage 3 (``corrections``: those applied there, not in the loss)."""
     algo = cfg.algorithm
-    total_opt_steps = cfg.training.steps * algo.minibatches_per_step * algo.epochs_per_step
-    make_backend, backend_cfg = resolve_choice(pm.registry("training_backend"), cfg.parallelism.backend)
-    backend: TrainingBackend = make_backend(cfg, backend_cfg, ctx.device, total_opt_steps)
-    layout = backend.data_layout()
-    sampler = PromptSampler(
-        train_prompts.items, cfg.rollout.prompts_per_step, layout.rank, layout.size, cfg.data.seed, cfg.data.shuffle
-    )
-    reference = backend.build_reference() if algo.kl.coef != 0.0 else None
-    critic = None
-    if algo.critic.enabled:
-        if not backend.capabilities.critic:
-            raise ConfigError(f"algorithm.critic.enabled: the {cfg.parallelism.backend.name!r} backend has no critic")
-        critic = backend.build_critic(algo.critic)
-    turns = build_turn_runner(cfg, pm, tokenizer)
-    policy_loss, policy_cfg = resolve_choice(pm.registry("policy_loss"), algo.policy_loss)
-    corrections = build_corrections(algo.corrections, pm.registry("mismatch_correction"))
-    loss_time = needs_current_logprobs(corrections)
-    loss = LossSpec(
-        policy_loss=policy_loss,
-        policy_cfg=policy_cfg,
-        agg_mode=algo.loss_agg_mode,
-        horizon=float(algo.loss_agg_horizon or (cfg.rollout.max_response_tokens if turns else cfg.rollout.max_new_tokens)),
-        kl_fn=pm.registry("kl_estimator").get(algo.kl.estimator).implementation,
-        kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef,
-        entropy_coef=algo.entropy_coef,
-        loss_time_corrections=corrections if loss_time else [],
-    )
-    forward = forward_spec(cfg, ctx.device.type, backend.capabilities)
-    advantage = advantage_choice(algo, pm.registries)
-    targets = TargetsSpec(
+    return TargetsSpec(
         advantage=advantage.resolved,
         old_logprob_mode=algo.old_logprob_mode,
         minibatches=algo.minibatches_per_step,
         epochs=algo.epochs_per_step,
         kl_in_reward=algo.kl.in_reward,
         mask_truncated=algo.mask_truncated,
-        corrections=[] if loss_time else corrections,
+        corrections=corrections,
         micro_batch_size=cfg.training.micro_batch_size,
-        reward_weights=tuple(rewards.weights),
+        reward_weights=tuple(reward_weights),
     )
+
+
+def build_targets(spec: TargetsSpec, policy: Policy, kl_controller: KLController, layout: DataLayout,
+                  routing: RoutingSetup | None) -> Targets:
+    """The run's :class:`~rlite.stages.targets.Targets`: the policy's models score the batch with its forward spec."""
+    return Targets(spec, policy=policy.backend, reference=policy.reference, critic=policy.critic,
+                   forward=policy.forward, kl_fn=policy.loss.kl_fn, kl_controller=kl_controller, layout=layout,
+                   routing=routing)
+
+
+def build_weight_sync(cfg: RunConfig, pm: RlitePluginManager, backend: TrainingBackend,
+                      draft: SpeculativeDraft | None) -> WeightSync:
+    """The run's :class:`~rlite.stages.sync.WeightSync` (``rollout.lora_sync``, ``rollout.quantization``)."""
     quantizer = None
     if cfg.rollout.quantization.name != "none":
         quantizer = resolve_choice(pm.registry("rollout_quantizer"), cfg.rollout.quantization)
-    kl_controller = build_kl_controller(algo.kl)
-    if layout.leader:  # the replica's leader scores its batches
-        rewards.start()
-    draft = build_draft(cfg, pm, tokenizer, ctx.device, layout)
-    rollouts_ahead: dict = {}
-    start_step = maybe_resume(resume_from, backend, critic, sampler, kl_controller, ctx, pm, draft=draft,
-                              rollouts_ahead=rollouts_ahead)
-    provenance = run_provenance(cfg, pm, ctx, resume_from, start_step)
-    loggers = []
-    if ctx.is_main and not evaluation_only:
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            trim_metrics_file(run_dir / name, start_step if start_step else None)
-        # the first row of a fresh run's metrics (a resumed run keeps it and adds its own)
-        append_metrics_record(run_dir / "metrics.jsonl", start_step, provenance)
-        loggers = build_loggers(cfg, run_dir, pm)
-        for logger in loggers:  # steps an interrupted run logged after the checkpoint are logged again
-            if start_step and callable(getattr(logger, "resume", None)):
-                logger.resume(start_step)
-    # the engine last: a failure above leaves no engine process behind; every rank tells the engine
-    # factories where it runs and what its trainer will still allocate (a collective)
+    return WeightSync(backend, cfg.rollout.lora_sync, quantizer, draft)
+
+
+def launch_engine(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, layout: DataLayout, tokenizer,
+                  backend: TrainingBackend, weight_sync: WeightSync,
+                  draft: SpeculativeDraft | None) -> tuple[RolloutEngine, MetricsSink | None]:
+    """The rollout engine of this rank (an :class:`IdleEngine` on the ranks that receive their replica leader's
+    batches) and where it reports its metrics. Every rank tells the engine factories where it runs and what its
+    trainer will still allocate (a collective). At world size 1 the engine is supervised: restarted when its
+    process dies and re-synced (``weight_sync``); with several ranks a death stops the run."""
     context = gather_engine_context(
         describe_rank(ctx.rank, ctx.local_rank, ctx.device, bytes_to_come=backend.device_bytes_to_come(),
                       builds_engine=layout.leader),
-        quantizer,
+        weight_sync.quantizer,
         draft=None if draft is None else draft.spec,
         compute_dtype=cfg.parallelism.param_dtype,
     )  # fmt: skip
-    engine: RolloutEngine = IdleEngine()  # ranks that receive their replica leader's batches
-    if layout.leader:
-        make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
-        start = functools.partial(make_engine, cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
-        if ctx.world_size == 1:  # the re-sync after a restart is this rank's alone (several: a death stops the run)
-            engine = SupervisedEngine.launch(start, cfg.rollout.engine_restarts)  # restarted from its start-up on
-        else:
-            engine = start()
-    timer = StepTimer()
-    samples = SampleWriter(run_dir / "samples.jsonl", loggers) if ctx.is_main and cfg.logging.samples_every else None
-    try:
-        check_sync_mode(cfg.rollout.lora_sync, engine, backend, cfg.rollout.engine.name, quantizer, draft)
-        routing = routing_setup(cfg, backend, engine, layout, pm)
-        forward = dataclasses.replace(forward, routing=replay_plan(routing))
-        options = rollout_options(cfg, engine, layout, draft=draft, record_routing=routing is not None, turns=turns,
-                                  greedy_baseline=advantage.needs_greedy_baseline)
-        scoring = RolloutScoring(rewards, layout, cfg.training.accuracy_threshold)
-        rollouts = build_rollouts(cfg, engine, sampler, scoring, tokenizer, layout, pm.hook, timer, options,
-                                  engine_metrics=context.metrics)
-        rollouts.resume_ahead(rollouts_ahead, start_step)
-    except BaseException:
-        engine.shutdown()
-        rewards.close()
-        raise
-    run = Run(
-        config=cfg,
-        ctx=ctx,
-        pm=pm,
-        run_dir=run_dir,
-        tokenizer=tokenizer,
-        eval_prompts=eval_prompts,
-        sampler=sampler,
-        layout=layout,
-        rollouts=rollouts,
-        evaluation=Evaluation(engine, tokenizer, scoring, options, layout,
-                              sample_count=cfg.logging.samples_per_step if samples is not None else 0,
-                              engine_metrics=context.metrics),
-        backend=backend,
-        reference=reference,
-        critic=critic,
-        engine=engine,
-        forward=forward,
-        loss=loss,
-        targets=targets,
-        quantizer=quantizer,
-        kl_controller=kl_controller,
-        loggers=loggers,
-        timer=timer,
-        start_step=start_step,
-        resumed_from=resume_from,
-        draft=draft,
-        started=started,
-        samples=samples,
-        provenance=provenance,
-        routing=routing,
-    )
-    if isinstance(engine, SupervisedEngine):
-        engine.resync = run.sync_weights
-    try:
-        run.sync_weights(version=start_step)
-    except BaseException:
-        engine.shutdown()
-        rewards.close()
-        raise
-    return run
-
-
-def forward_spec(cfg: RunConfig, device_type: str, capabilities: BackendCapabilities) -> ForwardSpec:
-    """How the run's backend scores and trains (the same spec for both), resolved for this device type and
-    backend: ``training.liger_fused_logprobs=auto`` among others (:func:`check_liger`)."""
-    return ForwardSpec(
-        micro_batch_size=cfg.training.micro_batch_size,
-        temperature=cfg.rollout.temperature,
-        chunk_size=cfg.training.logprob_chunk_size,
-        exact_layout=cfg.rollout.true_on_policy,
-        max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch,
-        pack_sequences=cfg.training.pack_sequences,
-        use_liger=check_liger(cfg, device_type=device_type, backend_fuses=capabilities.fused_logprobs),
-        entropy_grad=cfg.algorithm.entropy_coef != 0.0,
-        recompute_above_bytes=cfg.training.logprob_recompute_mb * 2**20,
-        # HF activation checkpointing turns the KV cache off, so sharing needs it off
-        share_prompts=cfg.training.share_prompt_prefix and not cfg.parallelism.activation_checkpointing,
-    )
+    if not layout.leader:
+        return IdleEngine(), context.metrics
+    make_engine, engine_cfg = resolve_choice(pm.registry("rollout_engine"), cfg.rollout.engine)
+    start = functools.partial(make_engine, cfg.model, tokenizer, cfg.rollout, engine_cfg, context)
+    if ctx.world_size == 1:  # the re-sync after a restart is this rank's alone
+        return SupervisedEngine.launch(start, cfg.rollout.engine_restarts, resync=weight_sync.send), context.metrics
+    return start(), context.metrics
 
 
 HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -381,10 +369,21 @@ def rollout_options(cfg: RunConfig, engine: RolloutEngine, layout: DataLayout, *
 
 
 def build_rollouts(cfg: RunConfig, engine, sampler, scoring: RolloutScoring, tokenizer, layout: DataLayout,
-                   hooks, timer: StepTimer, options: RolloutOptions, engine_metrics: MetricsSink | None = None) -> Rollouts:
-    """Synchronous rollouts, or a producer thread ahead of the trainer (``rollout.mode``); ``engine_metrics``:
-    where the engine reports (its context's sink), drained with each batch."""
-    args = (engine, sampler, scoring, tokenizer, options, layout, hooks, timer, engine_metrics)
+                   hooks, timer: StepTimer, options: RolloutOptions, engine_metrics: MetricsSink | None = None,
+                   resumed: Resumed | None = None) -> Rollouts:
+    """Stages 1-2 of the run: synchronous rollouts, or a producer thread ahead of the trainer
+    (``rollout.mode``); ``engine_metrics``: where the engine reports (its context's sink), drained with each
+    batch; ``resumed``: the checkpoint's batches sampled ahead, taken where they fit."""
+    rollouts = rollouts_of_mode(cfg, (engine, sampler, scoring, tokenizer, options, layout, hooks, timer, engine_metrics))
+    if resumed is not None:
+        rollouts.resume_ahead(resumed.rollouts_ahead, resumed.step)
+    return rollouts
+
+
+def rollouts_of_mode(cfg: RunConfig, args: tuple) -> Rollouts:
+    """:class:`Rollouts` (``rollout.mode=sync``) or :class:`AsyncRollouts` built with ``args``, the mode's checks
+    passed."""
+    engine, layout = args[0], args[5]
     mode = cfg.rollout.mode
     if mode == "sync":
         return Rollouts(*args)
@@ -441,89 +440,6 @@ def build_draft(cfg: RunConfig, pm: RlitePluginManager, tokenizer, device: torch
     return make_draft(DraftContext(cfg.model, tokenizer, cfg.rollout, device, layout), draft_cfg)
 
 
-def check_liger(cfg: RunConfig, *, device_type: str | None = None, backend_fuses: bool = True) -> bool:
-    """Resolve ``training.liger_fused_logprobs`` on this machine: whether the run's log-probs come from
-    liger-kernel's fused linear cross-entropy (:func:`resolve_liger`). ``device_type``: the trainer's
-    (default: ``cuda`` when a GPU is visible); ``backend_fuses``: the backend follows ``ForwardSpec.use_liger``."""
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    setting = cfg.training.liger_fused_logprobs
-    installed = None
-    if device_type == "cuda" and setting is not False and _liger_importable():  # (no liger import on a CPU)
-        installed = installed_version("liger-kernel") or "unknown"
-    return resolve_liger(setting, device_type=device_type, backend_fuses=backend_fuses,
-                         entropy_in_loss=cfg.algorithm.entropy_coef != 0.0, installed=installed)
-
-
-def resolve_liger(setting: bool | str, *, device_type: str, backend_fuses: bool, entropy_in_loss: bool,
-                  installed: str | None) -> bool:
-    """``training.liger_fused_logprobs`` resolved: ``false`` never; ``true`` wherever it can run and a
-    :class:`ConfigError` saying why where it cannot; ``auto`` exactly where ``true`` would run (on CUDA,
-    liger-kernel >= :data:`LIGER_MIN_VERSION` importable (``installed`` its version, ``None`` when it is
-    not), a backend that takes it, no entropy term in the loss), else the chunked output layer."""
-    if setting is False:
-        return False
-    if setting == "auto":
-        return (device_type == "cuda" and backend_fuses and not entropy_in_loss and installed is not None
-                and liger_version_ok(installed))
-    if device_type != "cuda":
-        raise ConfigError(
-            "training.liger_fused_logprobs needs CUDA: liger-kernel's Triton kernels do not run on CPU "
-            "(the default chunked path keeps memory bounded there)"
-        )
-    if installed is None:
-        raise ConfigError("training.liger_fused_logprobs: liger-kernel is not installed; pip install 'rlite[liger]'")
-    check_liger_version(installed)
-    if entropy_in_loss:
-        raise ConfigError(
-            "training.liger_fused_logprobs computes no entropy gradient; set algorithm.entropy_coef=0 or turn liger off"
-        )
-    if not backend_fuses:
-        raise ConfigError("training.liger_fused_logprobs: this training backend computes its log-probs itself; "
-                          "set training.liger_fused_logprobs=auto or false, or use parallelism.backend=fsdp2")
-    return True
-
-
-def _liger_importable() -> bool:
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-LIGER_MIN_VERSION = (0, 8, 2)
-"""Before 0.8.2 liger's fused linear cross-entropy with ``reduction="none"`` scaled every token's weight
-gradient by the first token's upstream gradient (linkedin/Liger-Kernel#1298): rlite's per-token
-log-probs would train silently wrong."""
-
-
-def installed_version(distribution: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
-
-
-def liger_version_ok(found: str | None) -> bool:
-    """Whether a liger-kernel version is at least :data:`LIGER_MIN_VERSION`."""
-    numbers = [int(n) for n in re.findall(r"\d+", found or "")[:3]]
-    return bool(numbers) and tuple(numbers + [0] * (3 - len(numbers))) >= LIGER_MIN_VERSION
-
-
-def check_liger_version(found: str | None) -> None:
-    """Refuse a liger-kernel older than :data:`LIGER_MIN_VERSION` (or of unknown version)."""
-    if not liger_version_ok(found):
-        wanted = ".".join(map(str, LIGER_MIN_VERSION))
-        raise ConfigError(
-            f"training.liger_fused_logprobs: liger-kernel {found or '(version unknown)'} computes wrong weight "
-            f"gradients for per-token losses before {wanted}; pip install 'liger-kernel>={wanted}' "
-            "(or turn training.liger_fused_logprobs off)"
-        )
-
-
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
@@ -540,24 +456,3 @@ def load_tokenizer(cfg: RunConfig):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def build_loggers(cfg: RunConfig, run_dir: Path, pm: RlitePluginManager) -> list[Logger]:
-    """``logging.loggers``, each built by its factory (None: it cannot run here, and is left out); an object
-    that is no :class:`~rlite.metrics.Logger` (no ``log`` or ``close``) is refused, naming the plugin."""
-    loggers = []
-    registry = pm.registry("logger")
-    for choice in cfg.logging.loggers:
-        factory, logger_cfg = resolve_choice(registry, choice)
-        logger = factory(run_dir, cfg, logger_cfg)
-        if logger is None:
-            continue
-        missing = [name for name in ("log", "close") if not callable(getattr(logger, name, None))]
-        if missing:
-            entry = registry.get(choice.name)
-            raise ConfigError(
-                f"logging.loggers: the {choice.name!r} logger of plugin {entry.plugin!r} built a "
-                f"{type(logger).__name__} without {' and '.join(missing)}(): a logger implements rlite.api.Logger"
-            )
-        loggers.append(logger)
-    return loggers

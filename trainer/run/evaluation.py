@@ -12,16 +12,14 @@ from rlite.distributed import init_distributed, shutdown_distributed
 from rlite.hf_models import quiet_transformers_progress
 from rlite.plugin_manager import RlitePluginManager, get_plugin_manager
 from rlite.run.build import Run, build_run, sandbox_hidden_paths
-from rlite.run.lifecycle import write_samples
 from rlite.sandbox import hidden_from_programs
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
     """The held-out evaluation of ``step``: its metrics; its first generations go to ``samples.jsonl``."""
     with run.rollouts.exclusive_engine(step):  # async: not while the producer samples
-        result = run.evaluation.evaluate(run.eval_prompts, step, run.config.training.eval_max_prompts)
-    if run.samples is not None:
-        write_samples(run, step, "eval", result.samples)
+        result = run.evaluation.evaluate(step)
+    run.recorder.write_samples(step, "eval", result.samples)
     # an evaluation runs between a sync and the next rollout, which needs the engine whole; after
     # the last step's nothing generates again, and the final checkpoint and export get the memory
     if step == run.config.training.steps:
@@ -46,13 +44,13 @@ def run_evaluation(cfg: RunConfig, pm: RlitePluginManager | None = None) -> dict
             with quiet_transformers_progress():
                 run = build_run(cfg, pm if pm is not None else get_plugin_manager(), evaluation_only=True)
             try:
-                if not run.eval_prompts:
+                if not run.evaluation.has_prompts:
                     raise ConfigError("rlite eval: no held-out prompts; set data.eval_files (or use a built-in data.task)")
-                with run.timer.phase("eval"):
+                with run.recorder.phase("eval"):
                     metrics = evaluate(run, run.start_step)
             finally:
                 run.engine.shutdown()
-                run.backend.close()
+                run.policy.close()
         result = {"step": run.start_step, "model": evaluated_model(cfg, run), **metrics}
         if ctx.is_main:
             from rlite.run_files import open_run_file

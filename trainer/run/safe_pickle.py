@@ -75,10 +75,10 @@ def _numpy_array_globals() -> list[Any]:
 
 def trainer_state_globals() -> list[Any]:
     """What ``trainer_state_rank<r>.pt`` may name beyond torch's own weights-only allowlist."""
-    from rlite.rollout import EnvResults, RolloutBatch, TrainTargets
+    from rlite.rollout import EnvResults, ScoredBatch
 
     return [
-        RolloutBatch, TrainTargets, EnvResults,  # the batches an asynchronous run had sampled ahead
+        ScoredBatch, EnvResults,  # the (scored) batches an asynchronous run had sampled ahead
         # values a data row (a sample's ``samples`` entry) may hold when ``datasets`` read Arrow columns
         datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone, decimal.Decimal,
         *_numpy_array_globals(),

@@ -56,14 +56,16 @@ import copy
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
 from rlite.distributed import all_reduce_max, use_thread_group
-from rlite.metrics import StepTimer
-from rlite.rollout import RolloutBatch
-from rlite.stages.collect import Rollouts
+from rlite.metrics import Reported, StepTimer
+from rlite.rollout import RolloutBatch, ScoredBatch
+from rlite.stages.collect import Rollout, Rollouts
 from rlite.stages.partial import SegmentedGeneration
+from rlite.stages.scoring import GreedyBaseline
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -103,7 +105,7 @@ class AsyncRollouts(Rollouts):
         # finished, and the prompt sampler's position before each step's batch. The producer draws from
         # its own copy of the sampler, so the run's sampler stays where the checkpoint put it.
         self.sampler = copy.copy(self.sampler)
-        self.ready: dict[int, tuple[RolloutBatch, dict[str, float]]] = {}
+        self.ready: dict[int, tuple[ScoredBatch, dict[str, float], Reported]] = {}
         self.sampler_at: dict[int, dict] = {}
         self.resumed_version = 0
         """The weights a resumed run starts with: nothing older samples again (its first fresh batch, when
@@ -148,7 +150,7 @@ class AsyncRollouts(Rollouts):
             return segments
         return self.turns.max_turns - 1 + self.turns.max_turns * segments
 
-    def _generate(self, prompts: list, step: int, round_index: int) -> tuple[RolloutBatch, str | None]:
+    def _generate(self, prompts: list, step: int, round_index: int) -> tuple[RolloutBatch, GreedyBaseline | None]:
         self.turn_points = 0
         generated = super()._generate(prompts, step, round_index)
         if self.group is not None:  # N ranks: every rank passes the same number of agreement points
@@ -205,10 +207,9 @@ class AsyncRollouts(Rollouts):
                     restored = self.ready.get(step)  # sampled before the checkpoint this run resumed from
                     if restored is None:
                         self.sampler_at[step] = self.sampler.state_dict()
-                speculation = None
                 if restored is not None:  # every rank's checkpoint kept its batch: no rank samples it
-                    batch, stats = copy.copy(restored[0]), dict(restored[1])
-                    report = dict(restored[2]) if len(restored) > 2 else {}
+                    rollout = Rollout(copy.copy(restored[0]), dict(restored[1]),
+                                      engine_report=dict(restored[2]) if len(restored) > 2 else {})
                 else:
                     oldest = self._oldest_version(step)
                     # one_step_off: exactly version step - 2, so a sync to step - 1 waits for this batch
@@ -221,40 +222,39 @@ class AsyncRollouts(Rollouts):
                     if self.stop.is_set():
                         return
                     with self.engine_lock:
-                        batch, stats = self.sample(step)
-                        speculation, report = self.sampling_speculation, self.sampling_report
-                    stats.update({f"rollout/producer_{k}": v for k, v in self.timer.step_metrics().items()})
-                with self.versions:  # the trainer attaches its targets to its own copy, never to this one
-                    self.ready[step] = (copy.copy(batch), dict(stats), dict(report))  # what the engine reported travels too
-                self.batches.put((step, batch, stats, speculation, report))
+                        rollout = self.sample(step)
+                    producer = {f"rollout/producer_{k}": v for k, v in self.timer.step_metrics().items()}
+                    rollout = replace(rollout, reward_stats={**rollout.reward_stats, **producer})
+                with self.versions:  # a checkpoint's own copy (what the engine reported travels too)
+                    self.ready[step] = (copy.copy(rollout.batch), dict(rollout.reward_stats), dict(rollout.engine_report))
+                self.batches.put((step, rollout))
                 with self.versions:
                     self.produced = step
                     self.versions.notify_all()
         except BaseException as exc:  # the trainer re-raises it at its next collect
-            self.batches.put((self.producing, exc, None, None, None))
+            self.batches.put((self.producing, exc))
         finally:
             with self.versions:
                 self.finished = True
                 self.versions.notify_all()
 
-    def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def collect(self, step: int) -> Rollout:
         if self.thread is None:
             self.thread = threading.Thread(target=self._produce, args=(step,), name="rlite-rollouts", daemon=True)
             self.thread.start()
         with self.main_timer.phase("rollout_wait"):
             try:
-                produced, batch, stats, speculation, report = self.batches.get(timeout=self.wait_timeout_s)
+                produced, rollout = self.batches.get(timeout=self.wait_timeout_s)
             except queue.Empty:
                 raise RuntimeError(
                     f"step {step}: no rollout batch after {self.wait_timeout_s:g}s (rollout.timeout_s); "
                     "the producer thread is stuck"
                 ) from None
-        if isinstance(batch, BaseException):
-            raise batch
+        if isinstance(rollout, BaseException):
+            raise rollout
         if produced != step:
             raise RuntimeError(f"step {step}: the producer delivered the batch of step {produced}")
-        # the producer is drawing the next batch: its stats and the engine's reports travel with each batch
-        self.speculation, self.engine_report = speculation, report
+        batch = rollout.batch  # (the producer is drawing the next: its stats and reports travel with each batch)
         with self.versions:  # a checkpoint from now on is of step - 1 or later
             for done in [k for k in self.ready if k < step]:
                 del self.ready[done]
@@ -269,7 +269,7 @@ class AsyncRollouts(Rollouts):
                 f"step {step}: a sample is {metrics['rollout/staleness_max']:g} weight versions old, "
                 f"over rollout.max_staleness={self.max_staleness}"
             )
-        return batch, {**stats, **metrics}
+        return replace(rollout, reward_stats={**rollout.reward_stats, **metrics})
 
     def check_versions(self, completions, step: int) -> None:
         engine = self.engine

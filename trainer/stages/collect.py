@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,9 +26,9 @@ from rlite.distributed import DataLayout, all_reduce_sum, from_replica_leader
 from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import MetricsSink, Reported, StepTimer
 from rlite.rewards import is_count_stat, reward_samples
-from rlite.rollout import EnvResults, RolloutBatch, build_rollout_batch, concat_batches
+from rlite.rollout import EnvResults, RolloutBatch, ScoredBatch, build_rollout_batch, concat_batches
 from rlite.stages.partial import SegmentedGeneration
-from rlite.stages.scoring import RolloutScoring
+from rlite.stages.scoring import GreedyBaseline, RolloutScoring
 from rlite.workflows import Trajectory, TurnRunner, trajectories_to_completions
 
 
@@ -91,6 +91,21 @@ class RolloutOptions:
             )
 
 
+@dataclass(frozen=True)
+class Rollout:
+    """Stages 1-2's product (:meth:`Rollouts.collect`): this rank's scored batch of a step, and what was
+    measured while it was drawn."""
+
+    batch: ScoredBatch
+    reward_stats: dict[str, float]
+    """The rewards' and the sampling's statistics (this rank's; the report reduces them over ranks)."""
+    speculation: SpeculationStats | None = None
+    """What speculative decoding did in its rollout (all its rounds; this rank's engine); ``None``: no draft."""
+    engine_report: Reported = field(default_factory=dict)
+    """What the engine reported (its ``EngineContext.metrics``) since the batch before: its rollout, and the
+    weight sync before it."""
+
+
 def play_turns(turns: TurnRunner, engine, prompts: list, params: SamplingParams, later_seed: Callable[[int], int],
                between_turns: Callable[[], None] | None = None) -> list[Trajectory]:
     """Every prompt played turn by turn through its environment; the first turn samples with
@@ -101,10 +116,11 @@ def play_turns(turns: TurnRunner, engine, prompts: list, params: SamplingParams,
 
 
 class Rollouts:
-    """Sampling a step's batch: the engine, the prompts, the scoring and the tokenizer.
+    """Stages 1-2: sampling a step's batch and scoring it (the engine, the prompts, the scoring and the
+    tokenizer); :meth:`collect` returns the step's :class:`Rollout`.
 
-    Built whole here; what changes afterwards is the per-step state below (:attr:`speculation`,
-    :attr:`sampling_speculation`)."""
+    Built whole here; what changes afterwards is the prompt sampler's position and, while a batch is drawn,
+    :attr:`sampling_speculation`."""
 
     between_turns: Callable[[], None] | None = None
     """Called between the turns of a multi-turn rollout (asynchronous rollouts let a weight sync in)."""
@@ -122,18 +138,8 @@ class Rollouts:
         self.sample_group = layout.group
         """The process group of :meth:`sample`'s collectives: the data-parallel group, or, when a producer
         thread samples (asynchronous rollouts), a group of its own beside the trainer's."""
-        # -- per-step state
-        self.speculation: SpeculationStats | None = None
-        """What speculative decoding did in the rollout of the batch :meth:`collect` returned last (all its
-        rounds; this rank's engine)."""
         self.sampling_speculation: SpeculationStats | None = None
-        """What speculative decoding has done so far in the batch :meth:`sample` is drawing (with
-        asynchronous rollouts, a step ahead of :attr:`speculation`)."""
-        self.engine_report: Reported = {}
-        """What the engine reported (:attr:`engine_metrics`) up to the end of the batch :meth:`collect` returned
-        last, since the batch before it: its rollout, and the weight sync before it."""
-        self.sampling_report: Reported = {}
-        """The same for the batch :meth:`sample` drew last (with asynchronous rollouts, a step ahead)."""
+        """What speculative decoding has done so far in the batch :meth:`draw` is drawing (this rank's engine)."""
 
     @property
     def rollout(self) -> RolloutConfig:
@@ -168,24 +174,22 @@ class Rollouts:
         """Batches that an asynchronous run's checkpoint of ``step`` kept for the steps after it: a
         synchronous run samples those steps again, from the position the checkpoint's ``sampler`` holds."""
 
-    def collect(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """This rank's batch of the step (:meth:`sample`), then the engine releases its memory: the
+    def collect(self, step: int) -> Rollout:
+        """This rank's :class:`Rollout` of the step (:meth:`sample`), then the engine releases its memory: the
         log-probs and the update that follow get it, and the weight sync takes it back."""
-        batch, stats = self.sample(step)
-        self.speculation, self.engine_report = self.sampling_speculation, self.sampling_report
+        rollout = self.sample(step)
         self.engine.release_memory()
-        return batch, stats
+        return rollout
 
-    def sample(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """:meth:`draw` the step's batch, then take what the engine reported meanwhile
-        (:attr:`sampling_report`)."""
-        batch, stats = self.draw(step)
-        self.sampling_report = self.engine_metrics.drain() if self.engine_metrics is not None else {}
-        return batch, stats
+    def sample(self, step: int) -> Rollout:
+        """:meth:`draw` the step's batch, with what the engine reported meanwhile."""
+        batch, stats, speculation = self.draw(step)
+        report = self.engine_metrics.drain() if self.engine_metrics is not None else {}
+        return Rollout(batch, stats, speculation, report)
 
-    def draw(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def draw(self, step: int) -> tuple[ScoredBatch, dict[str, float], SpeculationStats | None]:
         """Generate, score, and with dynamic sampling (DAPO) drop groups whose rewards are all equal
-        and draw more prompts until every rank has its quota.
+        and draw more prompts until every rank has its quota; what speculative decoding did meanwhile.
 
         Rounds are collective (every rank draws while any rank is short), so the prompt samplers of
         all ranks stay in step. A batch still short after ``dynamic_sampling_max_rounds`` is topped up
@@ -196,16 +200,11 @@ class Rollouts:
         self.sampling_speculation = SpeculationStats() if options.speculating else None
         while True:
             rounds += 1
-            with self.timer.phase("generation"):
-                batch, baseline_error = self.generate(next(self.sampler), step, rounds - 1)
-            self.hooks.after_rollout(step=step, batch=batch)
-            with self.timer.phase("reward"):
-                stats = self.scoring.score(batch, self.sample_group, baseline_error)
-            self.hooks.after_rewards(step=step, batch=batch)
+            batch, stats = self.draw_round(step, rounds - 1)
             for key, value in stats.items():
                 stats_sum[key] = stats_sum.get(key, 0.0) + value
             if not options.dynamic_sampling:
-                return batch, stats
+                return batch, stats, self.sampling_speculation
             for group in split_groups(batch):
                 (kept if float(group.scores.max() - group.scores.min()) > 0 else spare).append(group)
             short = float(len(kept) < per_rank)
@@ -215,20 +214,31 @@ class Rollouts:
         dropped = len(spare)
         groups = (kept + spare)[:per_rank]
         batch = concat_batches(groups, self.tokenizer.pad_token_id)
-        batch.group_ids = self.layout.rank * per_rank + torch.arange(len(batch)) // self.rollout.samples_per_prompt
+        batch = replace(batch, group_ids=self.layout.rank * per_rank + torch.arange(len(batch)) // self.rollout.samples_per_prompt)
         stats = {key: value if is_count_stat(key) else value / rounds
                  for key, value in stats_sum.items()}
         stats["dynamic_sampling/rounds"] = float(rounds)
         stats["dynamic_sampling/dropped_groups"] = float(dropped)
         stats["dynamic_sampling/kept_fraction"] = min(len(kept), per_rank) / per_rank
-        return batch, stats
+        return batch, stats, self.sampling_speculation
 
-    def generate(self, prompts: list, step: int, round_index: int = 0) -> tuple[RolloutBatch, str | None]:
+    def draw_round(self, step: int, round_index: int) -> tuple[ScoredBatch, dict[str, float]]:
+        """One round: the next prompts' samples (stage 1), then their scores (stage 2), each after its hook."""
+        with self.timer.phase("generation"):
+            batch, baseline = self.generate(next(self.sampler), step, round_index)
+        self.hooks.after_rollout(step=step, batch=batch)
+        with self.timer.phase("reward"):
+            scores, stats = self.scoring.score(batch, self.sample_group, baseline)
+        scored = ScoredBatch.of(batch, scores)
+        self.hooks.after_rewards(step=step, batch=scored)
+        return scored, stats
+
+    def generate(self, prompts: list, step: int, round_index: int = 0) -> tuple[RolloutBatch, GreedyBaseline | None]:
         """This shard's samples: generated by the replica's leader, the same batch on its other ranks; and
-        what went wrong scoring their greedy baselines (``None``: nothing, or none were asked for)."""
+        their scored greedy baselines (``None``: none were asked for)."""
         return from_replica_leader(self.layout, lambda: self._generate(prompts, step, round_index))
 
-    def _generate(self, prompts: list, step: int, round_index: int) -> tuple[RolloutBatch, str | None]:
+    def _generate(self, prompts: list, step: int, round_index: int) -> tuple[RolloutBatch, GreedyBaseline | None]:
         extra_round = (round_index,) if round_index else ()  # round 0 keeps the seed of a run without dynamic sampling
         options = self.options
         params = sampling_params(self.rollout, seed=hash_seed(options.seed, step, self.layout.rank, *extra_round))
@@ -249,12 +259,10 @@ class Rollouts:
             group_offset=self.layout.rank * self.per_rank,
             pad_token_id=self.tokenizer.pad_token_id,
             fixed_width=self.rollout.max_new_tokens if self.rollout.true_on_policy else None,
-        )
-        batch.completion_texts = self.tokenizer.batch_decode(
-            [c.token_ids for c in completions], skip_special_tokens=True
+            completion_texts=self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True),
         )
         if options.greedy_baseline:
-            return batch, self.greedy_rollout(batch, prompts, completions)
+            return batch, self.greedy_rollout(prompts, completions)
         return batch, None
 
     def check_versions(self, completions, step: int) -> None:
@@ -281,32 +289,30 @@ class Rollouts:
         batch = build_rollout_batch(
             [t.context for t in trajectories], completions, [prompts[t.prompt_index].row for t in trajectories],
             group_offset=0, pad_token_id=self.tokenizer.pad_token_id, loss_masks=loss_masks,
+            completion_texts=self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True),
         )  # fmt: skip
-        batch.group_ids = self.layout.rank * self.per_rank + torch.tensor([t.prompt_index for t in trajectories])
         versions = torch.full(batch.response_ids.shape, -1, dtype=torch.long)
         for row, t in enumerate(trajectories):
             versions[row, : len(t.weight_versions)] = torch.tensor(t.weight_versions, dtype=torch.long)
-        batch.token_weight_versions = versions
-        batch.env = EnvResults.of(trajectories)
-        batch.completion_texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        return batch
+        return replace(batch, group_ids=self.layout.rank * self.per_rank + torch.tensor([t.prompt_index for t in trajectories]),
+                       token_weight_versions=versions, env=EnvResults.of(trajectories))
 
-    def greedy_rollout(self, batch: RolloutBatch, prompts: list, completions: list) -> str | None:
+    def greedy_rollout(self, prompts: list, completions: list) -> GreedyBaseline:
         """One greedy completion per prompt from the same weights, scored like the samples (with its own
-        length): ``batch.baseline_texts`` and ``batch.baseline_scores``, per sample (ReMax's baseline).
-        Returns what went wrong scoring them (:meth:`RolloutScoring.score` raises it, a collective)."""
+        length), per sample (ReMax's baseline); what went wrong scoring them travels with it
+        (:meth:`RolloutScoring.score` raises it, a collective)."""
         greedy = self.engine.generate([p.prompt_ids for p in prompts], sampling_params(self.rollout, seed=0, n=1, greedy=True))
         by_prompt = {c.prompt_index: c for c in greedy}
         ordered = [by_prompt[i] for i in range(len(prompts))]
         texts = self.tokenizer.batch_decode([c.token_ids for c in ordered], skip_special_tokens=True)
         samples = reward_samples([p.row for p in prompts], [len(c.token_ids) for c in ordered], [c.finish_reason for c in ordered])
         result = self.scoring.score_samples(texts, samples)  # timed with the generation
-        batch.baseline_texts = [texts[c.prompt_index] for c in completions]
-        batch.baseline_scores = torch.tensor([result.scores[c.prompt_index] for c in completions], dtype=torch.float32)
-        return result.error
+        return GreedyBaseline(texts=[texts[c.prompt_index] for c in completions],
+                              scores=torch.tensor([result.scores[c.prompt_index] for c in completions], dtype=torch.float32),
+                              error=result.error)
 
 
-def split_groups(batch: RolloutBatch) -> list[RolloutBatch]:
+def split_groups(batch: ScoredBatch) -> list[ScoredBatch]:
     """One batch per group (groups are contiguous rows with equal ``group_ids``)."""
     ids = batch.group_ids.tolist()
     starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]] + [len(ids)]

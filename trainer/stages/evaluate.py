@@ -43,24 +43,32 @@ class _Scored:
 class Evaluation:
     """Greedy and sampled accuracy on the held-out prompts (each rank its share; global means).
 
-    ``sample_count``: generations per mode kept as sample rows (``logging.samples_per_step``; 0 where
-    nobody writes them)."""
+    ``prompts``: the held-out split (``None``: none), of which the first ``max_prompts`` are evaluated
+    (``training.eval_max_prompts``); ``sample_count``: generations per mode kept as sample rows
+    (``logging.samples_per_step``; 0 where nobody writes them)."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, scoring: RolloutScoring, options: RolloutOptions,
-                 layout: DataLayout, sample_count: int = 0, engine_metrics: MetricsSink | None = None) -> None:  # fmt: skip
+                 layout: DataLayout, prompts=None, max_prompts: int | None = None, sample_count: int = 0,
+                 engine_metrics: MetricsSink | None = None) -> None:  # fmt: skip
         self.engine, self.tokenizer, self.scoring = engine, tokenizer, scoring
         self.options, self.layout, self.sample_count = options, layout, sample_count
+        self.prompts, self.max_prompts = prompts, max_prompts
         self.engine_metrics = engine_metrics
         """Where the engine reports metrics: what it reports during the evaluation goes to ``eval/<name>``."""
 
+    @property
+    def has_prompts(self) -> bool:
+        return bool(self.prompts)
+
     @torch.no_grad()
-    def evaluate(self, eval_prompts, step: int, max_prompts: int) -> EvalResult:
-        if not eval_prompts:
+    def evaluate(self, step: int) -> EvalResult:
+        """The evaluation after the weights of ``step``: its metrics and sample rows."""
+        if not self.prompts:
             return EvalResult()
         # what the engine reported before (the weight sync) belongs to the next rollout's row, not here
         pending = self.engine_metrics.drain() if self.engine_metrics is not None else {}
         try:
-            result = self._evaluate(eval_prompts, step, max_prompts)
+            result = self._evaluate(self.prompts, step, self.max_prompts)
         finally:
             reported = self.engine_metrics.drain() if self.engine_metrics is not None else {}
             if self.engine_metrics is not None:
@@ -70,7 +78,7 @@ class Evaluation:
             result.metrics.update({f"eval/{name}": value for name, value in reported_values(merged).items()})
         return result
 
-    def _evaluate(self, eval_prompts, step: int, max_prompts: int) -> EvalResult:
+    def _evaluate(self, eval_prompts, step: int, max_prompts: int | None) -> EvalResult:
         layout, options = self.layout, self.options
         items = list(eval_prompts)[:max_prompts][layout.rank :: layout.size]
         out, kept = {}, []

@@ -37,7 +37,7 @@ from rlite.metrics import Reported, merge_reported, reported_values
 from rlite.mismatch import mismatch_metrics
 from rlite.perf import SequenceSums, perf_summary, sequence_sums
 from rlite.rewards import is_count_stat
-from rlite.rollout import RolloutBatch, pad_to_width
+from rlite.rollout import ScoredBatch, pad_to_width
 
 COUNTS = ("reward/failures", "reward/timeouts", "dynamic_sampling/dropped_groups")
 """Reward and sampling statistics that are counts (summed over ranks); the others are means over a
@@ -54,7 +54,7 @@ class StepTokens(NamedTuple):
 
 
 def step_metrics(
-    batch: RolloutBatch, first_pass_logprobs: torch.Tensor, reward_stats: dict[str, float], *, measure_mismatch: bool,
+    batch: ScoredBatch, first_pass_logprobs: torch.Tensor, reward_stats: dict[str, float], *, measure_mismatch: bool,
     dp_group: Any = None, speculation: SpeculationStats | None = None, reported: Reported | None = None,
 ) -> tuple[dict[str, float], StepTokens]:
     """Reward and length metrics of the global batch, and with ``measure_mismatch`` (the trainer did
@@ -66,7 +66,7 @@ def step_metrics(
     lengths = sequence_sums(batch.prompt_mask.sum(-1) + batch.response_present.sum(-1))
     local = torch.tensor([
         batch.scores.sum().item(),
-        (batch.correct if batch.correct is not None else batch.scores > 0).float().sum().item(),
+        batch.correct.float().sum().item(),
         mask.sum().item(),
         float(sum(r == "length" for r in batch.finish_reasons)),
         float(len(batch)),

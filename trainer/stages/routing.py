@@ -34,7 +34,7 @@ from rlite.engines.base import RolloutEngine
 from rlite.mismatch import mismatch_metrics
 from rlite.moe_routing import RoutingPlan, RoutingStats
 from rlite.rollout import RolloutBatch, pad_to_width
-from rlite.stages.update import score_logprobs
+from rlite.stages.minibatches import score_logprobs
 from rlite.training.backend import ForwardSpec, TrainingBackend
 
 log = logging.getLogger("rlite")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -118,6 +119,28 @@ def return_cached_device_memory() -> None:
     """
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """Stage 6 as a run's component: what travels to the engine (the policy's weights or its LoRA adapter,
+    ``rollout.lora_sync``; quantized by ``rollout.quantization`` or not; a trained draft's weights after them),
+    built once by :func:`rlite.run.build.build_weight_sync`. :meth:`send` streams it into an engine: the
+    run's, a restarted one (:class:`rlite.engines.supervisor.SupervisedEngine`), or a stand-in that records it."""
+
+    backend: TrainingBackend
+    lora_sync: str
+    quantizer: Quantizer | None = None
+    draft: SpeculativeDraft | None = None
+
+    def send(self, engine: RolloutEngine, version: int) -> None:
+        """The weights into ``engine`` as ``version`` (:func:`sync_weights_to_engine`)."""
+        sync_weights_to_engine(engine, self.backend, lora_sync=self.lora_sync, quantizer=self.quantizer,
+                               version=version, draft=self.draft)
+
+    def check(self, engine: RolloutEngine, engine_name: str) -> None:
+        """Refuse what ``engine`` or the backend cannot serve (:func:`check_sync_mode`), before the first sync."""
+        check_sync_mode(self.lora_sync, engine, self.backend, engine_name, self.quantizer, self.draft)
 
 
 def sync_weights_to_engine(

@@ -1,5 +1,6 @@
-"""Scoring a batch (old / reference log-probs, the critic's values) and the update of every model the run
-trains, the policy and PPO's critic, over mini- and micro-batches.
+"""Stage 4 of a step: the update of every model the run trains, the policy and PPO's critic, over mini- and
+micro-batches of the batch and its targets (stage 3's :class:`~rlite.rollout.TrainTargets`, cut alike,
+:mod:`rlite.stages.minibatches`). Each returns its product: :class:`PolicyUpdate`, :class:`CriticUpdate`.
 
 One loop trains both (:func:`train_minibatches`); a model brings only its :data:`Objective` (a micro-batch's
 forward and loss: :func:`micro_batch_loss` for the policy, :func:`value_loss` for the critic). Per
@@ -34,8 +35,9 @@ import torch
 
 from rlite.algorithms import aggregate_loss
 from rlite.distributed import all_reduce_max, all_reduce_sum
-from rlite.rollout import RolloutBatch, pad_to_width
-from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainedModel, TrainingBackend
+from rlite.rollout import RolloutBatch, TrainTargets, pad_to_width
+from rlite.stages.minibatches import micro_batching, split_minibatches
+from rlite.training.backend import CriticModel, ForwardSpec, TrainedModel, TrainingBackend
 from rlite.training.device import to_device
 from rlite.training.micro_batching import MicroBatching, padding_stats
 
@@ -55,65 +57,6 @@ class LossSpec:
     """Corrections that need the current log-probs (e.g. OPSM); applied per micro-batch. Tokens they
     reject get weight 0 but stay in the loss denominators (the counts are fixed before the first
     micro-batch)."""
-
-
-def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
-    return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
-
-
-def micro_batching(spec: ForwardSpec, group: Any = None) -> MicroBatching:
-    """The micro-batching ``spec`` asks for, agreed over the data-parallel ``group``."""
-    return MicroBatching(spec.micro_batch_size, spec.max_tokens_per_micro_batch, group,
-                         packed=spec.pack_sequences and not spec.exact_layout)
-
-
-def split_minibatches(batch: RolloutBatch, count: int) -> list[RolloutBatch]:
-    size = len(batch) // count
-    return [batch.select(slice(i * size, (i + 1) * size)) for i in range(count)]
-
-
-@torch.no_grad()
-def score_rows(
-    score: Callable[[RolloutBatch], torch.Tensor], batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1,
-    group: Any = None,
-) -> torch.Tensor:
-    """``[B, T]`` per-token numbers of the batch's responses from ``score`` (a micro-batch's forward, no
-    gradient), on the batch's device.
-
-    The batch is cut into exactly the mini- and micro-batches that :func:`train_minibatches` uses, so
-    every row is scored with the same shapes (and so the same rounding) as in training: pi_old of the
-    first mini-batch equals its first training forward bit for bit (ratio exactly 1). ``group``: the
-    data-parallel ranks, which agree on the number of micro-batches under a token budget. The
-    micro-batches' results stay where the model computed them until all are done, then come to the
-    batch's device in one copy (one wait for a GPU, not one per micro-batch).
-    """
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    cut = micro_batching(spec, group)
-    rows_done: list[int] = []
-    scored: list[torch.Tensor] = []
-    offset = 0
-    for mini in split_minibatches(batch, minibatches):
-        for rows in cut.split(mini):
-            scored.append(pad_to_width(score(mini.select(rows)).to(out.dtype), out.shape[1]))
-            rows_done.extend(offset + r for r in rows)
-        offset += len(mini)
-    if scored:
-        out[rows_done] = torch.cat(scored).to(out.device)
-    return out * batch.response_mask
-
-
-def score_logprobs(
-    model: ScoringModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1, group: Any = None
-) -> torch.Tensor:
-    """Log-probs ``[B, T]`` of the batch's responses under ``model`` (pi_old, pi_ref), as :func:`score_rows`."""
-    return score_rows(lambda mb: model.logprobs(mb, spec)[0], batch, spec, minibatches, group)
-
-
-def score_values(
-    critic: CriticModel, batch: RolloutBatch, spec: ForwardSpec, minibatches: int = 1, group: Any = None
-) -> torch.Tensor:
-    """The critic's values ``[B, T]`` of the batch's responses (V_old), as :func:`score_rows`."""
-    return score_rows(lambda mb: critic.values(mb, spec), batch, spec, minibatches, group)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -138,6 +81,8 @@ class MicroBatch:
     """One micro-batch of an update, as the loop hands it to the model's :data:`Objective`."""
 
     batch: RolloutBatch
+    targets: TrainTargets
+    """The targets of its rows (stage 3's)."""
     rows: list[int]
     """Its rows in the whole batch."""
     epoch: int
@@ -162,6 +107,9 @@ class UpdatePass:
     """Updates skipped for a NaN/inf loss or gradient norm."""
     cuts: list[tuple[RolloutBatch, list[list[int]]]]
     """The first epoch's mini-batches and the rows of their micro-batches."""
+    outcomes: list[dict[str, float] | None]
+    """One entry per optimizer step, in order: ``None`` for an applied one, the ``loss``, ``grad_norm`` and
+    ``lr`` of a skipped one (:class:`rlite.run.faults.NonFiniteGuard` counts them)."""
 
 
 @dataclass
@@ -181,6 +129,7 @@ class StepOutcome:
 def train_minibatches(
     model: TrainedModel,
     batch: RolloutBatch,
+    targets: TrainTargets,
     objective: Objective,
     cut: MicroBatching,
     *,
@@ -192,15 +141,13 @@ def train_minibatches(
     lr_metric: str | None = None,
     before_step: Callable[[], None] | None = None,
     timer=None,
-    outcomes: list[dict[str, float] | None] | None = None,
 ) -> UpdatePass:
-    """Train ``model`` on the batch: ``epochs`` passes over its ``minibatches`` mini-batches, one optimizer
-    step each (:func:`train_minibatch`), cut into micro-batches by ``cut``.
+    """Train ``model`` on the batch and its ``targets``: ``epochs`` passes over its ``minibatches``
+    mini-batches, one optimizer step each (:func:`train_minibatch`), cut into micro-batches by ``cut``.
 
     An optimizer step whose global loss or global gradient norm is NaN or infinite is skipped: its
     gradients are dropped, optimizer and LR scheduler do not step, its numbers stay out of the averages
-    and :attr:`UpdatePass.skipped` counts it. ``outcomes`` (if given) receives one entry per optimizer step
-    in order: ``None`` for an applied one, the loss, norm and learning rate of a skipped one. Both values
+    and :attr:`UpdatePass.skipped` counts it (:attr:`UpdatePass.outcomes` says which steps). Both values
     are global, so every rank skips the same steps. The gradient norm is averaged as ``norm_metric``, the
     learning rate as ``lr_metric`` (when given). ``timer`` (a :class:`rlite.metrics.StepTimer`) times the
     parts: ``train/forward`` (forward and loss), ``train/backward``, ``train/optimizer`` (clipping and the
@@ -211,20 +158,18 @@ def train_minibatches(
     model.train_mode()
     sums: dict[str, float] = defaultdict(float)
     applied = 0
-    skipped = 0
     cuts: list[tuple[RolloutBatch, list[list[int]]]] = []
+    outcomes: list[dict[str, float] | None] = []
     for epoch in range(epochs):
         offset = 0
-        for mini in split_minibatches(batch, minibatches):
-            step = train_minibatch(model, mini, offset, epoch, objective, cut, dp_size=dp_size, dp_group=dp_group,
-                                   before_step=before_step, phase=phase)
+        for mini, mini_targets in zip(split_minibatches(batch, minibatches), split_minibatches(targets, minibatches)):
+            step = train_minibatch(model, mini, mini_targets, offset, epoch, objective, cut, dp_size=dp_size,
+                                   dp_group=dp_group, before_step=before_step, phase=phase)
             offset += len(mini)
             if epoch == 0:
                 cuts.append((mini, step.parts))
-            if outcomes is not None:
-                outcomes.append(step.skipped)
+            outcomes.append(step.skipped)
             if step.skipped is not None:
-                skipped += 1
                 continue
             applied += 1
             for name, value in step.values.items():
@@ -232,16 +177,17 @@ def train_minibatches(
             sums[norm_metric] += step.grad_norm
             if lr_metric is not None:
                 sums[lr_metric] += step.lr
-    return UpdatePass({name: value / applied for name, value in sums.items()}, skipped, cuts)
+    skipped = len(outcomes) - applied
+    return UpdatePass({name: value / applied for name, value in sums.items()}, skipped, cuts, outcomes)
 
 
 def train_minibatch(
-    model: TrainedModel, mini: RolloutBatch, offset: int, epoch: int, objective: Objective, cut: MicroBatching, *,
-    dp_size: int, dp_group: Any, before_step: Callable[[], None] | None, phase: Callable,
+    model: TrainedModel, mini: RolloutBatch, targets: TrainTargets, offset: int, epoch: int, objective: Objective,
+    cut: MicroBatching, *, dp_size: int, dp_group: Any, before_step: Callable[[], None] | None, phase: Callable,
 ) -> StepOutcome:
-    """One optimizer step on the mini-batch ``mini`` (rows ``offset...`` of the batch): the objective and
-    backward of each micro-batch, the summed loss checked, then ``model.step``."""
-    totals = all_reduce_sum(torch.tensor([mini.targets.loss_mask.sum().item(), float(len(mini))]), dp_group)
+    """One optimizer step on the mini-batch ``mini`` (rows ``offset...`` of the batch) and its ``targets``: the
+    objective and backward of each micro-batch, the summed loss checked, then ``model.step``."""
+    totals = all_reduce_sum(torch.tensor([targets.loss_mask.sum().item(), float(len(mini))]), dp_group)
     counts = dict(global_tokens=float(totals[0]), global_sequences=float(totals[1]), dp_size=dp_size)
     parts = cut.split(mini)
     # Inside this loop nothing waits for the device: the model reads the micro-batch's host tensors and
@@ -249,7 +195,7 @@ def train_minibatch(
     # step's sums stay device tensors until the step ends.
     sums = StepSums()
     for rows in parts:
-        micro = MicroBatch(mini.select(rows), [offset + r for r in rows], epoch, counts)
+        micro = MicroBatch(mini.select(rows), targets.select(rows), [offset + r for r in rows], epoch, counts)
         with phase("train/forward"):
             total = objective(micro, sums)
             sums[OBJECTIVE] += total.detach()
@@ -273,9 +219,32 @@ def train_minibatch(
     return StepOutcome(parts, values, grad_norm, lr, skipped)
 
 
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """Stage 4's product for the policy (:func:`update_policy`)."""
+
+    metrics: dict[str, float]
+    """``actor/*``, ``train/skipped_nonfinite`` and ``batching/*``, averaged over the applied updates."""
+    first_pass_logprobs: torch.Tensor
+    """``[B, T]`` the log-probs of the first epoch's forwards (the step's report measures the mismatch with them)."""
+    outcomes: list[dict[str, float] | None]
+    """One entry per optimizer step (:attr:`UpdatePass.outcomes`)."""
+
+
+@dataclass(frozen=True)
+class CriticUpdate:
+    """Stage 4's product for PPO's critic (:func:`update_critic`)."""
+
+    metrics: dict[str, float]
+    """``critic/*``, averaged over the applied updates."""
+    outcomes: list[dict[str, float] | None]
+    """One entry per optimizer step (:attr:`UpdatePass.outcomes`)."""
+
+
 def update_policy(
     backend: TrainingBackend,
     batch: RolloutBatch,
+    targets: TrainTargets,
     fwd: ForwardSpec,
     loss: LossSpec,
     *,
@@ -285,16 +254,14 @@ def update_policy(
     before_step: Callable[[], None] | None = None,
     timer=None,
     dp_group: Any = None,
-    outcomes: list[dict[str, float] | None] | None = None,
-) -> tuple[dict[str, float], torch.Tensor]:
-    """Train the policy on the batch (:func:`train_minibatches` with :func:`micro_batch_loss`); return
-    averaged metrics and the log-probs seen by the first forward.
+) -> PolicyUpdate:
+    """Train the policy on the batch (:func:`train_minibatches` with :func:`micro_batch_loss`): averaged
+    metrics, the log-probs seen by the first forward, and each optimizer step's outcome.
 
-    ``batch.targets`` must be filled; its ``old_logprobs`` is optional: when it is absent (one optimizer
-    step per rollout, no corrections) the first forward's detached log-probs are pi_old, so the ratio is
-    exactly 1 by construction. Skipped updates (NaN/inf loss or gradient norm) are counted in
-    ``train/skipped_nonfinite``; ``before_step``, ``timer``, ``dp_group`` and ``outcomes`` as
-    :func:`train_minibatches` takes them.
+    ``targets.old_logprobs`` is optional: when it is absent (one optimizer step per rollout, no corrections)
+    the first forward's detached log-probs are pi_old, so the ratio is exactly 1 by construction. Skipped
+    updates (NaN/inf loss or gradient norm) are counted in ``train/skipped_nonfinite``; ``before_step``,
+    ``timer`` and ``dp_group`` as :func:`train_minibatches` takes them.
     """
     first_pass: list[tuple[list[int], torch.Tensor]] = []  # (rows, log-probs on the model's device)
 
@@ -303,22 +270,24 @@ def update_policy(
         sums.device = logprobs.device
         if micro.epoch == 0:
             first_pass.append((micro.rows, logprobs.detach()))
-        return micro_batch_loss(loss_inputs(micro.batch, logprobs.device), logprobs, entropy, loss, micro.counts, sums)
+        mb, mb_targets = loss_inputs(micro.batch, micro.targets, logprobs.device)
+        return micro_batch_loss(mb, mb_targets, logprobs, entropy, loss, micro.counts, sums)
 
     done = train_minibatches(
-        backend, batch, objective, micro_batching(fwd, dp_group), minibatches=minibatches, epochs=epochs,
+        backend, batch, targets, objective, micro_batching(fwd, dp_group), minibatches=minibatches, epochs=epochs,
         dp_size=dp_size, dp_group=dp_group, norm_metric="actor/grad_norm", lr_metric="actor/lr",
-        before_step=before_step, timer=timer, outcomes=outcomes,
+        before_step=before_step, timer=timer,
     )
     metrics = done.metrics
     metrics["train/skipped_nonfinite"] = float(done.skipped)
     metrics.update(batching_metrics(batching_shape(done.cuts, fwd), dp_group))
-    return metrics, first_pass_logprobs(batch, first_pass)
+    return PolicyUpdate(metrics, first_pass_logprobs(batch, first_pass), done.outcomes)
 
 
 def update_critic(
     critic: CriticModel,
     batch: RolloutBatch,
+    targets: TrainTargets,
     fwd: ForwardSpec,
     *,
     value_clip: float,
@@ -327,19 +296,18 @@ def update_critic(
     minibatches: int,
     dp_size: int,
     dp_group: Any = None,
-    outcomes: list[dict[str, float] | None] | None = None,
-) -> dict[str, float]:
-    """One pass of the clipped value loss (:func:`value_loss`) over the batch (``batch.targets``: ``old_values``,
+) -> CriticUpdate:
+    """One pass of the clipped value loss (:func:`value_loss`) over the batch (``targets``: ``old_values``,
     ``returns``, ``loss_mask``), cut as the policy's update cuts it, through the policy's loop
     (:func:`train_minibatches`): ``critic/*`` metrics averaged over the applied updates, skipped updates
-    (NaN/inf loss or gradient norm) counted in ``critic/skipped_nonfinite`` and reported in ``outcomes``."""
+    (NaN/inf loss or gradient norm) counted in ``critic/skipped_nonfinite`` and reported in the outcomes."""
 
     def objective(micro: MicroBatch, sums: StepSums) -> torch.Tensor:
         values = critic.values(micro.batch, fwd)
         sums.device = values.device
-        targets = to_device(micro.batch.targets, values.device)
-        mask = targets.loss_mask
-        per_token, clipped = value_loss(values, targets.old_values, targets.returns, mask, value_clip)
+        mb_targets = to_device(micro.targets, values.device)
+        mask = mb_targets.loss_mask
+        per_token, clipped = value_loss(values, mb_targets.old_values, mb_targets.returns, mask, value_clip)
         total = aggregate_loss(per_token, mask, agg_mode, **micro.counts, horizon=horizon)
         share = micro.counts["dp_size"] / max(micro.counts["global_tokens"], 1.0)  # global token means
         sums["critic/vf_loss"] += total.detach().double()
@@ -348,10 +316,10 @@ def update_critic(
         return total
 
     done = train_minibatches(
-        critic, batch, objective, micro_batching(fwd, dp_group), minibatches=minibatches, epochs=1,
-        dp_size=dp_size, dp_group=dp_group, norm_metric="critic/grad_norm", outcomes=outcomes,
+        critic, batch, targets, objective, micro_batching(fwd, dp_group), minibatches=minibatches, epochs=1,
+        dp_size=dp_size, dp_group=dp_group, norm_metric="critic/grad_norm",
     )
-    return {**done.metrics, "critic/skipped_nonfinite": float(done.skipped)}
+    return CriticUpdate({**done.metrics, "critic/skipped_nonfinite": float(done.skipped)}, done.outcomes)
 
 
 def value_loss(
@@ -365,13 +333,12 @@ def value_loss(
     return loss, (clipped > unclipped).float() * mask
 
 
-def loss_inputs(mb: RolloutBatch, device: torch.device) -> RolloutBatch:
-    """The micro-batch with what :func:`micro_batch_loss` reads (its targets and rollout log-probs) on
+def loss_inputs(mb: RolloutBatch, targets: TrainTargets, device: torch.device) -> tuple[RolloutBatch, TrainTargets]:
+    """What :func:`micro_batch_loss` reads of the micro-batch (its rollout log-probs) and its targets, on
     ``device``, next to the log-probs (moved asynchronously from pinned memory on a GPU; unchanged on the CPU)."""
     if mb.response_mask.device == device:
-        return mb
-    return dataclasses.replace(mb, targets=to_device(mb.targets, device),
-                               rollout_logprobs=to_device(mb.rollout_logprobs, device))
+        return mb, targets
+    return dataclasses.replace(mb, rollout_logprobs=to_device(mb.rollout_logprobs, device)), to_device(targets, device)
 
 
 def first_pass_logprobs(batch: RolloutBatch, first_pass: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
@@ -423,6 +390,7 @@ optimizer step, not reported."""
 
 def micro_batch_loss(
     mb: RolloutBatch,
+    targets: TrainTargets,
     logprobs: torch.Tensor,
     entropy: torch.Tensor,
     loss: LossSpec,
@@ -430,8 +398,8 @@ def micro_batch_loss(
     step_sums: StepSums,
 ) -> torch.Tensor:
     """This micro-batch's share of the objective: policy term (times correction weights), KL term,
-    entropy bonus, each aggregated with the global counts. Adds its metrics to ``step_sums``."""
-    targets = mb.targets
+    entropy bonus, each aggregated with the global counts (``targets``: the micro-batch's). Adds its metrics
+    to ``step_sums``."""
     mask = targets.loss_mask
     old = logprobs.detach() if targets.old_logprobs is None else targets.old_logprobs
     advantages = targets.advantages

@@ -192,6 +192,30 @@ class _Chunk(NamedTuple):
     stop: int
 
 
+
+def _adamw_step(chunk: _Chunk, m: torch.Tensor, v: torch.Tensor) -> None:
+    """AdamW on one chunk of a parameter, its moments ``m`` and ``v`` read from disk (torch's fused kernel, as
+    the in-memory optimizer runs it)."""
+    start, stop, group = chunk.start, chunk.stop, chunk.group
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_(
+        [chunk.param[start:stop]],
+        [chunk.grad[start:stop]],
+        [m],
+        [v],
+        [],
+        [chunk.step],
+        amsgrad=False,
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )
+
 class DiskOffloadAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, no amsgrad) whose moments live in files under ``directory``;
     bitwise equal to ``torch.optim.AdamW(..., fused=True)``. See the module docstring.
@@ -390,26 +414,7 @@ class DiskOffloadAdamW(torch.optim.Optimizer):
                                        f"{_IO_TIMEOUT_S:.0f}s") from None
                 if slot is None:
                     break
-                start, stop, group = chunk.start, chunk.stop, chunk.group
-                m, v = (t[: stop - start] for t in staging.tensors[slot])
-                beta1, beta2 = group["betas"]
-                torch._fused_adamw_(
-                    [chunk.param[start:stop]],
-                    [chunk.grad[start:stop]],
-                    [m],
-                    [v],
-                    [],
-                    [chunk.step],
-                    amsgrad=False,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=False,
-                    grad_scale=None,
-                    found_inf=None,
-                )
+                _adamw_step(chunk, *(t[: chunk.stop - chunk.start] for t in staging.tensors[slot]))
                 stepped.put((index, slot))
         finally:
             stop_reading.set()
