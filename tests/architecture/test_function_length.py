@@ -92,7 +92,7 @@ def test_the_checker_finds_a_planted_long_function(tmp_path):
         f"    def method(self):\n        \"\"\"Over.\"\"\"\n" + body.replace("    ", "        ") + "\n\n"
         "    def outer(self):\n"
         "        def inner():\n"  # a nested function over the limit is found on its own, and in its parent
-        f"            \"\"\"Over.\"\"\"\n" + body.replace("    ", "            ") + "\n            return 0\n"
+        "            \"\"\"Over.\"\"\"\n" + body.replace("    ", "            ") + "\n            return 0\n"
         "        return inner\n"
     )  # fmt: skip
     found = {name: lines for _, name, lines in long_functions(package)}
