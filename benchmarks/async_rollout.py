@@ -43,7 +43,7 @@ import json, sys, time, torch
 torch.set_num_threads(1)
 from rlite import hookimpl
 from rlite.config import load_config
-from rlite.loop import run_training
+from rlite.run.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 spec = json.loads(sys.argv[1])
 ends = {}

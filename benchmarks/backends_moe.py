@@ -34,7 +34,7 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 CHILD = r"""
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
-import rlite.loop as loop
+import rlite.run.loop as loop
 import rlite.run.policy as policy
 from rlite.config import load_config
 from rlite.plugin_manager import build_plugin_manager

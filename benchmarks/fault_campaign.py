@@ -19,7 +19,7 @@ Fault kinds (each trial a few seconds on a ~0.2M-parameter model, 4 steps):
   match; ``rlite train`` must refuse it (status 2, the file named), run nothing and leave the run's files
   as they were ("survived"; "data lost": the marker exists or a file of the run changed).
 * ``disk_full``: ENOSPC at a random write path (metrics.jsonl, TensorBoard, samples.jsonl, a checkpoint's
-  ``torch.save``, the export) at a random step of ``rlite train`` (``rlite.cli.main``, in this process): it
+  ``torch.save``, the export) at a random step of ``rlite train`` (``rlite.tools.cli.main``, in this process): it
   must exit 4 naming the free space, and the same command again must finish (``checkpoint.every=1``).
 * ``engine_start_death``: the spawned engine process SIGKILLed before it is ready: the first engine once or
   twice, or (after the running engine was killed at a random step) its replacement once; the run must start
@@ -112,8 +112,8 @@ def rows_exact(run_dir: Path) -> bool:
 
 def in_process(model_dir: str, run_dir: Path, plugin=None, *extra: str):
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
 
     pm = build_plugin_manager(autoload=False)
     if plugin is not None:
@@ -304,7 +304,7 @@ def disk_full_trial(rng, work, config, model_dir, reference, duration):
     import contextlib
     import io
 
-    from rlite.cli import main as rlite_main
+    from rlite.tools.cli import main as rlite_main
 
     run_dir = work / "run"
     path, step = rng.choice(DISK_FULL_PATHS), rng.randint(1, STEPS)
@@ -354,8 +354,8 @@ class DiesWhileStarting:
 
 def engine_start_trial(rng, work, config, model_dir, reference, duration):
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
 
     run_dir = work / "run"
     replacement = rng.random() < 0.5
@@ -393,9 +393,9 @@ def malicious_trial(rng, work, config, model_dir, reference, duration, prepared:
     import io
     import pickle
 
-    from rlite.cli import main as rlite_main
     from rlite.run.checkpoint import list_checkpoints
     from rlite.testing import rewrite_manifest
+    from rlite.tools.cli import main as rlite_main
 
     run_dir = work / "run"
     shutil.copytree(prepared, run_dir)
@@ -450,9 +450,9 @@ def metric_steps(run_dir: Path) -> list[int]:
 
 def engine_exhausted_trial(rng, work, config, model_dir, reference, duration):
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
     from rlite.run.faults import RunStopped
+    from rlite.run.loop import run_training
 
     run_dir = work / "run"
     step = rng.randint(2, STEPS - 1)  # from step 2: a sync has shown the hook the engine
@@ -499,11 +499,11 @@ def folder_files(run_dir: Path) -> dict[Path, bytes]:
 
 
 def quietly(argv: list[str], stdin: str = "") -> tuple[int, str]:
-    """``rlite.cli.main(argv)`` in this process with ``stdin``; its status and stderr."""
+    """``rlite.tools.cli.main(argv)`` in this process with ``stdin``; its status and stderr."""
     import contextlib
     import io
 
-    from rlite.cli import main as rlite_main
+    from rlite.tools.cli import main as rlite_main
 
     err = io.StringIO()
     saved = sys.stdin

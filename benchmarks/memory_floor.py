@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     rows.append(("+ import torch", rss_mib()))
     import transformers  # noqa: F401
 
-    import rlite.loop  # noqa: F401
+    import rlite.run.loop  # noqa: F401
 
     rows.append(("+ import transformers, rlite", rss_mib()))
     from transformers import AutoModelForCausalLM, AutoTokenizer

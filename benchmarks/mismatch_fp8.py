@@ -133,8 +133,8 @@ def worker(name: str, run_dir: Path, steps: int, seed: int) -> None:
     torch.set_num_threads(1)
     _register_stress_quantizer()
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import get_plugin_manager
+    from rlite.run.loop import run_training
 
     overrides = CONFIGS[name][1] + run_overrides(run_dir, steps, seed)
     run_training(load_config(QUICKSTART, overrides, get_plugin_manager()))
@@ -155,9 +155,9 @@ def final_eval_worker(name: str, run_dir: Path, steps: int, seed: int) -> None:
     _register_stress_quantizer()
     from rlite.config import load_config
     from rlite.distributed import shutdown_distributed
-    from rlite.loop import evaluate
     from rlite.plugin_manager import get_plugin_manager
     from rlite.run.build import build_run
+    from rlite.run.loop import evaluate
 
     checkpoint = run_dir / "checkpoints" / f"step_{steps:08d}"
     overrides = CONFIGS[name][1] + run_overrides(run_dir / "final_eval", steps, seed)

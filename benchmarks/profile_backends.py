@@ -27,7 +27,7 @@ import json, resource, statistics, sys, torch
 torch.set_num_threads(1)
 from torch.profiler import ProfilerActivity, profile
 from rlite.config import load_config
-from rlite.loop import run_training
+from rlite.run.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 spec = json.loads(sys.argv[1])
 pm = build_plugin_manager()

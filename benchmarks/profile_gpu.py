@@ -206,8 +206,8 @@ def profile_run(spec: dict) -> dict:
 
     import rlite
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
 
     annotate_phases()
     on_cuda = torch.cuda.is_available()

@@ -59,8 +59,8 @@ def strong_experts_moe(path: Path) -> Path:
 def run(model_dir: Path, out: Path, name: str, replay: str, steps: int) -> list[dict]:
     from rlite import hookimpl
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
     from rlite.testing import read_jsonl
 
     class Plugin(DigitsReward):

@@ -148,7 +148,7 @@ CHILD = r"""
 import json, sys, torch
 torch.set_num_threads(1)
 from rlite.config import load_config
-from rlite.loop import run_training
+from rlite.run.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 spec = json.loads(sys.argv[1])
 pm = build_plugin_manager()

@@ -224,8 +224,8 @@ def train_rlite(spec: dict) -> dict:
 
     import rlite
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
 
     run_dir = Path(spec["run_dir"]) / "rlite"
     clock = StepClock()
@@ -386,8 +386,8 @@ def train_rlite_gpu(spec: dict) -> dict:
 
     import rlite
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
 
     synchronized_phases()
     run_dir = Path(spec["run_dir"]) / f"rlite-{spec['precision']}"

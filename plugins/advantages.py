@@ -632,7 +632,7 @@ def needs_group(cfg) -> bool:
 @hookimpl
 def register_advantage_estimators(register: Register) -> None:
     # a lone sample's baseline is itself unless its options say ``singleton: raw`` (baseline 0)
-    # each with its float64 reference (end of this module), which rlite audit and rlite.conformance check it against
+    # each with its float64 reference (end of this module), which rlite audit and rlite.testing.conformance check it against
     register("grpo", grpo_advantages, GRPOConfig, needs_group=needs_group, reference=grpo_reference)
     register("dr_grpo", dr_grpo_advantages, DrGRPOConfig, needs_group=needs_group, reference=dr_grpo_reference)
     register("rloo", rloo_advantages, RLOOConfig, needs_group=needs_group, reference=rloo_reference)
@@ -648,7 +648,7 @@ def register_advantage_estimators(register: Register) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # float64 references: the formulas of the module docstring again, as plain loops over Python floats,
-# registered with each estimator (``reference=``) for ``rlite audit`` and ``rlite.conformance``
+# registered with each estimator (``reference=``) for ``rlite audit`` and ``rlite.testing.conformance``
 # --------------------------------------------------------------------------------------------------
 
 

@@ -3,7 +3,7 @@
 Every correction is ``fn(old_logprobs, rollout_logprobs, response_mask, cfg) -> (weights, mask,
 metrics)`` with ``d_t = old − roll`` (0 outside the mask) and ``ρ_t = exp(d_t) = π_old/π_roll``;
 weights are detached and multiply the per-token policy loss, the mask says which tokens count in the
-loss and in its denominators. :func:`rlite.mismatch.compose_corrections` chains them in the listed
+loss and in its denominators. :func:`rlite.algorithms.mismatch.compose_corrections` chains them in the listed
 order. Levels of a log-ratio: ``token`` d_t; ``sequence`` D_i = Σ_t d_t (ratio Π_t ρ_t);
 ``geometric`` D_i / |o_i| (ratio (Π_t ρ_t)^(1/|o_i|), length invariant). Sequence values are
 broadcast over the sequence's tokens.
@@ -32,7 +32,7 @@ Defaults: k1, seq_mean (geometric RS), upper 1.001, lower 1/1.001, no veto.
 KL_i = Σ_t m (b − lp) / |o_i| where lp are the current log-probs and b the behaviour log-probs
 (``behaviour="old"``, π_old as slime; ``"rollout"``, π_roll as TRL and the paper's sampling policy),
 a token is dropped when A < 0 and KL_i > delta (A per sequence [B] or per token [B, T], as slime).
-It needs ``advantages`` and ``logprobs``, which :func:`~rlite.mismatch.compose_corrections` passes
+It needs ``advantages`` and ``logprobs``, which :func:`~rlite.algorithms.mismatch.compose_corrections` passes
 because its signature declares them. Dropped tokens get weight 0 and stay in the mask by default
 (slime and TRL keep the denominators); ``drop_from_mask=True`` removes them. Default delta 1e-4.
 

@@ -434,7 +434,7 @@ def vespo_loss(
 
 @hookimpl
 def register_policy_losses(register: Register) -> None:
-    # each with its float64 reference (end of this module), which rlite audit and rlite.conformance check it against
+    # each with its float64 reference (end of this module), which rlite audit and rlite.testing.conformance check it against
     register("ppo_clip", ppo_clip_loss, PPOClipConfig, reference=ppo_clip_reference)
     register("gspo", gspo_loss, GSPOConfig, reference=gspo_reference)
     register("cispo", cispo_loss, CISPOConfig, reference=cispo_reference)
@@ -447,7 +447,7 @@ def register_policy_losses(register: Register) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # float64 references: the formulas of the module docstring again, as plain loops over Python floats,
-# registered with each loss (``reference=``) for ``rlite audit`` and ``rlite.conformance``. Each takes the
+# registered with each loss (``reference=``) for ``rlite audit`` and ``rlite.testing.conformance``. Each takes the
 # loss's arguments and returns the [B, T] per-token loss, 0 where the mask is 0.
 # --------------------------------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from rlite import __version__, hookimpl
-from rlite.cli import main
 from rlite.config import ConfigError, RunConfig, load_config
 from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
+from rlite.tools.cli import main
 
 FAKE_PLUGIN = """
 from rlite import hookimpl
@@ -49,11 +49,11 @@ def fake_plugin(fake_distribution, clean_plugin_env) -> None:
 
 @pytest.fixture
 def fake_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[RunConfig, object]]]:
-    """Replace ``rlite.loop`` with a module recording what ``run_training`` received."""
+    """Replace ``rlite.run.loop`` with a module recording what ``run_training`` received."""
     calls: list[tuple[RunConfig, object]] = []
-    loop = types.ModuleType("rlite.loop")
+    loop = types.ModuleType("rlite.run.loop")
     loop.run_training = lambda cfg, pm, preemption=None: calls.append((cfg, pm))
-    monkeypatch.setitem(sys.modules, "rlite.loop", loop)
+    monkeypatch.setitem(sys.modules, "rlite.run.loop", loop)
     yield calls
     set_plugin_manager(None)
 
@@ -111,7 +111,7 @@ def test_plugins_and_config_import_nothing_heavier_than_the_plugins(
 ) -> None:
     script = (
         "import sys\n"
-        "from rlite.cli import main\n"
+        "from rlite.tools.cli import main\n"
         "from rlite.plugin_manager import build_plugin_manager\n"
         "build_plugin_manager()\n"
         "before = set(sys.modules)\n"
@@ -227,16 +227,16 @@ def test_plugins_json(fake_plugin, capsys) -> None:
 
 
 def test_train_warns_about_plugins_that_failed_to_load(tmp_path, monkeypatch, capsys):
-    import rlite.cli as cli
-    import rlite.loop
     import rlite.plugin_manager
+    import rlite.run.loop
+    import rlite.tools.cli as cli
     from rlite.plugin_manager import PluginInfo, build_plugin_manager
 
     pm = build_plugin_manager(autoload=False)
     pm.failed.append(PluginInfo("broken", "rlite-broken", "1.0", [], error="failed to load 'x:y': ImportError: nope"))
     monkeypatch.setattr(rlite.plugin_manager, "build_manager", lambda **kwargs: pm)
     ran = []
-    monkeypatch.setattr(rlite.loop, "run_training", lambda cfg, pm, preemption=None: ran.append(cfg))
+    monkeypatch.setattr(rlite.run.loop, "run_training", lambda cfg, pm, preemption=None: ran.append(cfg))
     config = tmp_path / "run.yaml"
     config.write_text("model: {path: /nowhere}\ndata: {task: addition}\n")
     assert cli.main(["train", str(config)]) == 0

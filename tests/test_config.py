@@ -246,7 +246,7 @@ def test_bypass_refuses_corrections_that_would_silently_do_nothing(pm, tmp_path)
 
 
 def test_bypass_refusal_reaches_the_command_line(tmp_path, capsys) -> None:
-    from rlite.cli import main
+    from rlite.tools.cli import main
 
     config = tmp_path / "run.yaml"
     config.write_text("model: {path: m}\ndata: {task: addition}\nalgorithm:\n  old_logprob_mode: bypass\n  corrections: [tis]\n")

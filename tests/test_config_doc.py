@@ -6,9 +6,9 @@ from pathlib import Path
 
 import yaml
 
-from rlite.cli import main
 from rlite.config.docs import field_docs
 from rlite.config.schema import RolloutConfig
+from rlite.tools.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 

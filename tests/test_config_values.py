@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlite.cli import main
 from rlite.plugin_manager import set_plugin_manager
+from rlite.tools.cli import main
 
 
 @pytest.fixture
@@ -21,11 +21,11 @@ def config_file(tmp_path: Path) -> str:
 
 @pytest.fixture
 def loop_calls(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """``rlite.loop`` replaced by a recorder: a refused config must never reach the loop."""
+    """``rlite.run.loop`` replaced by a recorder: a refused config must never reach the loop."""
     calls: list[object] = []
-    loop = types.ModuleType("rlite.loop")
+    loop = types.ModuleType("rlite.run.loop")
     loop.run_training = lambda cfg, pm, preemption=None: calls.append(cfg)
-    monkeypatch.setitem(sys.modules, "rlite.loop", loop)
+    monkeypatch.setitem(sys.modules, "rlite.run.loop", loop)
     yield calls
     set_plugin_manager(None)
 

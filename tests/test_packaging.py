@@ -127,7 +127,7 @@ def test_installed_wheel_imports_and_loads_its_plugins(wheel: Path, tmp_path: Pa
     )
     assert result.returncode == 0, result.stderr
     script = (
-        "import rlite, rlite.cli\n"
+        "import rlite, rlite.tools.cli\n"
         "from rlite.plugin_manager import build_plugin_manager\n"
         "pm = build_plugin_manager(autoload=False)\n"
         "print(rlite.__file__)\n"

@@ -7,7 +7,7 @@ from rlite import entry
 def main() -> int:
     """Record a SIGTERM first (:mod:`rlite.entry`), then import and run the command."""
     entry.install()
-    from rlite.cli import main as cli_main
+    from rlite.tools.cli import main as cli_main
 
     return cli_main()
 

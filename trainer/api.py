@@ -34,6 +34,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from rlite.algorithms import AdvantageInput, masked_mean, masked_whiten
+from rlite.algorithms.mismatch import (
+    CorrectionOutput,
+    fraction,
+    log_or_neg_inf,
+    masked_log_ratio,
+    sequence_mean,
+    sequence_sum,
+    weight_stats,
+)
 from rlite.config import (
     ConfigError,
     CriticConfig,
@@ -61,15 +70,6 @@ from rlite.engines.base import (
 from rlite.engines.placement import EngineContext, RankDevice
 from rlite.hookspecs import Register, hookimpl
 from rlite.metrics import Logger, MetricsSink
-from rlite.mismatch import (
-    CorrectionOutput,
-    fraction,
-    log_or_neg_inf,
-    masked_log_ratio,
-    sequence_mean,
-    sequence_sum,
-    weight_stats,
-)
 from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats, completion_rows, decode_routed_experts
 from rlite.plugin_manager import registered
 from rlite.rewards import RewardOutcome

@@ -15,7 +15,7 @@ from __future__ import annotations
 EXIT_STOPPED = 4
 """Exit status of a run that stopped on a fault it cannot get past (too many non-finite updates in a
 row, an engine that keeps dying, a full disk). The message names the cause and the checkpoint to
-resume from. (3 is a reward function failing past its bound, :data:`rlite.cli.EXIT_REWARDS_FAILED`: a
+resume from. (3 is a reward function failing past its bound, :data:`rlite.tools.cli.EXIT_REWARDS_FAILED`: a
 bug in user code, where this is the run's own state or machine.)"""
 
 

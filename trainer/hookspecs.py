@@ -77,7 +77,7 @@ def register_advantage_estimators(register: Register) -> None:
         stage then generates one greedy completion per prompt and scores it, as ReMax needs).
         ``batch.reward_components`` and ``batch.reward_weights`` carry each reward function's value.
         Pass ``reference=fn64``, the same formula written independently in float64 (same arguments,
-        same ``(advantages, returns)``), to have ``rlite audit`` and :func:`rlite.conformance.check_estimator`
+        same ``(advantages, returns)``), to have ``rlite audit`` and :func:`rlite.testing.conformance.check_estimator`
         check ``fn`` against it; the built-ins all register one.
     """
 
@@ -93,7 +93,7 @@ def register_policy_losses(register: Register) -> None:
         clip indicator) that the trainer averages over the response tokens of the whole batch.
         Pass ``reference=fn64``, the same loss written independently in float64 (same arguments,
         returning the ``[B, T]`` per-token loss), to have ``rlite audit`` and
-        :func:`rlite.conformance.check_policy_loss` check ``fn`` against it.
+        :func:`rlite.testing.conformance.check_policy_loss` check ``fn`` against it.
     """
 
 

@@ -400,7 +400,7 @@ def trim_metrics_file(path: str | Path, keep_through_step: int | None) -> None:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a run's log -- ``metrics.jsonl`` (provenance rows, :mod:`rlite.provenance`, are skipped),
+    """The rows of a run's log -- ``metrics.jsonl`` (provenance rows, :mod:`rlite.run.provenance`, are skipped),
     ``samples.jsonl``, ``eval.jsonl`` -- as :func:`read_log_rows` reads them: rlite's one reader of its logs
     (the audit, ``rlite info``, the summary and the tests' ``rlite.testing.read_jsonl`` go through it)."""
     return [row for _, row in read_log_rows(path) if "provenance" not in row]

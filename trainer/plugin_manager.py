@@ -35,7 +35,7 @@ from typing import Any
 
 import pluggy
 
-from rlite import hookspecs
+import rlite.hookspecs as hookspecs
 from rlite.config import RunConfig, load_config
 from rlite.config.capabilities import metadata_problem
 from rlite.config.choices import REGISTRY_KINDS
@@ -254,7 +254,7 @@ def load_entry_point_plugins(pm: RlitePluginManager, only: list[str] | None = No
 def build_plugin_manager(autoload: bool | None = None, only: list[str] | None = None) -> RlitePluginManager:
     """Build the manager: built-ins, then entry-point plugins (unless disabled), then check_pending."""
     pm = RlitePluginManager()
-    from rlite import __version__
+    from rlite.version import __version__
 
     for module_name in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(module_name), name=module_name)

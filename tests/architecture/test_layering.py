@@ -199,9 +199,9 @@ def test_the_tree_keeps_the_rules() -> None:
 
 
 PLANTED = {
-    "trainer/loop.py": "from rlite.plugins.kl import kl_k3\n",
+    "trainer/run/loop.py": "from rlite.plugins.kl import kl_k3\n",
     "trainer/metrics.py": "import transformers\n\n\ndef f():\n    import peft  # inside a function: allowed\n",
-    "plugins/kl.py": "from rlite.mismatch import fraction\nfrom rlite.api import hookimpl  # allowed\n",
+    "plugins/kl.py": "from rlite.algorithms.mismatch import fraction\nfrom rlite.api import hookimpl  # allowed\n",
     "trainer/config/loader.py": "def f():\n    from rlite.plugin_manager import get_plugin_manager\n",
     "trainer/stages/sync.py": "from rlite.plugins.fsdp2.weights import iter_full_tensors\n",
     "trainer/engines/base.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import sglang  # allowed\n",

@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = [*(f"trainer/{entry}" for entry in ("loop.py", "rewards.py", "sandbox.py", "sandbox_init.py", "distributed.py",
+SCANNED = [*(f"trainer/{entry}" for entry in ("rewards.py", "sandbox.py", "sandbox_init.py", "distributed.py",
                                               "stages", "engines", "sync", "run")),
            "plugins/transformers", "plugins/sglang"]  # fmt: skip
 WAITS = {"join", "wait", "recv", "recv_bytes", "result", "communicate", "acquire", "accept", "urlopen"}

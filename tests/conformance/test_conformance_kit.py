@@ -1,4 +1,4 @@
-"""rlite.conformance: the built-in backend, both transformers engines (in-process and spawned), every
+"""rlite.testing.conformance: the built-in backend, both transformers engines (in-process and spawned), every
 built-in estimator and policy loss pass the kit; a deliberately broken backend, engine, estimator and
 loss each fail it with a ConformanceError that names the invariant and the plugin. (The docs' examples
 pass it in tests/plugins/test_documented_contracts.py; the megatron backend in tests/megatron.)"""
@@ -10,16 +10,16 @@ import torch
 
 from rlite import hookimpl
 from rlite.api import registered
-from rlite.conformance import (
+from rlite.plugin_manager import build_plugin_manager, plugin_manager_in_use
+from rlite.plugins import advantages as A
+from rlite.plugins import policy_losses as L
+from rlite.testing.conformance import (
     ConformanceError,
     check_backend,
     check_engine,
     check_estimator,
     check_policy_loss,
 )
-from rlite.plugin_manager import build_plugin_manager, plugin_manager_in_use
-from rlite.plugins import advantages as A
-from rlite.plugins import policy_losses as L
 
 BACKEND_INVARIANTS = [
     "full_weights(): the Hugging Face model's names and shapes",

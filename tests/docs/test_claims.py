@@ -73,7 +73,7 @@ def test_every_path_a_doc_names_exists(doc: Path) -> None:
 
 
 def cli_commands() -> set[str]:
-    from rlite.cli import build_parser
+    from rlite.tools.cli import build_parser
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]

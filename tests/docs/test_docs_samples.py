@@ -1,5 +1,5 @@
 """docs/plugins.md's samples of rlite's output (``rlite plugins``, the config errors) are made by
-``python -m rlite.docs_samples --write`` and must be current: the committed file equals what the command makes
+``python -m rlite.tools.docs_samples --write`` and must be current: the committed file equals what the command makes
 now. A stale sample (an estimator added since, an error worded otherwise) fails here, and the command says so
 and rewrites it."""
 
@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlite.docs_samples import BLOCK, main, regenerate
 from rlite.plugin_manager import build_plugin_manager
 from rlite.testing import run_in_subprocess_env
+from rlite.tools.docs_samples import BLOCK, main, regenerate
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "plugins.md"
@@ -25,7 +25,7 @@ def sample(text: str, name: str) -> str:
 
 def test_the_committed_samples_are_what_the_command_makes() -> None:
     committed = DOC.read_text()
-    assert regenerate(committed, REPO) == committed, "stale samples: run python -m rlite.docs_samples --write"
+    assert regenerate(committed, REPO) == committed, "stale samples: run python -m rlite.tools.docs_samples --write"
 
 
 def test_the_plugins_sample_lists_every_builtin_choice() -> None:
@@ -54,11 +54,11 @@ def test_the_command_finds_and_rewrites_a_stale_sample(tmp_path) -> None:
 
 
 def test_the_module_runs_as_the_docs_say(tmp_path) -> None:
-    """``python -m rlite.docs_samples`` in the repository, as a contributor runs it (a copy of the docs)."""
+    """``python -m rlite.tools.docs_samples`` in the repository, as a contributor runs it (a copy of the docs)."""
     shutil.copytree(REPO / "docs", tmp_path / "docs")
     for folder in ("configs", "examples"):
         (tmp_path / folder).symlink_to(REPO / folder)
-    done = subprocess.run([sys.executable, "-m", "rlite.docs_samples"], cwd=tmp_path, env=run_in_subprocess_env(),
+    done = subprocess.run([sys.executable, "-m", "rlite.tools.docs_samples"], cwd=tmp_path, env=run_in_subprocess_env(),
                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "every sample is current" in done.stdout

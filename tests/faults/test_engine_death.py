@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from rlite import hookimpl
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 from rlite.run.checkpoint import list_checkpoints
 from rlite.run.faults import EXIT_STOPPED, RunStopped
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

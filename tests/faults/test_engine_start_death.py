@@ -13,9 +13,9 @@ import pytest
 from rlite import hookimpl
 from rlite.engines.base import EngineDied
 from rlite.engines.supervisor import EngineGaveUp, SupervisedEngine
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 from rlite.run.faults import EXIT_STOPPED, RunStopped
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

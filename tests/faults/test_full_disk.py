@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rlite import hookimpl as rlite_hookimpl
-from rlite.cli import main
 from rlite.run.faults import EXIT_STOPPED
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -202,9 +202,9 @@ class FillsTheDiskAfterTheLastCheckpoint:
 def test_a_real_full_disk_during_the_export_stops_with_exit_4_and_the_next_run_exports(tmp_path, model_dir, small_disk):
     """safetensors reports a full disk as ``SafetensorError: ... No space left on device (os error 28)``, no
     OSError: it ended in a traceback (exit 1) while the tests injected OSError(ENOSPC)."""
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
     from rlite.run.faults import RunStopped
+    from rlite.run.loop import run_training
     from rlite.testing import tiny_config
 
     run_dir = small_disk / "run"

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlite.cli import main
 from rlite.run.checkpoint import list_checkpoints
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 TRAIN_ARGS = [
     "training.steps=2", "training.eval_every=0", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rlite import hookimpl
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.loop import run_training
 from rlite.testing import tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from rlite.cli import main
 from rlite.run.checkpoint import list_checkpoints
 from rlite.testing import (
     MALFORMED_TRAINER_STATES,
@@ -23,6 +22,7 @@ from rlite.testing import (
     write_malformed_trainer_state,
 )
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 TRAIN_ARGS = [
     "training.eval_every=0", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4",

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlite.cli import main
 from rlite.run import limits
 from rlite.testing import tiny_config
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_a_sequence_longer_than_the_models_context_is_refused_naming_the_keys_an
 def test_a_default_max_prompt_tokens_beyond_the_context_is_no_reason_to_refuse(tmp_path, model_dir) -> None:
     """The shipped warm-start model has 256 positions and the default data.max_prompt_tokens is 256: what
     counts is the longest prompt actually loaded."""
-    from rlite.loop import run_training
+    from rlite.run.loop import run_training
 
     run_training(tiny_config(model_dir, tmp_path / "run", "data.max_prompt_tokens=600", "rollout.max_new_tokens=8",
                              "training.steps=1"))

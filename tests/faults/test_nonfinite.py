@@ -245,7 +245,7 @@ def test_a_huge_learning_rate_ends_with_a_clear_message_not_a_sampler_traceback(
          "checkpoint.resume=never", "checkpoint.export_hf=false", "training.max_nonfinite_in_a_row=2"],
         env=run_in_subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
-    from rlite.cli import EXIT_REWARDS_FAILED
+    from rlite.tools.cli import EXIT_REWARDS_FAILED
 
     # a fault of the run (4) is told apart from a reward function's bug (3) by the status alone
     assert done.returncode == EXIT_STOPPED != EXIT_REWARDS_FAILED, done.stderr[-3000:]
@@ -319,8 +319,8 @@ def test_a_nan_reward_costs_at_most_the_updates_it_reaches(tmp_path, road):
     """From a reward function: a counted failure scored 0, so the batch never holds it and nothing is skipped.
     Written into the batch: the mini-batch holding it (its group's advantages are NaN) is skipped, the other
     one of the step updates, ``reward/mean`` is logged as null, and the run goes on."""
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
     from rlite.testing import read_jsonl, tiny_config
     from rlite.tokenizer import build_tiny_model_dir
 

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from rlite.config import load_config
-from rlite.loop import run_training
 from rlite.plugin_manager import get_plugin_manager
 from rlite.run.checkpoint import list_checkpoints
 from rlite.run.faults import EXIT_PREEMPTED
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl, run_in_subprocess_env
 from rlite.tokenizer import build_tiny_model_dir
 
@@ -150,10 +150,10 @@ import os, sys, time
 
 
 class PauseImport:
-    '''Holds the first import of rlite.cli until the test says go: the moment a loaded node spends importing.'''
+    '''Holds the first import of rlite.tools.cli until the test says go: the moment a loaded node spends importing.'''
 
     def find_spec(self, name, path=None, target=None):
-        if name == "rlite.cli" and not os.path.exists(os.environ["RLITE_TEST_READY"]):
+        if name == "rlite.tools.cli" and not os.path.exists(os.environ["RLITE_TEST_READY"]):
             open(os.environ["RLITE_TEST_READY"], "w").close()
             deadline = time.monotonic() + 120
             while not os.path.exists(os.environ["RLITE_TEST_GO"]) and time.monotonic() < deadline:
@@ -166,7 +166,7 @@ sys.meta_path.insert(0, PauseImport())
 
 
 def test_sigterm_while_the_command_is_still_importing_exits_75(tmp_path, model_dir):
-    """``import rlite.cli`` took 1.9 s under load, and a SIGTERM 1.8 s after start exited 143: the handler
+    """``import rlite.tools.cli`` took 1.9 s under load, and a SIGTERM 1.8 s after start exited 143: the handler
     was installed by ``rlite train`` itself. ``rlite.entry`` records it first thing."""
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -179,7 +179,7 @@ def test_sigterm_while_the_command_is_still_importing_exits_75(tmp_path, model_d
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the command never got to importing rlite.cli"
+        assert proc.poll() is None and time.monotonic() < deadline, "the command never got to importing rlite.tools.cli"
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     go.touch()

@@ -300,9 +300,9 @@ def test_a_sandboxed_program_sees_nothing_of_a_run_outside_the_working_folder(el
     tmp_path = elsewhere
     tmp_path.chmod(0o755)  # others may pass: only hiding keeps the program out of what is below
 
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
     from rlite.run.checkpoint import list_checkpoints
+    from rlite.run.loop import run_training
     from rlite.tasks import make_task
     from rlite.testing import tiny_config
     from rlite.tokenizer import build_tiny_model_dir

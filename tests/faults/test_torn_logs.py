@@ -9,9 +9,9 @@ import logging
 import pytest
 
 from rlite.config import ConfigError
-from rlite.loop import run_training
 from rlite.metrics import read_log_rows, read_metrics
-from rlite.provenance import metrics_records
+from rlite.run.loop import run_training
+from rlite.run.provenance import metrics_records
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlite.cli import main
 from rlite.config import ConfigError
-from rlite.loop import run_training
 from rlite.run.checkpoint import MANIFEST, list_checkpoints
+from rlite.run.loop import run_training
 from rlite.testing import tiny_config
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -79,9 +79,9 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_a_grpo_run_samples_on_the_gpu_by_default_and_learns(tmp_path, model_dir, where, precision, measure):
     from rlite.distributed import shutdown_distributed
-    from rlite.loop import train
     from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
     from rlite.run.build import build_run
+    from rlite.run.loop import train
     from rlite.testing import read_jsonl, tiny_config
 
     pm = build_plugin_manager(autoload=False)

@@ -66,8 +66,8 @@ def pm_with_digit_reward():
 
 def test_bf16_grpo_run_learns_on_held_out_prompts(tmp_path, model_dir, pm_with_digit_reward, measure):
     from rlite.distributed import shutdown_distributed
-    from rlite.loop import train
     from rlite.run.build import build_run
+    from rlite.run.loop import train
     from rlite.testing import read_jsonl, tiny_config
 
     cfg = tiny_config(
@@ -176,7 +176,7 @@ def test_bf16_logprobs_match_fp32_within_tolerance(measure):
 
 def test_ppo_with_critic_runs_on_cuda_in_bf16(tmp_path, model_dir):
     """GAE's critic goes through the same device hand-over as the policy (values back to the batch)."""
-    from rlite.loop import run_training
+    from rlite.run.loop import run_training
     from rlite.testing import read_jsonl, tiny_config
 
     cfg = tiny_config(

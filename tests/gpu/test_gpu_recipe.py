@@ -37,9 +37,9 @@ def test_the_one_gpu_recipe_runs_a_few_steps_within_its_memory_estimate(tmp_path
     from transformers import AutoConfig
 
     from rlite.config import load_config
-    from rlite.loop import run_training
     from rlite.plugin_manager import get_plugin_manager
     from rlite.run.limits import estimate_memory, model_shape
+    from rlite.run.loop import run_training
     from rlite.testing import read_jsonl
     from rlite.tokenizer import build_tiny_model_dir
 

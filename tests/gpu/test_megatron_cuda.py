@@ -86,8 +86,8 @@ def test_megatron_logprobs_and_gradients_on_cuda_equal_the_transformers_model(tm
 def test_megatron_trains_on_cuda_with_bitwise_weight_sync(tmp_path, model_dir, monkeypatch, precision):
     """Float32, and bf16 compute with float32 master weights (which the engine gets, as from fsdp2)."""
     from rlite.distributed import shutdown_distributed
-    from rlite.loop import train
     from rlite.run.build import build_run
+    from rlite.run.loop import train
     from rlite.testing import read_jsonl, tiny_config
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

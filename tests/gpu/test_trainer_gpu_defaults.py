@@ -108,9 +108,9 @@ def test_the_plain_single_gpu_model_learns(tmp_path, model_dir, precision, measu
     from torch.distributed.fsdp import FSDPModule
 
     from rlite.distributed import shutdown_distributed
-    from rlite.loop import train
     from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
     from rlite.run.build import build_run
+    from rlite.run.loop import train
     from rlite.testing import read_jsonl, tiny_config
 
     pm = build_plugin_manager(autoload=False)

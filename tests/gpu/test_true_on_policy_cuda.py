@@ -87,8 +87,8 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(dtype, measure):
 
 
 def test_true_on_policy_run_on_cuda_reports_zero_mismatch(tmp_path):
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
+    from rlite.run.loop import run_training
     from rlite.testing import read_jsonl, tiny_config
     from rlite.tokenizer import build_tiny_model_dir
 

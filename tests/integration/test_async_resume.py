@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from rlite import hookimpl
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
 from rlite.run.checkpoint import list_checkpoints
+from rlite.run.loop import run_training
 from rlite.run.safe_pickle import load_trainer_state
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
@@ -155,7 +155,7 @@ def test_a_stop_after_the_next_batch_was_handed_out_keeps_it_and_resumes_bitwise
     mode = ("rollout.mode=one_step_off", "checkpoint.every=0")
     run(model_dir, tmp_path / "straight", *mode)
     monkeypatch.setattr("rlite.run.build.AsyncRollouts", SignalAfterCollect)
-    monkeypatch.setattr("rlite.loop.Preemption", FlaggedPreemption)
+    monkeypatch.setattr("rlite.run.loop.Preemption", FlaggedPreemption)
     with pytest.raises(RunStopped, match="checkpoint of step 3"):
         run(model_dir, tmp_path / "resumed", *mode)
     monkeypatch.undo()

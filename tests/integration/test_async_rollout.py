@@ -12,8 +12,8 @@ from rank_workers import recorded_runs_on_fake_sglang
 
 from rlite import hookimpl
 from rlite.config import ConfigError
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl, recorded_runs, spawn_ranks, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

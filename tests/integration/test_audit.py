@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from rlite import hookimpl
-from rlite.audit import FAIL, PASS, model_family, run_audit
-from rlite.cli import main
 from rlite.config import ModelConfig
 from rlite.plugin_manager import build_plugin_manager
 from rlite.testing import per_micro_batch_mean_loss
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.audit import FAIL, PASS, model_family, run_audit
+from rlite.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from rlite.cli import main
 from rlite.tasks import make_task
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 WARM_START = REPO / "examples" / "warmstart" / "addition-qwen2-1m"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlite.cli import main
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 TINY_RUN = [
     "data.task=addition", "data.num_train=16", "data.num_eval=0", "training.steps=1", "training.eval_every=0",

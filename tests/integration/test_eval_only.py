@@ -3,12 +3,12 @@ own evaluation at that step scored, and the run's files are left as they were.""
 
 from __future__ import annotations
 
-from rlite.cli import main
 from rlite.config import config_to_yaml
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 LENGTH_REWARD = """
 from rlite import hookimpl

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rlite.cli import main
 from rlite.testing import read_jsonl, run_in_subprocess_env
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from rlite import hookimpl
-from rlite.cli import main
 from rlite.config import load_config
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager, set_plugin_manager
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QUIET = [

@@ -77,7 +77,7 @@ def test_own_task_trains_through_the_cli_on_the_shipped_strings_warm_start(tmp_p
 
 def test_the_smollm2_recipe_is_the_same_task_on_a_hub_model(tmp_path):
     """Same data and reward, a hub name as the model: the config loads and names what the README says."""
-    from rlite.cli import main
+    from rlite.tools.cli import main
 
     assert main(["config", str(EXAMPLE / "config_smollm2.yaml")]) == 0
     import yaml

@@ -11,8 +11,8 @@ import pytest
 
 from rlite import hookimpl
 from rlite.config import ConfigError
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.loop import run_training
 from rlite.stages.async_rollout import AsyncRollouts
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
@@ -116,7 +116,7 @@ def test_segments_need_async_with_staleness(tmp_path, model_dir):
 def test_the_cli_trains_with_segments_and_resumes(tmp_path, model_dir, capsys):
     """``rlite train CONFIG k=v`` as a user runs it: 2 steps with partial segments, then the same command
     with more steps resumes from the checkpoint; a segment size without async mode is one clear line."""
-    from rlite.cli import main
+    from rlite.tools.cli import main
 
     config = tmp_path / "run.yaml"
     config.write_text("training:\n  seed: 0\n")

@@ -10,8 +10,8 @@ import torch
 
 from rlite import hookimpl
 from rlite.hf_models import load_causal_lm
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

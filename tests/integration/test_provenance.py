@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import rlite
-from rlite.cli import main
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
-from rlite.provenance import PACKAGES, config_hash, metrics_records, read_checkpoint_record
+from rlite.run.loop import run_training
+from rlite.run.provenance import PACKAGES, config_hash, metrics_records, read_checkpoint_record
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 
 @pytest.fixture(scope="module")

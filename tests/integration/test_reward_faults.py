@@ -16,9 +16,9 @@ import threading
 
 import pytest
 
-from rlite.cli import EXIT_REWARDS_FAILED, main
 from rlite.testing import read_jsonl, run_in_subprocess_env
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import EXIT_REWARDS_FAILED, main
 
 USER_REWARDS = '''
 import os

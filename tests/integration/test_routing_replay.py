@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlite.config import ConfigError, load_config
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl
 from rlite.tokenizer import build_tiny_model_dir
 

@@ -14,8 +14,8 @@ import sys
 import pytest
 from fake_sglang import FakeSGLangEngine, fake_sglang_modules
 
-from rlite.loop import run_training
 from rlite.plugins.fsdp2.backend import FSDP2Backend
+from rlite.run.loop import run_training
 from rlite.testing import tiny_config
 
 ALL = ["weights", "kv_cache", "cuda_graph"]

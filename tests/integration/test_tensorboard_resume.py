@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlite.loop import run_training
+from rlite.run.loop import run_training
 from rlite.testing import tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from rlite import hookimpl
 from rlite.distributed import shutdown_distributed
-from rlite.loop import run_training, train
 from rlite.plugin_manager import build_plugin_manager, get_plugin_manager, set_plugin_manager
 from rlite.run.build import build_run
 from rlite.run.checkpoint import find_resume_checkpoint, list_checkpoints
+from rlite.run.loop import run_training, train
 from rlite.testing import read_jsonl, run_in_subprocess_env, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlite.loop import run_training
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlite.cli import main
 from rlite.testing import read_jsonl
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.cli import main
 
 USER_REWARDS = '''
 def length(completion, sample, scale=1.0):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    from rlite import matrix
+    from rlite.tools import matrix
     cases = matrix.pairwise_cases()
     terminalreporter.write_line(
         f"combination matrix: {len(cases)} cases ({sum(map(matrix.long_case, cases))} marked matrix_long), "

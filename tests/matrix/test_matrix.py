@@ -2,7 +2,7 @@
 or is refused up front (when the config loads, or for a fact of the run such as its number of ranks when the
 run starts, before any step) with exit status 2 and a message naming both keys.
 
-The cases come from :mod:`rlite.matrix` (an all-pairs covering set over its ``OPTIONS``), the refusals
+The cases come from :mod:`rlite.tools.matrix` (an all-pairs covering set over its ``OPTIONS``), the refusals
 from the rules (:func:`rlite.config.compat.rules`: rlite's own and those the built-in plugins and megatron
 declare); ``docs/compatibility.md`` is generated from the same two.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from rlite import matrix
-from rlite.cli import main
 from rlite.testing import run_in_subprocess_env, spawn_ranks
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools import matrix
+from rlite.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -60,7 +60,7 @@ def test_the_cases_cover_every_allowed_pair_and_none_is_refused():
 
 def test_docs_table_is_generated_from_the_rules():
     committed = (ROOT / "docs" / "compatibility.md").read_text()
-    assert committed == matrix.compatibility_markdown(), "regenerate: python -m rlite.matrix > docs/compatibility.md"
+    assert committed == matrix.compatibility_markdown(), "regenerate: python -m rlite.tools.matrix > docs/compatibility.md"
 
 
 # -- refusals ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The megatron backend passes rlite's conformance kit (rlite.conformance.check_backend), registered as its
+"""The megatron backend passes rlite's conformance kit (rlite.testing.conformance.check_backend), registered as its
 entry point registers it: log-probs equal the transformers model's, first ratio exactly 1, non-finite steps
 skipped and counted, full_weights named as Hugging Face's, bitwise resume."""
 
@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
 
 import rlite.plugins.megatron as megatron_plugin  # noqa: E402
-from rlite.conformance import check_backend  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager, plugin_manager_in_use  # noqa: E402
+from rlite.testing.conformance import check_backend  # noqa: E402
 
 
 def test_megatron_passes_the_conformance_kit(tmp_path):

@@ -15,9 +15,9 @@ from safetensors.torch import load_file  # noqa: E402
 import rlite.plugins.megatron as megatron_plugin  # noqa: E402
 from rlite import hookimpl  # noqa: E402
 from rlite.distributed import shutdown_distributed  # noqa: E402
-from rlite.loop import run_training, train  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
 from rlite.run.build import build_run  # noqa: E402
+from rlite.run.loop import run_training, train  # noqa: E402
 from rlite.testing import EvenChars, fixed_batch, read_jsonl, tiny_config  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 from rlite.training.backend import ForwardSpec  # noqa: E402
@@ -178,7 +178,7 @@ def test_missing_megatron_core_is_a_config_error_naming_the_extra(monkeypatch) -
 def test_rlite_plugins_lists_megatron_from_its_entry_point(capsys, monkeypatch) -> None:
     import json
 
-    from rlite.cli import main
+    from rlite.tools.cli import main
 
     monkeypatch.delenv("RLITE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     monkeypatch.delenv("RLITE_PLUGINS", raising=False)
@@ -189,7 +189,7 @@ def test_rlite_plugins_lists_megatron_from_its_entry_point(capsys, monkeypatch) 
 
 
 def test_train_without_the_extra_fails_in_one_line_naming_it(tmp_path, model_dir, capsys, monkeypatch) -> None:
-    from rlite.cli import main
+    from rlite.tools.cli import main
 
     monkeypatch.delenv("RLITE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     monkeypatch.setattr(megatron_plugin, "megatron_installed", lambda: False)

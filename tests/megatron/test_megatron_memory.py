@@ -18,8 +18,8 @@ from safetensors.torch import load_file  # noqa: E402
 import rlite.plugins.megatron as megatron_plugin  # noqa: E402
 from rlite import hookimpl  # noqa: E402
 from rlite.config import ConfigError, ModelConfig  # noqa: E402
-from rlite.loop import run_training  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
+from rlite.run.loop import run_training  # noqa: E402
 from rlite.testing import EvenChars, SavedActivations, fixed_batch, read_jsonl, spawn_ranks, tiny_config  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 from rlite.training.backend import ForwardSpec  # noqa: E402
@@ -272,8 +272,8 @@ def test_bf16_trains_through_the_loop_with_the_engine_on_the_masters(tmp_path, m
     bitwise the masters the backend serves, rounded to the dtype it samples in (``auto``: the trainer's compute
     dtype, bf16, a copy; ``float32``: the masters themselves, shared)."""
     from rlite.distributed import shutdown_distributed
-    from rlite.loop import train
     from rlite.run.build import build_run
+    from rlite.run.loop import train
 
     pm = plugins()
     auditor = SyncAuditor()

@@ -12,8 +12,8 @@ pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'r
 import rlite.plugins.megatron as megatron_plugin  # noqa: E402
 from rlite import hookimpl  # noqa: E402
 from rlite.config import load_config  # noqa: E402
-from rlite.loop import run_training  # noqa: E402
 from rlite.plugin_manager import build_plugin_manager  # noqa: E402
+from rlite.run.loop import run_training  # noqa: E402
 from rlite.testing import read_jsonl  # noqa: E402
 from rlite.tokenizer import build_tiny_model_dir  # noqa: E402
 

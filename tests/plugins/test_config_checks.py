@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from rlite.api import ConfigError, Unsupported, hookimpl
-from rlite.cli import main
 from rlite.config import load_config
 from rlite.config.capabilities import BACKEND_FEATURES, CAPABILITIES
 from rlite.plugin_manager import PluginError, build_plugin_manager, load_entry_point_plugins
+from rlite.tools.cli import main
 
 REQUIRED = ["model.path=tiny-model", "data.task=addition"]
 ROOT = Path(__file__).resolve().parents[2]

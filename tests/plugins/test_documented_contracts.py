@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rlite.api import RolloutEngine, TrainingBackend, hookimpl
-from rlite.loop import run_training
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.loop import run_training
 from rlite.testing import read_jsonl, tiny_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
@@ -155,8 +155,8 @@ def test_documented_wrapper_backend_composes_the_registered_fsdp2_backend(tmp_pa
     """The backend wrapper of docs/plugins.md (a ``BackendWrapper`` overriding ``step`` alone) gets fsdp2
     through rlite.api.registered, trains a PPO run with its critic through it (every optimizer step's norm
     is the one the run logs), and passes the conformance kit like the backend it wraps."""
-    from rlite.conformance import check_backend
     from rlite.plugin_manager import plugin_manager_in_use
+    from rlite.testing.conformance import check_backend
 
     docs = example_defining("class NormRecordingBackend(BackendWrapper):", monkeypatch)
     pm = build_plugin_manager(autoload=False)
@@ -183,8 +183,8 @@ def test_documented_backend_and_engine_pass_the_conformance_kit(tmp_path, monkey
     """The kit a third-party author runs: the docs' backend passes every backend invariant, the non-finite
     step (skipped, counted, weights unchanged) and bitwise resume included; the docs' engine every engine
     invariant, sampling with each synced version's weights."""
-    from rlite.conformance import check_backend, check_engine
     from rlite.plugin_manager import plugin_manager_in_use
+    from rlite.testing.conformance import check_backend, check_engine
 
     backend_docs = example_defining("class SingleDeviceBackend(BackendBase):", monkeypatch)
     engine_docs = example_defining("class PlainSamplingEngine:", monkeypatch)
@@ -203,7 +203,7 @@ def test_documented_backend_and_engine_pass_the_conformance_kit(tmp_path, monkey
 def test_documented_estimator_and_loss_pass_the_conformance_kit(monkeypatch) -> None:
     """The docs' estimator and loss examples register float64 references, and match them on the kit's edge
     cases (a singleton group, a constant group, an empty row, log-ratios of +-30)."""
-    from rlite.conformance import check_estimator, check_policy_loss
+    from rlite.testing.conformance import check_estimator, check_policy_loss
 
     estimator = example_defining("class MeanBaselineConfig:", monkeypatch)
     loss = example_defining("class SymmetricClipConfig:", monkeypatch)

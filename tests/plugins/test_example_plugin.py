@@ -132,9 +132,9 @@ def test_the_installed_estimator_passes_the_conformance_kit_and_gets_an_audit_ro
     """A third-party author's check: the kit finds the estimator by name among the installed plugins and
     compares it with the float64 reference it registered; the audit checks it by the same path (a pass,
     not n/a)."""
-    from rlite.audit import PASS, check_formulas
-    from rlite.conformance import check_estimator
     from rlite.plugin_manager import plugin_manager_in_use
+    from rlite.testing.conformance import check_estimator
+    from rlite.tools.audit import PASS, check_formulas
 
     pm = build_plugin_manager()
     with plugin_manager_in_use(pm):

@@ -27,7 +27,7 @@ def importable(module: str) -> bool:
 
 
 pytestmark = [
-    pytest.mark.skipif(not importable("rlite.loop"), reason="rlite.loop is not written yet"),
+    pytest.mark.skipif(not importable("rlite.run.loop"), reason="rlite.run.loop is not written yet"),
     pytest.mark.skipif(not importable("rlite.tokenizer"), reason="rlite.tokenizer is not written yet"),
 ]
 
@@ -66,7 +66,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_with_recorder(recorder, probe: CheckpointProbe, overrides: list[str]) -> RunConfig:
-    from rlite.loop import run_training
+    from rlite.run.loop import run_training
 
     pm = build_plugin_manager(autoload=False)
     pm.register(recorder, name="recorder")

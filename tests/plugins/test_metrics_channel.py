@@ -13,13 +13,13 @@ import threading
 import pytest
 
 from rlite.api import EngineWrapper, MetricsSink, SyncServer, hookimpl, registered
-from rlite.audit import comparable
-from rlite.loop import run_training
 from rlite.metrics import merge_reported, reported_values
 from rlite.plugin_manager import build_plugin_manager
+from rlite.run.loop import run_training
 from rlite.sync import SharedBucketSender
 from rlite.testing import read_jsonl, tiny_config
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.audit import comparable
 
 # --------------------------------------------------------------------------------------------------
 # the sink

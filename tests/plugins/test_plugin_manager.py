@@ -8,9 +8,9 @@ import pluggy
 import pytest
 
 from rlite import hookimpl
-from rlite.cli import load_run_config, main
 from rlite.config import ConfigError
 from rlite.plugin_manager import DEFAULT_PLUGINS, REGISTRY_KINDS, PluginError, build_plugin_manager
+from rlite.tools.cli import load_run_config, main
 
 # Names the default config selects; their built-in plugins must provide them.
 DEFAULT_CHOICES = [

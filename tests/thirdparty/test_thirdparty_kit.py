@@ -71,7 +71,7 @@ def test_the_engines_pass_the_conformance_kit(kit, tmp_path) -> None:
     each reported through the metrics channel during the check is what it did there."""
     from transformers import AutoModelForCausalLM
 
-    from rlite.conformance import check_engine
+    from rlite.testing.conformance import check_engine
 
     with plugin_manager_in_use(kit):
         wrapper = check_engine("thirdparty_counting", workdir=tmp_path / "counting")
@@ -93,7 +93,7 @@ def test_the_backend_and_estimator_pass_the_conformance_kit(kit, tmp_path) -> No
     from rlite_thirdparty_kit.backend import CountingBackend
 
     from rlite.api import BackendWrapper
-    from rlite.conformance import check_backend, check_estimator
+    from rlite.testing.conformance import check_backend, check_estimator
 
     # the public wrapper does the delegation: the kit writes its step alone, no __getattr__ and no guard
     assert issubclass(CountingBackend, BackendWrapper) and set(vars(CountingBackend)) & {"__getattr__", "__init__"} == set()
@@ -111,7 +111,7 @@ def test_the_backend_and_estimator_pass_the_conformance_kit(kit, tmp_path) -> No
 def test_the_audit_checks_the_estimator_against_its_reference(kit) -> None:
     """The audit's formula row for the third-party estimator is a pass (not n/a), and it fails for an
     implementation that drifts from the registered reference by 1e-6."""
-    from rlite.audit import FAIL, PASS, check_formulas, formula_check
+    from rlite.tools.audit import FAIL, PASS, check_formulas, formula_check
 
     pm = kit
     overrides = ["model.path=unused", "data.task=addition", "algorithm.advantage=range_baseline",

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from rlite import hookimpl
-from rlite.audit import FAIL, PASS, SKIP, check_formulas
 from rlite.config import load_config
 from rlite.plugin_manager import build_plugin_manager
 from rlite.plugins import advantages as A
+from rlite.tools.audit import FAIL, PASS, SKIP, check_formulas
 
 ESTIMATORS = ["grpo", "{name: grpo, args: {singleton: raw, std_scope: batch}}", "{name: grpo, args: {norm_by_std: false}}",
               "dr_grpo", "{name: rloo, args: {singleton: raw}}", "opo", "gpg", "{name: gpg, args: {singleton: zero}}",
@@ -66,9 +66,9 @@ def test_the_audit_keeps_no_table_of_formulas_by_name():
     names no estimator or loss."""
     import inspect
 
-    import rlite.audit
+    import rlite.tools.audit
 
-    source = inspect.getsource(rlite.audit)
+    source = inspect.getsource(rlite.tools.audit)
     pm = build_plugin_manager(autoload=False)
     for kind in ("advantage_estimator", "policy_loss"):
         for name, entry in pm.registry(kind).entries.items():

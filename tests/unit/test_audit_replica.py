@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from rlite.audit import build_replica_model, files_missing, model_family, replica_adjustments, synthetic_data
 from rlite.config import DataConfig, ModelConfig, load_config
 from rlite.tokenizer import build_tiny_model_dir
+from rlite.tools.audit import (
+    build_replica_model,
+    files_missing,
+    model_family,
+    replica_adjustments,
+    synthetic_data,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -63,7 +69,7 @@ def test_synthetic_data_has_the_configured_keys_nested_where_dotted(tmp_path):
 def test_the_gpu_recipes_are_adjusted_to_what_runs_here(tmp_path, monkeypatch):
     import torch
 
-    from rlite.matrix import matrix_plugins
+    from rlite.tools.matrix import matrix_plugins
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     pm = matrix_plugins()  # the built-ins and megatron, whose registrations say what a replica must change

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from rlite.algorithms.mismatch import compose_corrections
 from rlite.config import ConfigError
-from rlite.mismatch import compose_corrections
 from rlite.plugin_manager import RlitePluginManager
 from rlite.plugins import corrections as C
 

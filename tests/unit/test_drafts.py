@@ -176,7 +176,7 @@ def test_a_draft_the_engine_cannot_run_is_refused_at_load():
 
 
 def test_a_trained_draft_with_adapter_only_lora_sync_is_refused(dirs, tmp_path):
-    from rlite.loop import run_training
+    from rlite.run.loop import run_training
     from rlite.testing import tiny_config
 
     class AdapterEngine:  # an engine that serves adapters, so that only the draft is in the way

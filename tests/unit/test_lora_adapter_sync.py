@@ -130,8 +130,8 @@ def test_an_engine_that_declares_nothing_is_still_refused_adapters_before_the_fi
     from rlite.config import ConfigError
     from rlite.engines.base import EngineCapabilities, IdleEngine
     from rlite.hookspecs import hookimpl
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
     from rlite.testing import tiny_config
     from rlite.tokenizer import build_tiny_model_dir
 

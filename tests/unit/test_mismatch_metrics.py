@@ -1,4 +1,4 @@
-"""rlite.mismatch: the mismatch metrics against float64 loops, composition rules, old-logprob modes."""
+"""rlite.algorithms.mismatch: the mismatch metrics against float64 loops, composition rules, old-logprob modes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlite.mismatch import (
+from rlite.algorithms.mismatch import (
     build_corrections,
     compose_corrections,
     mismatch_metrics,

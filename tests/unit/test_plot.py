@@ -70,8 +70,8 @@ def test_the_kl_panel_draws_what_a_run_with_a_kl_term_logs(tmp_path, in_reward):
     rlite never logs, so the reward's KL was never drawn)."""
     import torch
 
-    from rlite.loop import run_training
     from rlite.metrics import PLOT_PANELS
+    from rlite.run.loop import run_training
     from rlite.testing import tiny_config
     from rlite.tokenizer import build_tiny_model_dir
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlite import cli
 from rlite import distributed as rlite_distributed
+from rlite.tools import cli
 
 
 class _Left(Exception):

@@ -98,9 +98,9 @@ def test_bad_paths_fail_at_config_load(tmp_path, registry):
 
 
 def test_a_run_trains_on_the_reward_models_scores(tmp_path, scalar_model):
-    from rlite.cli import main
     from rlite.testing import read_jsonl
     from rlite.tokenizer import build_tiny_model_dir
+    from rlite.tools.cli import main
 
     policy = build_tiny_model_dir(tmp_path / "policy")
     config = tmp_path / "run.yaml"

@@ -22,7 +22,6 @@ from fake_sglang import (
 )
 
 from rlite.engines.base import EngineError
-from rlite.loop import run_training
 from rlite.plugins.sglang.engine import SGLangEngine
 from rlite.plugins.sglang.payloads import (
     CUDA_DEVICE_ARG,
@@ -32,6 +31,7 @@ from rlite.plugins.sglang.payloads import (
     resolve_engine_dtype,
     serialize_payload,
 )
+from rlite.run.loop import run_training
 from rlite.testing import tiny_config
 
 torch.set_num_threads(1)

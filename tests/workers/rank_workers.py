@@ -286,7 +286,7 @@ def sglang_fake_run(rank: int, world_size: int, init_file: str, model_dir: str, 
     import torch.distributed as dist
     from fake_sglang import FakeSGLangEngine, fake_sglang_modules
 
-    from rlite.loop import run_training
+    from rlite.run.loop import run_training
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)

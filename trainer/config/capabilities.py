@@ -3,7 +3,7 @@
 A plugin passes these keys to ``register(name, implementation, config_cls, **metadata)``. rlite's core
 reads them, never an implementation's name: the compatibility rules (:mod:`rlite.config.compat`), the
 config-check phase (:mod:`rlite.config.loader`), the memory check (:mod:`rlite.run.limits`) and the audit
-(:mod:`rlite.audit`). :data:`CAPABILITIES` is the table, one row per key; ``docs/plugins.md`` shows it (a test
+(:mod:`rlite.tools.audit`). :data:`CAPABILITIES` is the table, one row per key; ``docs/plugins.md`` shows it (a test
 keeps the two equal) and :func:`metadata_problem` checks a registration's values against it when the plugin
 manager collects the registries. A key a kind's rows do not list is kept as the plugin gave it.
 

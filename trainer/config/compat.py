@@ -12,7 +12,7 @@ only once the run starts (its number of ranks, whether the model has Mixture-of-
 are checked there, by the same function given that fact.
 
 Everything that combines is meant to run: ``tests/matrix`` runs an all-pairs covering set of the
-options users combine (:mod:`rlite.matrix`), and ``docs/compatibility.md`` is generated from this list.
+options users combine (:mod:`rlite.tools.matrix`), and ``docs/compatibility.md`` is generated from this list.
 A setting that one backend or engine would silently ignore belongs here, refused, rather than ignored.
 """
 

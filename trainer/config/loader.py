@@ -279,7 +279,7 @@ def check_bypass_corrections(cfg: RunConfig, pm) -> None:
     on pi_theta against pi_old = pi_rollout and stay allowed."""
     if cfg.algorithm.old_logprob_mode != "bypass":
         return
-    from rlite.mismatch import declared_kwargs  # torch: only when a config uses bypass
+    from rlite.algorithms.mismatch import declared_kwargs  # torch: only when a config uses bypass
 
     registry = pm.registry("mismatch_correction")
     for index, choice in enumerate(cfg.algorithm.corrections):

@@ -5,7 +5,7 @@ checkpoint, then each of the run's components from its own builder: the policy
 (:func:`build_rollouts`), the weight sync (:func:`build_weight_sync`), the recorder
 (:func:`rlite.run.recorder.build_recorder`) and the checkpointer.
 
-:class:`~rlite.run.state.Run` holds what :func:`rlite.loop.train` works with; every field names its type.
+:class:`~rlite.run.state.Run` holds what :func:`rlite.run.loop.train` works with; every field names its type.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rlite.algorithms.mismatch import build_corrections, needs_current_logprobs
 from rlite.config import ConfigError, RunConfig, config_to_yaml
 from rlite.config.advantage import AdvantageChoice, advantage_choice
 from rlite.data import PromptSampler, PromptSet, load_prompt_splits
@@ -30,7 +31,6 @@ from rlite.engines.placement import describe_rank, gather_engine_context
 from rlite.engines.supervisor import SupervisedEngine
 from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import MetricsSink, StepTimer
-from rlite.mismatch import build_corrections, needs_current_logprobs
 from rlite.perf import PerfMeter
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
 from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner, reward_samples
@@ -83,7 +83,7 @@ def build_run(cfg: RunConfig, pm: RlitePluginManager, *, evaluation_only: bool =
     """Everything a run needs, resumed from ``checkpoint.resume``'s checkpoint: the models first, the engine
     last (a failure before it leaves no engine process behind), then the components that need both, and the
     first weight sync. ``evaluation_only`` (``rlite eval``): the run folder's config, metrics and loggers are
-    left as they are. ``preemption``: the signal handlers' flag (:func:`rlite.loop.run_training`'s)."""
+    left as they are. ``preemption``: the signal handlers' flag (:func:`rlite.run.loop.run_training`'s)."""
     started = time.perf_counter()
     ctx, resume_from = prepare_run(cfg, evaluation_only)
     tokenizer = load_tokenizer(cfg)
@@ -337,7 +337,7 @@ def sandbox_hidden_paths(cfg: RunConfig) -> list[str]:
 def run_provenance(cfg: RunConfig, pm: RlitePluginManager, ctx: DistContext, resume_from: Path | None,
                    start_step: int) -> dict:
     """This run's record; a resumed run's names the record of the checkpoint it loaded (``resume_from``)."""
-    from rlite.provenance import collect_provenance, read_checkpoint_record
+    from rlite.run.provenance import collect_provenance, read_checkpoint_record
 
     record = collect_provenance(cfg, pm, world_size=ctx.world_size, device=ctx.device, weight_version=start_step)
     if resume_from is not None:

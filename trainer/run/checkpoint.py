@@ -105,7 +105,7 @@ def save_checkpoint(
 
     ``model_state`` is the backend's (and critic's) state for ``torch.distributed.checkpoint``;
     ``trainer_state`` is this rank's small state (pickled, with the RNG states and the step);
-    ``provenance`` (:mod:`rlite.provenance`) is written by rank 0 as ``provenance.json``.
+    ``provenance`` (:mod:`rlite.run.provenance`) is written by rank 0 as ``provenance.json``.
     """
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
@@ -140,7 +140,7 @@ def save_checkpoint(
             time.sleep(pause)
         def publish() -> None:
             if provenance is not None:  # in the manifest like every other file
-                from rlite.provenance import write_checkpoint_record
+                from rlite.run.provenance import write_checkpoint_record
 
                 write_checkpoint_record(tmp, provenance)
             _publish(tmp, step)

@@ -33,7 +33,7 @@ class Checkpointer:
                  hooks: Any, timer: StepTimer, preemption: Preemption) -> None:  # fmt: skip
         self.run_dir, self.rank, self.keep_last, self.resume = run_dir, rank, keep_last, resume
         self.provenance = provenance
-        """What produced this run (:mod:`rlite.provenance`), written into every checkpoint."""
+        """What produced this run (:mod:`rlite.run.provenance`), written into every checkpoint."""
         self.policy, self.rollouts, self.targets, self.draft = policy, rollouts, targets, draft
         self.sampler = sampler
         """The run's prompt sampler (an asynchronous run's producer draws from a copy of its own)."""

@@ -85,11 +85,11 @@ def device_description(device: Any) -> str:
 
 def collect_provenance(config: Any, pm: Any, *, world_size: int, device: Any, weight_version: int) -> dict[str, Any]:
     """The record of this process's run (see the module docstring)."""
-    import rlite
+    from rlite.version import __version__
 
     return {
-        "rlite_version": rlite.__version__,
-        "git": git_commit(Path(rlite.__file__).resolve().parent),
+        "rlite_version": __version__,
+        "git": git_commit(Path(__file__).resolve().parents[1]),  # the package's folder: run/ is one below it
         "packages": {name: package_version(name) for name in PACKAGES},
         "plugins": plugin_records(pm),
         "config_sha256": config_hash(config),

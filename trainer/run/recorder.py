@@ -23,9 +23,9 @@ from rlite.distributed import DistContext
 from rlite.metrics import LearningSignalWatch, Logger, ProgressBar, StepProfiler, StepTimer, trim_metrics_file
 from rlite.perf import PerfMeter
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
-from rlite.provenance import append_metrics_record
 from rlite.rollout import ScoredBatch, TrainTargets
 from rlite.run.faults import stop_on_full_disk
+from rlite.run.provenance import append_metrics_record
 from rlite.samples import SampleWriter, train_sample_rows
 from rlite.stages.report import StepTokens
 

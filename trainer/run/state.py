@@ -40,7 +40,7 @@ class Run:
     resumed_from: Path | None
     """The checkpoint the run resumed from (``None``: a fresh run)."""
     preemption: Preemption
-    """The preemption signals' flag (:func:`rlite.loop.run_training` installs its handlers)."""
+    """The preemption signals' flag (:func:`rlite.run.loop.run_training` installs its handlers)."""
     engine: RolloutEngine
     draft: SpeculativeDraft | None
     """The speculative-decoding draft (``rollout.draft``; ``None``: plain decoding)."""

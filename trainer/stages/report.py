@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlite.algorithms.mismatch import mismatch_metrics
 from rlite.distributed import all_gather_objects
 from rlite.engines.base import SpeculationStats
 from rlite.metrics import Reported, merge_reported, reported_values
-from rlite.mismatch import mismatch_metrics
 from rlite.perf import SequenceSums, perf_summary, sequence_sums
 from rlite.rewards import is_count_stat
 from rlite.rollout import ScoredBatch, pad_to_width

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
+from rlite.algorithms.mismatch import mismatch_metrics
 from rlite.config import ConfigError, RunConfig
 from rlite.config.compat import check_compatibility
 from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, broadcast_object
 from rlite.engines.base import RolloutEngine
-from rlite.mismatch import mismatch_metrics
 from rlite.moe_routing import RoutingPlan, RoutingStats
 from rlite.rollout import RolloutBatch, pad_to_width
 from rlite.stages.minibatches import score_logprobs

@@ -408,7 +408,7 @@ def micro_batch_loss(
         per_token = per_token * targets.is_weights
     n_tok, n_seq, dp_size = counts["global_tokens"], counts["global_sequences"], counts["dp_size"]
     if loss.loss_time_corrections:
-        from rlite.mismatch import compose_corrections
+        from rlite.algorithms.mismatch import compose_corrections
 
         weights, kept, corr_metrics = compose_corrections(
             loss.loss_time_corrections, old, mb.rollout_logprobs, mask, advantages=advantages,

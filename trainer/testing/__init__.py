@@ -183,8 +183,8 @@ def recorded_runs(rank: int, world_size: int, init_file: str, model_dir: str, ou
     ``out_dir/<name>.rank<r>.pt`` with the batches it drew, the final weights and the metric rows."""
     import torch.distributed as dist
 
-    from rlite.loop import run_training
     from rlite.plugin_manager import build_plugin_manager
+    from rlite.run.loop import run_training
 
     torch.set_num_threads(1)
     if world_size > 1:

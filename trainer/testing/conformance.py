@@ -2,7 +2,7 @@
 
 A plugin author calls these from their own tests (``docs/plugins.md``, "Checking your plugin")::
 
-    from rlite.conformance import check_backend, check_engine, check_estimator, check_policy_loss
+    from rlite.testing.conformance import check_backend, check_engine, check_estimator, check_policy_loss
 
     check_backend("my_backend")        # a name registered through the rlite entry points, or
     check_engine(make_my_engine)       # the factory itself, as register() receives it

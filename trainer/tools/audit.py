@@ -21,7 +21,7 @@ instead, and the mismatch row is then n/a), the backend's model-parallel sizes (
 * ``advantage formula`` and ``loss formula``: the configured estimator and loss against the float64
   reference their plugin registered with them (``register(..., reference=fn)``; the built-ins' are the
   formulas of docs/algorithms.md as plain loops, in ``rlite.plugins.advantages`` and ``.policy_losses``),
-  by one path for built-in and third-party plugins (:mod:`rlite.conformance`), on a random batch with a
+  by one path for built-in and third-party plugins (:mod:`rlite.testing.conformance`), on a random batch with a
   singleton group, a constant group, a masked row, masked tokens inside responses, per-token rewards,
   critic values and extreme ratios, advantages and returns both; n/a for a plugin that registered no
   reference.
@@ -318,9 +318,9 @@ class Probe:
 def replica_run(cfg: RunConfig, pm, probe: Probe | None = None) -> list[dict[str, Any]]:
     """Train the replica (in this process); its metric rows."""
     from rlite.distributed import init_distributed, shutdown_distributed
-    from rlite.loop import train
     from rlite.metrics import read_metrics
     from rlite.run.build import build_run
+    from rlite.run.loop import train
 
     ctx = init_distributed()
     finished = False
@@ -451,9 +451,9 @@ def update_difference(a: dict, b: dict) -> tuple[bool, str]:
 
 def formula_check(kind: str, entry, cfg) -> Check:
     """The ``advantage formula`` or ``loss formula`` row of a registry entry: the comparison of
-    :mod:`rlite.conformance` with the reference registered in ``entry.metadata["reference"]``, built in or
+    :mod:`rlite.testing.conformance` with the reference registered in ``entry.metadata["reference"]``, built in or
     third-party alike; n/a, never a pass, when the plugin registered none."""
-    from rlite.conformance import estimator_reference_error, loss_reference_error
+    from rlite.testing.conformance import estimator_reference_error, loss_reference_error
 
     title = f"{'advantage' if kind == 'advantage_estimator' else 'loss'} formula ({entry.name})"
     reference = entry.metadata.get("reference")

@@ -262,7 +262,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         for broken in pm.failed:  # the run goes on without it, but never silently
             print(f"rlite train: warning: plugin {broken.name!r} ({broken.distribution}) is skipped: {broken.error}",
                   file=sys.stderr)
-        from rlite.loop import run_training  # heavy (torch, transformers): only when training
+        from rlite.run.loop import run_training  # heavy (torch, transformers): only when training
 
         run_training(cfg, pm, preemption)
         finished = True
@@ -313,7 +313,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     check_generation_arguments(args)
     if args.multi_turn and args.raw:
         raise ConfigError("--multi-turn needs the chat template to lay out the turns; drop --raw")
-    from rlite.generation import open_chat_model
+    from rlite.tools.generation import open_chat_model
 
     interactive = sys.stdin.isatty()
     with open_chat_model(args.model, raw=args.raw, max_new_tokens=args.max_new_tokens) as chat:
@@ -346,7 +346,7 @@ class StdinTurns:
         self.number = 0
 
     def __call__(self) -> str | None:
-        from rlite.generation import check_prompt_text
+        from rlite.tools.generation import check_prompt_text
 
         if self.interactive:
             print("> ", end="", file=sys.stderr, flush=True)
@@ -371,7 +371,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_generation_arguments(args)
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from rlite.generation import open_chat_model, read_prompt_file
+    from rlite.tools.generation import open_chat_model, read_prompt_file
 
     out = check_output_file(args.out, args.prompts)
     rows = read_prompt_file(args.prompts, args.prompt_key)
@@ -426,8 +426,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         if not str(exc).startswith("model.path: missing value"):
             raise
         raise ConfigError(missing_model_message(args.config, args.overrides)) from None
-    from rlite.audit import FAIL, print_table, run_audit
     from rlite.hf_models import quiet_transformers_progress
+    from rlite.tools.audit import FAIL, print_table, run_audit
 
     with quiet_transformers_progress():  # its replicas' load/save bars would come between rlite's lines
         checks, note = run_audit(args.config, list(args.overrides), pm, args.workdir)
@@ -456,8 +456,8 @@ def missing_model_message(config: str, overrides: Sequence[str]) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from rlite.provenance import describe, metrics_records, read_checkpoint_record
     from rlite.run.checkpoint import checkpoint_root, list_checkpoints, unsafe_content
+    from rlite.run.provenance import describe, metrics_records, read_checkpoint_record
     from rlite.run.status import describe_status, run_status
 
     run_dir = Path(args.run_dir)

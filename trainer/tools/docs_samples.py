@@ -2,7 +2,7 @@
 
 A sample sits between two markers in the Markdown::
 
-    <!-- generated: NAME (python -m rlite.docs_samples --write) -->
+    <!-- generated: NAME (python -m rlite.tools.docs_samples --write) -->
     ```text
     ...
     ```
@@ -14,7 +14,7 @@ as if pip had installed it; ``config-errors`` are the one-line errors ``rlite co
 option, a misspelled option of a wrapper's inner engine and an unknown name. Each is made with only those
 plugins, whatever else is installed, so the text depends on the code alone.
 
-``python -m rlite.docs_samples`` (run in the repository) says which samples are stale and exits 1 if any is;
+``python -m rlite.tools.docs_samples`` (run in the repository) says which samples are stale and exits 1 if any is;
 ``--write`` rewrites them in place. ``tests/docs/test_docs_samples.py`` runs it against the committed file.
 """
 
@@ -88,7 +88,7 @@ def plugins_sample(repo: Path) -> str:
     """``rlite plugins`` for :func:`sample_manager`'s plugins."""
     from rich.console import Console
 
-    from rlite.cli import describe_plugins, print_plugin_tables
+    from rlite.tools.cli import describe_plugins, print_plugin_tables
 
     out = io.StringIO()
     console = Console(file=out, width=WIDTH, color_system=None, force_terminal=False, highlight=False)
@@ -162,7 +162,7 @@ def regenerate(text: str, repo: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlite.docs_samples", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rlite.tools.docs_samples", description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the stale samples in place")
     parser.add_argument("--repo", type=Path, default=Path.cwd(), help="the repository (default: the working folder)")
     parser.add_argument("--docs", type=Path, default=Path("docs") / "plugins.md", help="the file, relative to --repo")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}: samples rewritten")
         return 0
     sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), fresh.splitlines(True), str(path), "regenerated"))
-    print(f"{path}: stale samples; run python -m rlite.docs_samples --write", file=sys.stderr)
+    print(f"{path}: stale samples; run python -m rlite.tools.docs_samples --write", file=sys.stderr)
     return 1
 
 

@@ -45,7 +45,7 @@ def median_baseline(batch, cfg: MedianBaselineConfig) -> tuple[torch.Tensor, tor
 
 def median_baseline_reference(batch, cfg: MedianBaselineConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The module docstring's formula again, as a plain float64 loop: what ``rlite audit`` and
-    ``rlite.conformance.check_estimator`` compare ``median_baseline`` with."""
+    ``rlite.testing.conformance.check_estimator`` compare ``median_baseline`` with."""
     scores, groups = batch.scores.double().tolist(), batch.group_ids.tolist()
     per_response = []
     for score, group in zip(scores, groups):

@@ -41,7 +41,7 @@ def range_baseline(batch, cfg: RangeBaselineConfig) -> tuple[torch.Tensor, torch
 
 def range_baseline_reference(batch, cfg: RangeBaselineConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The module docstring's formula as a plain float64 loop: what ``rlite audit`` and
-    ``rlite.conformance.check_estimator`` compare ``range_baseline`` with."""
+    ``rlite.testing.conformance.check_estimator`` compare ``range_baseline`` with."""
     scores, groups = batch.scores.double().tolist(), batch.group_ids.tolist()
     per_response = []
     for score, group in zip(scores, groups):
