@@ -28,7 +28,7 @@ from rlite import sandbox
 from rlite.config import Choice
 from rlite.plugin_manager import RlitePluginManager
 from rlite.plugins import code_exec as plugin
-from rlite.rewards import FailureLimits, build_reward_runner
+from rlite.reward_runner import FailureLimits, build_reward_runner
 from rlite.sandbox import probe_isolation
 
 PROGRAM = "n = int(input())\nprint(sum(i * i for i in range(n)))\n"

@@ -40,7 +40,7 @@ def hang(completion, sample):
 
 def previous_runner_module():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "-C", root, "show", "b6c229f:trainer/rewards.py"], capture_output=True,
+    source = subprocess.run(["git", "-C", root, "show", "b6c229f:trainer/reward_runner.py"], capture_output=True,
                             text=True, check=True).stdout
     path = os.path.join(tempfile.mkdtemp(), "previous_rewards.py")
     with open(path, "w") as f:
@@ -67,7 +67,7 @@ def main() -> None:
     from rlite.config import Choice
     from rlite.plugin_manager import RlitePluginManager
     from rlite.plugins import rewards as builtin
-    from rlite.rewards import FailureLimits, build_reward_runner
+    from rlite.reward_runner import FailureLimits, build_reward_runner
 
     pm = RlitePluginManager()
     pm.register(builtin, name="rlite.plugins.rewards")

@@ -19,7 +19,7 @@ gradient of the *forward* KL(pi_ref || pi) and E[grad k1] = 0, which is why the 
 variants exist. No estimator multiplies by an importance ratio for off-policy samples (TRL's
 bias correction, slime's ``--use-unbiased-kl``): the trainer's estimators see only lp and ref.
 
-KL as a reward penalty (and its adaptive coefficient) is core maths: :mod:`rlite.kl_control`.
+KL as a reward penalty (and its adaptive coefficient) is core maths: :mod:`rlite.stages.kl_control`.
 """
 
 from __future__ import annotations

@@ -354,7 +354,7 @@ def overlong_penalty(completion: str, sample: dict, cfg: OverlongPenaltyConfig) 
     0 if |y| <= L - L_c; ((L - L_c) - |y|) / L_c inside the buffer; -1 beyond L.
 
     Needs ``sample["response_length"]``, which rlite adds to every sample it scores
-    (:func:`rlite.rewards.reward_samples`)."""
+    (:func:`rlite.reward_runner.reward_samples`)."""
     if "response_length" not in sample:
         raise KeyError("overlong_penalty needs sample['response_length'] (set by the rlite training loop)")
     length = int(sample["response_length"])

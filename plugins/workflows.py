@@ -156,7 +156,7 @@ class EnvRewardConfig:
 
 def env_reward(completion: str, sample: dict[str, Any], cfg: EnvRewardConfig) -> float:
     """The environment's rewards, summed over the trajectory: ``sample["env_reward"]``, which the reward
-    runner's caller adds to the data row of a multi-turn sample (:func:`rlite.rewards.reward_samples`)."""
+    runner's caller adds to the data row of a multi-turn sample (:func:`rlite.reward_runner.reward_samples`)."""
     if "env_reward" not in sample:
         raise KeyError("env_reward: the sample has no environment reward; set rollout.workflow to an environment")
     return float(sample["env_reward"])

@@ -72,7 +72,7 @@ from rlite.hookspecs import Register, hookimpl
 from rlite.metrics import Logger, MetricsSink
 from rlite.moe_routing import RouterHooks, RoutingPlan, RoutingStats, completion_rows, decode_routed_experts
 from rlite.plugin_manager import registered
-from rlite.rewards import RewardOutcome
+from rlite.reward_runner import RewardOutcome
 from rlite.rollout import (
     EnvResults,
     ModelInputs,

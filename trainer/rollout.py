@@ -205,7 +205,7 @@ class RolloutBatch:
     samples: list[dict[str, Any]] = column()
     """The data row of each sample's prompt (answer, metadata), as loaded: what the rollout adds is in typed
     fields (``finish_reasons``, ``response_lengths``, ``env``); a reward function sees both
-    (:func:`rlite.rewards.reward_sample`)."""
+    (:func:`rlite.reward_runner.reward_sample`)."""
     completion_texts: list[str] = column(default_factory=list)
     """Decoded completions."""
     weight_versions: list[int] = column(default_factory=list)

@@ -27,7 +27,7 @@ always ends with a sampled turn: an observation is appended only when another tu
 The environment's rewards are summed over the trajectory: the batch keeps them, the turns and the
 environment's ``metrics()`` as typed columns (``RolloutBatch.env``, :class:`rlite.rollout.EnvResults`), and
 the reward functions see them as ``sample["env_reward"]``, ``sample["turns"]`` and ``sample["env_metrics"]``
-(:func:`rlite.rewards.reward_samples`): the built-in ``env_reward`` reward function returns the first.
+(:func:`rlite.reward_runner.reward_samples`): the built-in ``env_reward`` reward function returns the first.
 """
 
 from __future__ import annotations

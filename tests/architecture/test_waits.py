@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = [*(f"trainer/{entry}" for entry in ("rewards.py", "sandbox.py", "sandbox_init.py", "distributed.py",
+SCANNED = [*(f"trainer/{entry}" for entry in ("reward_runner.py", "sandbox.py", "sandbox_init.py", "distributed.py",
                                               "stages", "engines", "sync", "run")),
            "plugins/transformers", "plugins/sglang"]  # fmt: skip
 WAITS = {"join", "wait", "recv", "recv_bytes", "result", "communicate", "acquire", "accept", "urlopen"}
@@ -27,13 +27,13 @@ BOUNDED_ELSEWHERE = {
         "of every exchange has a timeout",
     ("trainer/sync/transport.py", "self.conn.recv()"):
         "read only after self.conn.poll(timeout_s) reported the pipe readable",
-    ("trainer/rewards.py", "self._jobs.get()"):
+    ("trainer/reward_runner.py", "self._jobs.get()"):
         "a reward worker thread's idle loop: close() puts one None per thread, and every batch's wait on the "
         "threads has the batch's deadline",
-    ("trainer/rewards.py", "conn.recv()"):
+    ("trainer/reward_runner.py", "conn.recv()"):
         "a reward worker process's idle loop: it ends with EOF when the trainer goes, and the trainer kills a "
         "worker that passes the batch's deadline",
-    ("trainer/rewards.py", "worker.conn.recv()"):
+    ("trainer/reward_runner.py", "worker.conn.recv()"):
         "read only after multiprocessing.connection.wait(..., timeout) reported the worker's pipe readable",
     ("trainer/stages/async_rollout.py", "self.engine_lock.acquire()"):
         "taken back from the trainer's weight sync, which holds it only for the sync, itself bounded by the "

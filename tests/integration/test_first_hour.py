@@ -185,7 +185,8 @@ def test_a_reward_returning_a_string_shows_the_users_line(tmp_path, model_dir, c
     assert code == 3, err
     assert f'File "{reward}", line 10, in stringly\n    return cleaned  # a string, not a number' in err
     assert "returned str" in err and "not a number" in err
-    assert "rewards.py" not in err  # rlite's own frame (trainer/rewards.py, plugins/rewards.py) is not shown
+    assert "reward_runner.py" not in err and "rewards.py" not in err  # rlite's own frames (trainer/reward_runner.py,
+    # plugins/rewards.py) are not shown
 
 
 @pytest.mark.parametrize(

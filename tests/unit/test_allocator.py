@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from rlite.allocator import _glibc
+from rlite.run.allocator import _glibc
 
 PROBE = r"""
 import json, resource, sys
 import torch
 torch.set_num_threads(1)
 if sys.argv[1] == "keep":
-    from rlite.allocator import keep_freed_memory
+    from rlite.run.allocator import keep_freed_memory
     assert keep_freed_memory()
 
 def faults():

@@ -13,7 +13,7 @@ from rlite.config import Choice, ConfigError
 from rlite.plugin_manager import RlitePluginManager
 from rlite.plugins import code_exec as plugin
 from rlite.plugins.code_exec import CodeExecConfig, code_exec, extract_code, read_test_cases
-from rlite.rewards import FailureLimits, build_reward_runner, is_count_stat
+from rlite.reward_runner import FailureLimits, build_reward_runner, is_count_stat
 from rlite.sandbox import SandboxLimits, SandboxUnavailable, run_untrusted
 from rlite.tasks import make_task
 

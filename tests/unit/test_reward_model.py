@@ -9,7 +9,7 @@ import torch
 from rlite.config import Choice, ConfigError
 from rlite.plugin_manager import RlitePluginManager
 from rlite.plugins import rewards as builtin
-from rlite.rewards import build_reward_runner
+from rlite.reward_runner import build_reward_runner
 from rlite.tokenizer import build_byte_tokenizer
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from rlite.config import Choice, ConfigError
 from rlite.plugin_manager import RlitePluginManager, UnknownChoiceError
 from rlite.plugins import rewards as builtin
-from rlite.rewards import FailureLimits, RewardEntry, RewardRunner, build_reward_runner
+from rlite.reward_runner import FailureLimits, RewardEntry, RewardRunner, build_reward_runner
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +328,7 @@ def test_weighted_sum_and_per_function_means():
 def test_failures_score_zero_and_are_counted_and_logged(caplog, isolation):
     entries = [_entry("ok", _const(1.0)), _entry("boom", _boom, isolation=isolation)]
     runner = RewardRunner(entries, limits=TOLERANT)
-    with caplog.at_level(logging.WARNING, logger="rlite.rewards"):
+    with caplog.at_level(logging.WARNING, logger="rlite.reward_runner"):
         result = runner.score(["a", "b", "c"], [{}] * 3)
     assert result.scores == [1.0, 1.0, 1.0] and result.error is None
     assert result.stats["reward/failures"] == 3.0 and result.stats["reward/boom"] == 0.0
@@ -416,7 +416,7 @@ def test_hung_thread_call_is_abandoned_and_its_worker_replaced(caplog):
     runner = RewardRunner([_entry("hang", hang), _entry("ok", _const(1.0))], timeout_s=0.5, workers=2, limits=TOLERANT)
     threads_before = threading.active_count()
     try:
-        with caplog.at_level(logging.WARNING, logger="rlite.rewards"):
+        with caplog.at_level(logging.WARNING, logger="rlite.reward_runner"):
             result = runner.score(["hang", "b"], [{}, {}])
         assert result.scores == [1.0, 2.0]
         assert result.stats["reward/timeouts"] == 1.0 and result.stats["reward/hang"] == 0.5

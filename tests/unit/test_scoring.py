@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlite.distributed import DataLayout
-from rlite.rewards import RewardEntry, RewardRunner, reward_samples
+from rlite.reward_runner import RewardEntry, RewardRunner, reward_samples
 from rlite.rollout import EnvResults, RolloutBatch
 from rlite.stages.scoring import RolloutScoring
 

@@ -489,7 +489,7 @@ class TrainingConfig:
     optimizer_offload_dir: str = ""
     """Folder for the ``disk`` moments ("" = ``<run_dir>/optimizer_offload``); a local disk, scratch space."""
     keep_freed_memory: bool = True
-    """glibc only: keep freed host memory in the process for the next step instead of returning it to the OS (no fresh page faults for every step's large tensors; ``rlite.allocator``)."""
+    """glibc only: keep freed host memory in the process for the next step instead of returning it to the OS (no fresh page faults for every step's large tensors; ``rlite.run.allocator``)."""
     num_threads: Optional[int] = None
     """torch intra-op threads per process (None = torch's default; torchrun sets 1 unless OMP_NUM_THREADS is given)."""
     logprob_chunk_size: int = 1024

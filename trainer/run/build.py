@@ -29,11 +29,10 @@ from rlite.drafts import DraftContext, SpeculativeDraft
 from rlite.engines.base import IdleEngine, RolloutEngine
 from rlite.engines.placement import describe_rank, gather_engine_context
 from rlite.engines.supervisor import SupervisedEngine
-from rlite.kl_control import KLController, build_kl_controller
 from rlite.metrics import MetricsSink, StepTimer
 from rlite.perf import PerfMeter
 from rlite.plugin_manager import RlitePluginManager, resolve_choice
-from rlite.rewards import FailureLimits, RewardRunner, build_reward_runner, reward_samples
+from rlite.reward_runner import FailureLimits, RewardRunner, build_reward_runner, reward_samples
 from rlite.run.checkpoint import find_resume_checkpoint
 from rlite.run.checkpointer import Checkpointer
 from rlite.run.faults import Preemption
@@ -46,6 +45,7 @@ from rlite.run_files import link_in_folder, make_run_folder, refusal, refuse_lin
 from rlite.stages.async_rollout import AsyncRollouts
 from rlite.stages.collect import RolloutOptions, Rollouts
 from rlite.stages.evaluate import Evaluation
+from rlite.stages.kl_control import KLController, build_kl_controller
 from rlite.stages.routing import RoutingSetup, replay_plan, routing_setup
 from rlite.stages.scoring import RolloutScoring
 from rlite.stages.sync import WeightSync
@@ -161,7 +161,7 @@ def prepare_run(cfg: RunConfig, evaluation_only: bool) -> tuple[DistContext, Pat
     if cfg.training.num_threads is not None:
         torch.set_num_threads(cfg.training.num_threads)
     if cfg.training.keep_freed_memory:
-        from rlite.allocator import keep_freed_memory
+        from rlite.run.allocator import keep_freed_memory
 
         keep_freed_memory()
     torch.manual_seed(cfg.training.seed)

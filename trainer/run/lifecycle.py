@@ -16,10 +16,10 @@ from rlite.data import PromptSampler
 from rlite.distributed import DistContext
 from rlite.drafts import SpeculativeDraft
 from rlite.errors import RunStopped
-from rlite.kl_control import KLController
 from rlite.run.faults import stop_on_full_disk
 from rlite.run.policy import Models, model_state
 from rlite.run.state import Run
+from rlite.stages.kl_control import KLController
 
 log = logging.getLogger("rlite")
 

@@ -25,7 +25,7 @@ from rlite.data import PromptSampler
 from rlite.distributed import DataLayout, all_reduce_sum, from_replica_leader
 from rlite.engines.base import RolloutEngine, SamplingParams, SpeculationStats
 from rlite.metrics import MetricsSink, Reported, StepTimer
-from rlite.rewards import is_count_stat, reward_samples
+from rlite.reward_runner import is_count_stat, reward_samples
 from rlite.rollout import EnvResults, RolloutBatch, ScoredBatch, build_rollout_batch, concat_batches
 from rlite.stages.partial import SegmentedGeneration
 from rlite.stages.scoring import GreedyBaseline, RolloutScoring

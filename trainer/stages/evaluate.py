@@ -11,7 +11,7 @@ import torch
 from rlite.distributed import DataLayout, all_gather_objects, all_reduce_sum, from_replica_leader
 from rlite.engines.base import RolloutEngine
 from rlite.metrics import MetricsSink, merge_reported, reported_values
-from rlite.rewards import RewardScores, reward_samples
+from rlite.reward_runner import RewardScores, reward_samples
 from rlite.rollout import EnvResults
 from rlite.samples import eval_sample_rows
 from rlite.stages.collect import RolloutOptions, hash_seed, play_turns, sampling_params

@@ -36,7 +36,7 @@ from rlite.distributed import all_gather_objects
 from rlite.engines.base import SpeculationStats
 from rlite.metrics import Reported, merge_reported, reported_values
 from rlite.perf import SequenceSums, perf_summary, sequence_sums
-from rlite.rewards import is_count_stat
+from rlite.reward_runner import is_count_stat
 from rlite.rollout import ScoredBatch, pad_to_width
 
 COUNTS = ("reward/failures", "reward/timeouts", "dynamic_sampling/dropped_groups")

@@ -2,7 +2,7 @@
 :class:`~rlite.rollout.Scores`.
 
 The reward functions see each sample as its data row plus what the rollout added
-(:func:`rlite.rewards.reward_samples`); the batch keeps the row as loaded and the rest in typed fields.
+(:func:`rlite.reward_runner.reward_samples`); the batch keeps the row as loaded and the rest in typed fields.
 Accuracy counts answers that are right (:func:`rlite.tasks.is_correct`: a built-in task's answer
 check, else the total reward against ``training.accuracy_threshold``), not rewards above 0; a
 multi-turn sample's environment decides with its ``correct`` metric when it reports one.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlite.distributed import DataLayout, all_reduce_sum, from_replica_leader
-from rlite.rewards import RewardFailureError, RewardRunner, RewardScores, reward_samples
+from rlite.reward_runner import RewardFailureError, RewardRunner, RewardScores, reward_samples
 from rlite.rollout import RolloutBatch, Scores
 from rlite.tasks import DEFAULT_ACCURACY_THRESHOLD, is_correct
 from rlite.workflows import mean_env_metrics

@@ -18,8 +18,8 @@ import torch
 from rlite.algorithms import AdvantageInput
 from rlite.algorithms.mismatch import OLD_LOGPROB_MODES, compose_corrections, mismatch_metrics
 from rlite.distributed import DataLayout, all_gather_objects
-from rlite.kl_control import KLController, kl_reward_penalty, update_kl_controller
 from rlite.rollout import ScoredBatch, TrainTargets, pad_to_width
+from rlite.stages.kl_control import KLController, kl_reward_penalty, update_kl_controller
 from rlite.stages.minibatches import score_logprobs, score_values
 from rlite.stages.routing import RoutingSetup, measure_routing
 from rlite.training.backend import CriticModel, ForwardSpec, ScoringModel, TrainingBackend

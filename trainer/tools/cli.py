@@ -27,7 +27,7 @@ from rlite.plugin_manager import (  # noqa: F401 (load_run_config: the name test
     build_manager,
     load_run_config,
 )
-from rlite.rewards import RewardFailureError
+from rlite.reward_runner import RewardFailureError
 from rlite.run.faults import RunStopped
 
 EXIT_USAGE = 2
