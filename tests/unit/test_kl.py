@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlite import kl_control as KC
+from rlite.stages import kl_control as KC
 from rlite.plugins import kl as K
 
 torch.set_num_threads(1)
