@@ -74,7 +74,10 @@ def test_everything_installs_under_rlite(names: set[str]) -> None:
     for required in (
         "rlite/__init__.py",
         "rlite/__main__.py",
-        "rlite/cli.py",
+        "rlite/tools/cli.py",
+        "rlite/run/loop.py",
+        "rlite/testing/conformance.py",
+        "rlite/algorithms/mismatch.py",
         "rlite/config/schema.py",
         "rlite/api.py",
         "rlite/hookspecs.py",
