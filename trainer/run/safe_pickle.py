@@ -157,9 +157,22 @@ class MetadataUnpickler(pickle._Unpickler):
         self.allowed = metadata_globals()
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return self.enum_member
         if (module, name) not in self.allowed:
             raise unsafe_checkpoint_error(self.source, f"{module}.{name}")
         return self.allowed[(module, name)]
+
+    def enum_member(self, cls: Any, name: Any) -> enum.Enum:
+        """What ``builtins.getattr`` may stand for here: a member of one of the allowed enums by its name.
+        Python 3.12 (and 3.11.0 to 3.11.4) pickle an enum member as ``getattr(EnumClass, "NAME")`` where 3.11.5+
+        pickle ``EnumClass(value)``; any other ``getattr`` (another object, an attribute that is no member) is
+        refused, since it could reach any attribute of an allowed class."""
+        allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in self.allowed.values()
+        if not (allowed and isinstance(name, str) and name in cls.__members__):
+            what = getattr(cls, "__qualname__", type(cls).__name__)
+            raise unsafe_checkpoint_error(self.source, f"builtins.getattr({what}, {name!r})")
+        return cls[name]
 
     def persistent_load(self, pid: Any) -> Any:
         raise unsafe_checkpoint_error(self.source, f"a persistent id ({pid!r})")
