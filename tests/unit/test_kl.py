@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rlite.stages import kl_control as KC
 from rlite.plugins import kl as K
+from rlite.stages import kl_control as KC
 
 torch.set_num_threads(1)
 
