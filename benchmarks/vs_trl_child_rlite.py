@@ -167,31 +167,18 @@ def phases_of_step(stretches: dict[str, list[float]], row: dict[str, float]) -> 
     }
 
 
-def rlite_overrides(spec: dict, run_dir: Path) -> list[str]:
-    """The job as rlite settings (``--rlite-set`` last)."""
-    advantage_args = "{name: grpo, args: {epsilon: 0.0001}}"
-    reward = (
-        "[exact_match]" if spec["reward"] == "exact_match" else "[{name: numeric, args: {position: last}}]"
-    )
-    overrides = [
-        f"model.path={spec['model_dir']}",
-        "model.dtype=float32",
-        "model.attn_implementation=sdpa",
-        f"data.train_files={spec['train_file']}",
-        "data.shuffle=false",
-        "data.chat_template=true",
-        f"rewards={reward}",
+def shared_overrides(spec: dict, run_dir: Path) -> list[str]:
+    """What both jobs set alike, matched to TRL's run: the batch shape, plain sampling at temperature 1, no KL,
+    a constant learning rate without warm-up or weight decay, clipping at 1.0, no evaluation or checkpoints in
+    the timed run, and quiet logs."""
+    return [
         f"rollout.prompts_per_step={spec['prompts']}",
         f"rollout.samples_per_prompt={spec['samples']}",
         f"rollout.max_new_tokens={spec['max_new_tokens']}",
         "rollout.temperature=1.0",
         "rollout.top_p=1.0",
         "rollout.top_k=0",
-        f"algorithm.advantage={advantage_args}",
-        "algorithm.policy_loss=ppo_clip",
-        "algorithm.loss_agg_mode=token-mean",
         "algorithm.kl.coef=0.0",
-        "algorithm.entropy_coef=0.0",
         f"training.steps={spec['steps']}",
         f"training.seed={spec['seed']}",
         f"training.lr={spec['lr']}",
@@ -199,18 +186,40 @@ def rlite_overrides(spec: dict, run_dir: Path) -> list[str]:
         "training.warmup_steps=0",
         "training.weight_decay=0.0",
         "training.grad_clip=1.0",
-        f"training.micro_batch_size={spec.get('rlite_micro_batch') or spec['prompts'] * spec['samples']}",
-        f"training.logprob_chunk_size={spec['logprob_chunk_size']}",
         "training.eval_every=0",
         "checkpoint.every=0",
         "checkpoint.save_final=false",
-        "checkpoint.export_hf=true",  # <run_dir>/hf_model, for the held-out evaluation
         "checkpoint.resume=never",
         f"logging.run_dir={run_dir}",
         "logging.loggers=[jsonl]",
         "logging.progress_bar=false",
         "logging.plot=false",
         "plugins.autoload=false",
+    ]
+
+
+def rlite_overrides(spec: dict, run_dir: Path) -> list[str]:
+    """The job as rlite settings (``--rlite-set`` last)."""
+    advantage_args = "{name: grpo, args: {epsilon: 0.0001}}"
+    reward = (
+        "[exact_match]" if spec["reward"] == "exact_match" else "[{name: numeric, args: {position: last}}]"
+    )
+    overrides = [
+        *shared_overrides(spec, run_dir),
+        f"model.path={spec['model_dir']}",
+        "model.dtype=float32",
+        "model.attn_implementation=sdpa",
+        f"data.train_files={spec['train_file']}",
+        "data.shuffle=false",
+        "data.chat_template=true",
+        f"rewards={reward}",
+        f"algorithm.advantage={advantage_args}",
+        "algorithm.policy_loss=ppo_clip",
+        "algorithm.loss_agg_mode=token-mean",
+        "algorithm.entropy_coef=0.0",
+        f"training.micro_batch_size={spec.get('rlite_micro_batch') or spec['prompts'] * spec['samples']}",
+        f"training.logprob_chunk_size={spec['logprob_chunk_size']}",
+        "checkpoint.export_hf=true",  # <run_dir>/hf_model, for the held-out evaluation
     ]
     if spec["system_prompt"] is not None:
         overrides.append(f"data.system_prompt={json.dumps(spec['system_prompt'])}")
@@ -283,38 +292,16 @@ def gpu_overrides(spec: dict, run_dir: Path) -> list[str]:
     """The GPU job as rlite settings: only what defines the job (model, data, reward, batch shape, sampling,
     optimizer, precision) and what keeps the run's files small; every performance setting is rlite's default."""
     overrides = [
+        *shared_overrides(spec, run_dir),
         f"model.path={spec['model_dir']}",
         *PRECISIONS[spec["precision"]],
         f"data.train_files={spec['train_file']}",
         "data.shuffle=false",
         "data.chat_template=true",
         "rewards=[digit_fraction]",
-        f"rollout.prompts_per_step={spec['prompts']}",
-        f"rollout.samples_per_prompt={spec['samples']}",
-        f"rollout.max_new_tokens={spec['max_new_tokens']}",
-        "rollout.temperature=1.0",
-        "rollout.top_p=1.0",
-        "rollout.top_k=0",
-        "algorithm.kl.coef=0.0",
-        f"training.steps={spec['steps']}",
-        f"training.seed={spec['seed']}",
-        f"training.lr={spec['lr']}",
-        "training.lr_schedule=constant",
-        "training.warmup_steps=0",
-        "training.weight_decay=0.0",
-        "training.grad_clip=1.0",
         f"training.micro_batch_size={spec['micro_batch']}",
-        "training.eval_every=0",
-        "checkpoint.every=0",
-        "checkpoint.save_final=false",
         "checkpoint.export_hf=false",
-        "checkpoint.resume=never",
-        f"logging.run_dir={run_dir}",
-        "logging.loggers=[jsonl]",
-        "logging.progress_bar=false",
-        "logging.plot=false",
         "logging.samples_every=0",
-        "plugins.autoload=false",
     ]
     if spec.get("peak_tflops"):
         overrides.append(f"logging.peak_tflops={spec['peak_tflops']}")

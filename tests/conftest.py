@@ -11,6 +11,8 @@ Fixtures for plugin tests:
 * ``fake_distribution``: writes an installed-looking distribution (``*.dist-info`` with entry
   points) plus its modules into a temp folder, optionally on ``sys.path``.
 * ``run_rlite``: runs the ``rlite`` console script in a subprocess.
+
+For backend tests: ``world_of_one``, a single-process gloo world (no port), so FSDP2 parameters become DTensors.
 """
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ PLUGIN_ENV_VARS = ("RLITE_DISABLE_PLUGIN_AUTOLOAD", "RLITE_PLUGINS")
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_HF_HOME, ignore_errors=True)
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A single-process gloo world (no port): FSDP2 parameters become DTensors. A test file that needs more
+    (its own thread count, a compiler reset) defines its own."""
+    import torch.distributed as dist
+
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owns:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -204,20 +204,26 @@ class DecodeState:
         return self.tokens, self.logprobs
 
 
-def prefill_and_first_step(engine, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
-                           params: SamplingParams, state: DecodeState):
-    """The loop's first step for every row: the prompts' cache (shared across each group's samples when
-    the engine shares prefills) and the first token. Returns the cache (a :func:`decode_cache`, with
-    room for every token to come), the next step's input ids and positions and the prompt's width."""
+def prefill_inputs(engine, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams):
+    """What the first forward of every decode takes: the cache (a :func:`decode_cache` with room for every
+    token to come; the prompts' own cache, shared across each group's samples, when the engine shares
+    prefills), that forward's input ids and positions (the whole prompt, or its last token when the cache
+    holds the rest), and every prompt token's position."""
     from rlite.api import position_ids_from_mask
 
     positions = position_ids_from_mask(mask)
     reserve = params.max_new_tokens + 1
     cache = engine._prefill_once_per_prompt(prompts, params.n, reserve) if engine.share_prefill else None
     if cache is None:  # the whole prompt goes through the first forward
-        cache, step_ids, step_positions = decode_cache(engine.model.config, reserve), ids, positions
-    else:  # the cache holds every prompt token but the last
-        step_ids, step_positions = ids[:, -1:], positions[:, -1:]
+        return decode_cache(engine.model.config, reserve), ids, positions, positions
+    return cache, ids[:, -1:], positions[:, -1:], positions  # the cache holds every prompt token but the last
+
+
+def prefill_and_first_step(engine, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
+                           params: SamplingParams, state: DecodeState):
+    """The fixed-shape decodes' first step for every row: :func:`prefill_inputs` and the first token.
+    Returns the cache, the next step's input ids and positions."""
+    cache, step_ids, step_positions, positions = prefill_inputs(engine, prompts, ids, mask, params)
     chosen = state.advance(next_token_logits(engine.model, step_ids, mask, step_positions, cache, params))
     return cache, chosen[:, None], positions[:, -1:] + 1
 

@@ -36,7 +36,13 @@ from rlite.api import (
     position_ids_from_mask,
     sample_categorical,
 )
-from rlite.plugins.transformers.decode import DECODE_MODES, decode_cache, decode_graph, decode_static
+from rlite.plugins.transformers.decode import (
+    DECODE_MODES,
+    decode_cache,
+    decode_graph,
+    decode_static,
+    prefill_inputs,
+)
 
 
 def _can_share(target: torch.Tensor, tensor: torch.Tensor, *, meta: bool = False,
@@ -297,13 +303,7 @@ class TransformersEngine:
         """A lean KV-cache decode loop: one forward of the last token per step, no ``generate``
         machinery, and finished rows leave the batch (and the cache) as soon as they stop."""
         batch, _ = ids.shape
-        positions = position_ids_from_mask(mask)
-        reserve = params.max_new_tokens + 1
-        cache = self._prefill_once_per_prompt(prompts, params.n, reserve) if self.share_prefill else None
-        if cache is None:  # the whole prompt goes through the first forward
-            cache, step_ids, step_positions = decode_cache(self.model.config, reserve), ids, positions
-        else:  # the cache holds every prompt token but the last
-            step_ids, step_positions = ids[:, -1:], positions[:, -1:]
+        cache, step_ids, step_positions, positions = prefill_inputs(self, prompts, ids, mask, params)
         first_column = ids.shape[1] - step_ids.shape[1]  # grid column of the step's first token
         device = ids.device
         tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)

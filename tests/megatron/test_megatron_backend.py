@@ -9,7 +9,6 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'rlite[megatron]'")
 
-import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import rlite.plugins.megatron as megatron_plugin  # noqa: E402
@@ -38,13 +37,6 @@ def plugins():
 
 
 RUN = ("parallelism.backend=megatron", "rewards=[even_chars]", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6")
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_logprobs_entropy_and_gradients_equal_the_transformers_model(tmp_path, model_dir, world_of_one):

@@ -25,15 +25,6 @@ from rlite.testing import HostSyncRecorder, fixed_batch
 TRANSFORMERS_MASKS = f"transformers{__import__('os').sep}masking_utils.py"
 
 
-@pytest.fixture
-def world_of_one():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from rlite.tokenizer import build_tiny_model_dir

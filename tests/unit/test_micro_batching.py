@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlite.testing import fixed_batch
 from rlite.training.backend import ForwardSpec
@@ -86,13 +85,6 @@ def test_scoring_with_a_budget_puts_every_row_back_in_its_place():
                               minibatches=2)
     assert torch.equal(whole, budgeted)
     assert len(model.calls) > 2 and max(model.calls) <= 8
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

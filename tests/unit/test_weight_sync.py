@@ -7,7 +7,6 @@ import collections
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlite.engines.base import EngineError
 from rlite.plugins.fsdp2.weights import iter_full_tensors
@@ -42,17 +41,6 @@ def tiny_qwen2(tie: bool = False, seed: int = 0):
     from rlite.testing import tiny_qwen2 as build
 
     return build(96, tie=tie, seed=seed)
-
-
-@pytest.fixture
-def world_of_one():
-    """A single-process gloo world (no port): FSDP2 parameters become DTensors."""
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owns:
-        dist.destroy_process_group()
 
 
 # -- buckets --------------------------------------------------------------------------------------
