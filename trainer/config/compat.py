@@ -146,6 +146,11 @@ RULES: tuple[Rule, ...] = (
          "torch.compile specialises per layer and per pass, past its recompile limit (the blocks would run eager)",
          "set training.share_prompt_prefix=false with training.compile=true (each prompt then runs once per sample), "
          "or training.compile=false"),
+    Rule(equals("training.liger_fused_logprobs", True),
+         differs("algorithm.entropy_coef", 0.0, "algorithm.entropy_coef=0.01"),
+         "liger's fused linear cross-entropy returns the log-probs without the entropy's gradient, so the entropy "
+         "term would train nothing", "set algorithm.entropy_coef=0, or training.liger_fused_logprobs=auto (it then "
+         "keeps rlite's chunked output layer whenever the loss has an entropy term) or false"),
     Rule(equals("training.pack_sequences", True), TRUE_ON_POLICY,
          "true on-policy mode scores the engine's own padded layout so that the log-probs are bitwise the engine's, "
          "and a packed forward computes them in another layout", "set one of them to false"),
