@@ -218,3 +218,23 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_the_quickstarts_first_steps(wh
     assert [row["step"] for row in rows if "reward/mean" in row] == [1, 2]
     assert (work / "runs" / "quickstart" / "hf_model" / "config.json").is_file()
     assert "rlite: 2 steps done in" in result.stdout
+
+
+def test_every_lower_bound_is_the_release_the_floor_probe_tests() -> None:
+    """pyproject.toml's ``>=`` bounds (the dependencies and the math extra) are the releases pinned in
+    tests/floor/constraints.txt, which tests/floor/run.sh installs; torch's is the one its usage line names."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors = {}
+    for line in [*project["dependencies"], *project["optional-dependencies"]["math"]]:
+        requirement = Requirement(line)
+        (bound,) = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+        floors[requirement.name] = Version(bound)
+    text = (ROOT / "tests" / "floor" / "constraints.txt").read_text()
+    pinned = {name: Version(version) for name, version in re.findall(r"^([\w.-]+)==(\S+)$", text, re.M)}
+    script = (ROOT / "tests" / "floor" / "run.sh").read_text()
+    pinned["torch"] = Version(re.search(r"RLITE_FLOOR_TORCH=(\S+) bash tests/floor/run.sh", script)[1])
+    assert floors == pinned

@@ -184,6 +184,9 @@ def test_the_readme_installs_cpu_torch_from_pytorchs_cpu_index_and_tests_run_sh_
     compat = (ROOT / "tests" / "sglang_compat" / "run.sh").read_text()
     assert f'torch==$TORCH_VERSION" --index-url {CPU_INDEX}' in compat
     assert f"TORCH_VERSION={cpu[0].split('==')[1]}" in compat
+    floor = (ROOT / "tests" / "floor" / "run.sh").read_text()  # and the floor probe's venv, by default
+    assert f'torch==$TORCH" --index-url {CPU_INDEX}' in floor
+    assert f"RLITE_FLOOR_TORCH:-{cpu[0].split('==')[1]}" in floor
     assert "training" in readme[readme.index("## Install"):readme.index("## Quickstart")].split("```")[2]
 
 

@@ -81,10 +81,10 @@ def test_reward_rises_on_held_out_prompts_and_parameters_change(tmp_path, model_
     before = {n: p.detach().full_tensor().clone() for n, p in run.policy.backend.model.named_parameters()}
     try:
         train(run)
-    finally:
+        after = {n: p.detach().full_tensor() for n, p in run.policy.backend.model.named_parameters()}
+    finally:  # full_tensor() needs the process group (torch < 2.11 resolves it even at world size 1)
         run.engine.shutdown()
         shutdown_distributed(run.ctx)
-    after = {n: p.detach().full_tensor() for n, p in run.policy.backend.model.named_parameters()}
     assert all(not torch.equal(before[n], after[n]) for n in before), "every parameter should move"
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     evals = [r for r in rows if "eval/sampled_reward" in r]

@@ -31,8 +31,15 @@ FILE_NAME = "provenance.json"
 
 
 def package_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (None: not installed). torch's is ``torch.__version__``,
+    whose local label names the build (``2.11.0+cu130``, ``2.13.0+cpu``), which the metadata of PyPI's
+    CUDA wheels leaves out (``2.11.0``)."""
     from importlib.metadata import PackageNotFoundError, version
 
+    if distribution == "torch":
+        import torch
+
+        return str(torch.__version__)
     try:
         return version(distribution)
     except PackageNotFoundError:
