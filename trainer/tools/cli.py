@@ -51,8 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a training job from a YAML config",
         description="Run a training job. Under torchrun every rank runs this command.",
     )
-    train.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
-    train.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    add_config_arguments(train)
     train.set_defaults(func=cmd_train)
 
     evaluate = commands.add_parser(
@@ -63,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "RUN_DIR: a run folder (its config.yaml, its checkpoints). "
         "An exported model: `rlite eval CONFIG model.path=RUN/hf_model checkpoint.resume=never`.",
     )
-    evaluate.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
-    evaluate.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    add_config_arguments(evaluate)
     evaluate.set_defaults(func=cmd_eval)
 
     config = commands.add_parser(
@@ -72,8 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved config (YAML + overrides + defaults) as YAML",
         description="Load and validate a config exactly as `rlite train` would, and print it with every default filled in.",
     )
-    config.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
-    config.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    add_config_arguments(config)
     config.add_argument(
         "--doc", action="store_true",
         help="write each field's docstring (and each plugin option's) as a comment above its value",
@@ -141,11 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
         "step, the engine's mismatch metrics, the estimator and loss against their documented formulas, and "
         "resume == uninterrupted for 3 steps.",
     )
-    audit.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
-    audit.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
+    add_config_arguments(audit)
     audit.add_argument("--workdir", help="folder for the replica's files (default: a new temporary folder)")
     audit.set_defaults(func=cmd_audit)
     return parser
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The positional ``CONFIG_OR_RUN`` and ``KEY=VALUE`` overrides of the commands that load a config."""
+    parser.add_argument("config", metavar="CONFIG_OR_RUN", help=CONFIG_OR_RUN_HELP)
+    parser.add_argument("overrides", metavar="KEY=VALUE", nargs="*", help=OVERRIDES_HELP)
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
