@@ -10,10 +10,10 @@
 # rewards (math-verify), safe checkpoint reads.
 #
 #   bash tests/floor/run.sh                        # venv in ${TMPDIR:-/tmp}/rlite-floor-venv
-#   RLITE_FLOOR_TORCH=2.7.1 bash tests/floor/run.sh  # torch's floor too (a CUDA build from PyPI, ~3 GB)
+#   RLITE_FLOOR_TORCH=2.11.0 bash tests/floor/run.sh  # torch's floor too (a CUDA build from PyPI, ~3 GB)
 #   RLITE_FLOOR_VENV=/path/venv  PYTHON=python3.11  bash tests/floor/run.sh [pytest arguments...]
 #
-# By default torch is the CPU wheel the main suite uses (2.13.0; torch's own floor, 2.7.1, is tested by
+# By default torch is the CPU wheel the main suite uses (2.13.0; torch's own floor, 2.11.0, is tested by
 # hand with RLITE_FLOOR_TORCH: its PyPI build is several GB, too much for every CI run).
 set -euo pipefail
 
